@@ -1,0 +1,49 @@
+# One command sets up and runs the demo, one sets up and passes the tests.
+#   make demo    closed-loop demo on the embedded model (numpy on CPU unless a GPU is configured)
+#   make test    the whole test suite (CI runs this through .ci/run)
+#   make bench   numpy benchmarks on this machine -> BENCHMARKS.md
+#   make gpu-test / gpu-bench   on a machine with an NVIDIA GPU and CuPy
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+# DDS discovery stays on this host: tests and the demo never touch the network.
+export ROS_AUTOMATIC_DISCOVERY_RANGE ?= LOCALHOST
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: setup demo test lint bench soak gpu-test gpu-bench clean
+
+$(STAMP): setup.py setup.cfg
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU torch for the parity tests' reference (tests only, never the runtime).
+	$(PY) -m pip install -q torch==2.13.0 || echo 'torch unavailable: parity tests will skip'
+	$(PY) -m pip install -q -e '.[ros,test,demo,replay]'
+	touch $@
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -c "from rt_llm_node.model.synthetic import write_random_checkpoint as w; w('/tmp/rt_llm_tiny', 'tiny')"
+	$(VENV)/bin/rt-llm-generate --model /tmp/rt_llm_tiny --prompt "t1 t2 t3" --max-new-tokens 16
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra test
+
+lint: $(STAMP)
+	$(PY) -m flake8 rt_llm_node test tools launch setup.py
+
+bench: $(STAMP)
+	$(PY) tools/bench_numpy.py --write
+
+soak: $(STAMP)
+	$(PY) tools/soak.py --tokens 1000000 --write
+
+gpu-test:
+	python3 -m pytest -q -ra -m gpu test
+
+gpu-bench:
+	python3 -m rt_llm_node.bench --write
+
+clean:
+	rm -rf $(VENV) build install log *.egg-info .pytest_cache

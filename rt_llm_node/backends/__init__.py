@@ -1,0 +1,50 @@
+"""Inference backends: one interface, a numpy reference and a CUDA implementation.
+
+Every backend owns a fixed-capacity KV cache (``k, v: [layers, capacity,
+n_kv_heads, head_dim]``) whose slot ``i`` holds the token at position ``i``, and
+offers the same calls:
+
+- ``prefill(token_ids)``: run ``n`` tokens at positions ``length .. length+n-1``;
+- ``decode(token_id)``: the same for one token (the hot path);
+- ``logits()``: float32 ``[vocab]`` logits of the last token run;
+- ``argmax(allowed=None)``: the greedy next token, optionally among sorted
+  ``allowed`` ids only (constrained decoding);
+- ``attention_mass()``: float32 ``[length]``, softmax weight each cached token
+  received during the last call, summed over query tokens, heads and layers;
+- ``compact(keep)``: move the kept slots to ``0 .. len(keep)-1`` and re-rotate
+  their keys, so positions stay below ``capacity``;
+- ``rollback(length)``: forget every token at or after ``length``.
+"""
+
+
+class BackendError(RuntimeError):
+    """A backend failed to run (device fault, non-finite output, misuse)."""
+
+
+class CacheOverflowError(BackendError):
+    """More tokens were run than the KV cache has free slots for."""
+
+
+BACKENDS = ('auto', 'numpy', 'cuda')
+
+
+def cuda_available():
+    """Return True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # ImportError, or CUDARuntimeError without a driver
+        return False
+
+
+def make_backend(name, checkpoint, capacity):
+    """Build backend ``name`` ('auto', 'numpy' or 'cuda') for ``checkpoint``."""
+    if name not in BACKENDS:
+        raise ValueError(f'unknown backend {name!r} (choose from {", ".join(BACKENDS)})')
+    if name == 'auto':
+        name = 'cuda' if cuda_available() else 'numpy'
+    if name == 'cuda':
+        from rt_llm_node.backends.cuda_backend import CudaBackend
+        return CudaBackend(checkpoint, capacity)
+    from rt_llm_node.backends.numpy_backend import NumpyBackend
+    return NumpyBackend(checkpoint, capacity)

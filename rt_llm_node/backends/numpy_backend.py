@@ -1,0 +1,196 @@
+"""Reference implementation of every op, in float32 numpy: the oracle and the CPU fallback.
+
+The model is a Llama/Qwen2 decoder: per layer
+``x += o_proj(attn(rope(q), rope(k), v))`` on ``rmsnorm(x)``, then
+``x += down(silu(gate(h)) * up(h))`` on ``rmsnorm(x)``; logits from the final norm.
+"""
+
+import numpy as np
+
+from rt_llm_node.backends import BackendError
+from rt_llm_node.backends import CacheOverflowError
+
+
+def rmsnorm(x, weight, eps):
+    """x: [n, hidden] -> [n, hidden]."""
+    variance = np.mean(x * x, axis=-1, keepdims=True)
+    return x / np.sqrt(variance + eps) * weight
+
+
+def silu(x):
+    """x * sigmoid(x), elementwise."""
+    return x / (1.0 + np.exp(-x))
+
+
+def rope_tables(positions, inv_freq):
+    """positions: [n] (may be negative) -> cos, sin: [n, head_dim // 2] float32."""
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (i, i + d/2) of x: [n, heads, head_dim] by the angles in cos/sin [n, d/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def attention(q, k, v, start):
+    """Causal GQA attention of n new queries over the cache.
+
+    q: [n, n_heads, d] at positions start .. start+n-1;
+    k, v: [T, n_kv_heads, d] with T = start + n (slot == position).
+    Returns out: [n, n_heads, d] and mass: [T], the softmax weight each key
+    received, summed over queries and heads.
+    """
+    n, n_heads, d = q.shape
+    t, n_kv, _ = k.shape
+    group = n_heads // n_kv
+    # head h reads kv head h // group (HF repeat_kv order)
+    qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3)          # [kv, g, n, d]
+    scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None])             # [kv, g, n, T]
+    scores *= np.float32(1.0 / np.sqrt(d))
+    future = np.arange(t)[None, :] > (start + np.arange(n))[:, None]  # [n, T]
+    scores[..., future] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = np.matmul(probs, v.transpose(1, 0, 2)[:, None])             # [kv, g, n, d]
+    out = out.transpose(2, 0, 1, 3).reshape(n, n_heads, d)
+    return out, probs.sum(axis=(0, 1, 2))
+
+
+class LayerWeights:
+    """One decoder layer's weights in float32, projections fused for fewer matmuls."""
+
+    def __init__(self, checkpoint, index):
+        f = checkpoint.float32
+        p = f'model.layers.{index}.'
+        cfg = checkpoint.config
+        self.attn_norm = f(p + 'input_layernorm.weight')                    # [hidden]
+        self.mlp_norm = f(p + 'post_attention_layernorm.weight')            # [hidden]
+        self.wqkv = np.concatenate([f(p + 'self_attn.q_proj.weight'),
+                                    f(p + 'self_attn.k_proj.weight'),
+                                    f(p + 'self_attn.v_proj.weight')])      # [q+2kv, hidden]
+        self.bqkv = None
+        if cfg.attention_bias:
+            self.bqkv = np.concatenate([f(p + 'self_attn.q_proj.bias'),
+                                        f(p + 'self_attn.k_proj.bias'),
+                                        f(p + 'self_attn.v_proj.bias')])    # [q+2kv]
+        self.wo = f(p + 'self_attn.o_proj.weight')                          # [hidden, q]
+        self.wgate_up = np.concatenate([f(p + 'mlp.gate_proj.weight'),
+                                        f(p + 'mlp.up_proj.weight')])       # [2*inter, hidden]
+        self.wdown = f(p + 'mlp.down_proj.weight')                          # [hidden, inter]
+
+
+class NumpyBackend:
+    """Float32 numpy decoder with a preallocated KV cache (see ``rt_llm_node.backends``)."""
+
+    name = 'numpy'
+
+    def __init__(self, checkpoint, capacity):
+        cfg = checkpoint.config
+        if not 1 <= capacity <= cfg.max_position_embeddings:
+            raise ValueError(f'kv capacity {capacity} must be in 1..{cfg.max_position_embeddings} '
+                             "(the model's trained length)")
+        self.config = cfg
+        self.capacity = int(capacity)
+        self.embed = checkpoint.float32('model.embed_tokens.weight')        # [vocab, hidden]
+        self.lm_head = (self.embed if cfg.tie_word_embeddings
+                        else checkpoint.float32('lm_head.weight'))          # [vocab, hidden]
+        self.final_norm = checkpoint.float32('model.norm.weight')           # [hidden]
+        self.layers = [LayerWeights(checkpoint, i) for i in range(cfg.num_layers)]
+        self.inv_freq = cfg.rope.inv_freq(cfg.head_dim)                     # [head_dim // 2]
+        shape = (cfg.num_layers, self.capacity, cfg.num_kv_heads, cfg.head_dim)
+        self.k = np.zeros(shape, np.float32)    # k: [layers, capacity, n_kv_heads, head_dim]
+        self.v = np.zeros(shape, np.float32)    # v: [layers, capacity, n_kv_heads, head_dim]
+        self.length = 0
+        self._logits = np.zeros(cfg.vocab_size, np.float32)                # [vocab]
+        self._mass = np.zeros(0, np.float32)                                # [length]
+
+    # -- the forward pass ------------------------------------------------------------
+    def _forward(self, token_ids):
+        cfg = self.config
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        n, start = len(ids), self.length
+        if n == 0:
+            raise BackendError('no tokens to run')
+        if start + n > self.capacity:
+            raise CacheOverflowError(f'{n} tokens do not fit: {start} of {self.capacity} '
+                                     'cache slots in use')
+        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+            raise BackendError(f'token id out of range 0..{cfg.vocab_size - 1}')
+        end = start + n
+        cos, sin = rope_tables(np.arange(start, end), self.inv_freq)       # [n, d/2]
+        x = self.embed[ids]                                                 # [n, hidden]
+        mass = np.zeros(end, np.float32)                                    # [T]
+        q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
+        for i, layer in enumerate(self.layers):
+            h = rmsnorm(x, layer.attn_norm, cfg.rms_norm_eps)
+            qkv = h @ layer.wqkv.T                                          # [n, q+2kv]
+            if layer.bqkv is not None:
+                qkv += layer.bqkv
+            q = qkv[:, :q_end].reshape(n, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_end:k_end].reshape(n, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, k_end:].reshape(n, cfg.num_kv_heads, cfg.head_dim)
+            self.k[i, start:end] = apply_rope(k, cos, sin)
+            self.v[i, start:end] = v
+            out, layer_mass = attention(apply_rope(q, cos, sin), self.k[i, :end],
+                                        self.v[i, :end], start)
+            mass += layer_mass
+            x = x + out.reshape(n, cfg.q_size) @ layer.wo.T
+            h = rmsnorm(x, layer.mlp_norm, cfg.rms_norm_eps)
+            gate_up = h @ layer.wgate_up.T                                  # [n, 2*inter]
+            gate, up = np.split(gate_up, 2, axis=-1)
+            x = x + (silu(gate) * up) @ layer.wdown.T
+        last = rmsnorm(x[-1:], self.final_norm, cfg.rms_norm_eps)[0]        # [hidden]
+        logits = self.lm_head @ last                                        # [vocab]
+        if not np.all(np.isfinite(logits)):
+            raise BackendError('the model produced non-finite logits')
+        self.length = end
+        self._logits = logits
+        self._mass = mass
+
+    def prefill(self, token_ids):
+        """Run token_ids: [n] at the next n positions, writing their keys and values."""
+        self._forward(token_ids)
+
+    def decode(self, token_id):
+        """Run one token at the next position."""
+        self._forward([token_id])
+
+    def logits(self):
+        """Float32 logits [vocab] of the last token run."""
+        return self._logits.copy()
+
+    def argmax(self, allowed=None):
+        """Greedy next token; ``allowed``: sorted int array of permitted ids, or None."""
+        if allowed is None:
+            return int(np.argmax(self._logits))
+        return int(allowed[np.argmax(self._logits[allowed])])
+
+    def attention_mass(self):
+        """Float32 [length]: attention each cached token received in the last call."""
+        return self._mass.copy()
+
+    # -- cache maintenance ----------------------------------------------------------
+    def rollback(self, length):
+        """Forget every token at or after ``length``."""
+        if not 0 <= length <= self.length:
+            raise BackendError(f'cannot roll back to {length} (length {self.length})')
+        self.length = int(length)
+        self._mass = self._mass[:length]
+
+    def compact(self, keep):
+        """Move slots ``keep`` (ascending) to 0..m-1, re-rotating keys by (new - old) position."""
+        keep = np.asarray(keep, dtype=np.int64)
+        m = len(keep)
+        if m and (keep[-1] >= self.length or np.any(np.diff(keep) <= 0) or keep[0] < 0):
+            raise BackendError('compact needs ascending slots below the cache length')
+        cos, sin = rope_tables(np.arange(m) - keep, self.inv_freq)          # [m, d/2]
+        for i in range(self.config.num_layers):
+            self.k[i, :m] = apply_rope(self.k[i, keep], cos, sin)
+            self.v[i, :m] = self.v[i, keep]
+        self.length = m
+        self._mass = self._mass[keep]  # invariant: len(self._mass) == self.length

@@ -1,0 +1,261 @@
+"""ModelConfig: the architecture facts of an HF-layout decoder, parsed strictly.
+
+Supported: ``LlamaForCausalLM`` (SmolLM2, Llama 3.x) and ``Qwen2ForCausalLM``.
+Both the transformers 4 layout (``rope_theta`` + ``rope_scaling``) and the
+transformers 5 layout (``rope_parameters``) of ``config.json`` are read.
+"""
+
+from dataclasses import dataclass
+from dataclasses import field
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from rt_llm_node.model.errors import CheckpointError
+
+SUPPORTED_ARCHITECTURES = {
+    'LlamaForCausalLM': 'llama',
+    'Qwen2ForCausalLM': 'qwen2',
+}
+SUPPORTED_ROPE_TYPES = ('default', 'llama3')
+
+
+@dataclass
+class RopeConfig:
+    """Rotary embedding parameters; ``inv_freq()`` gives the per-pair frequencies."""
+
+    theta: float = 10000.0
+    rope_type: str = 'default'
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inv_freq(self, head_dim):
+        """Return inverse frequencies ``[head_dim // 2]`` (float64), as transformers does."""
+        exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+        inv_freq = 1.0 / (np.float32(self.theta) ** exponents).astype(np.float32)
+        inv_freq = inv_freq.astype(np.float32)
+        if self.rope_type == 'llama3':
+            inv_freq = self._llama3(inv_freq)
+        return inv_freq.astype(np.float64)
+
+    def _llama3(self, inv_freq):
+        old_len = float(self.original_max_position_embeddings)
+        low_wavelen = old_len / self.low_freq_factor
+        high_wavelen = old_len / self.high_freq_factor
+        wavelen = 2.0 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (old_len / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1.0 - smooth) * scaled / self.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+@dataclass
+class ModelConfig:
+    """Shapes and constants of one decoder-only model."""
+
+    family: str                    # 'llama' or 'qwen2'
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    head_dim: int = 0              # 0: hidden_size // num_heads
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False   # q/k/v biases (always true for qwen2)
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[int] = None
+    # derived in __post_init__
+    q_size: int = field(init=False)
+    kv_size: int = field(init=False)
+    group_size: int = field(init=False)
+
+    def __post_init__(self):
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.group_size = self.num_heads // self.num_kv_heads
+
+    def tensor_shapes(self):
+        """Return ``{name: shape}`` of every tensor the checkpoint must hold."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
+        shapes = {
+            'model.embed_tokens.weight': (self.vocab_size, h),
+            'model.norm.weight': (h,),
+        }
+        if not self.tie_word_embeddings:
+            shapes['lm_head.weight'] = (self.vocab_size, h)
+        for n in range(self.num_layers):
+            p = f'model.layers.{n}.'
+            shapes[p + 'input_layernorm.weight'] = (h,)
+            shapes[p + 'post_attention_layernorm.weight'] = (h,)
+            shapes[p + 'self_attn.q_proj.weight'] = (q, h)
+            shapes[p + 'self_attn.k_proj.weight'] = (kv, h)
+            shapes[p + 'self_attn.v_proj.weight'] = (kv, h)
+            shapes[p + 'self_attn.o_proj.weight'] = (h, q)
+            if self.attention_bias:
+                shapes[p + 'self_attn.q_proj.bias'] = (q,)
+                shapes[p + 'self_attn.k_proj.bias'] = (kv,)
+                shapes[p + 'self_attn.v_proj.bias'] = (kv,)
+            shapes[p + 'mlp.gate_proj.weight'] = (i, h)
+            shapes[p + 'mlp.up_proj.weight'] = (i, h)
+            shapes[p + 'mlp.down_proj.weight'] = (h, i)
+        return shapes
+
+    def n_parameters(self):
+        """Count parameters (tied embeddings counted once)."""
+        return int(sum(np.prod(s) for s in self.tensor_shapes().values()))
+
+    def to_hf_dict(self):
+        """Return an HF ``config.json`` dict (transformers 4 layout, read by 4 and 5)."""
+        arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[self.family]
+        d = {
+            'architectures': [arch],
+            'model_type': self.family,
+            'vocab_size': self.vocab_size,
+            'hidden_size': self.hidden_size,
+            'intermediate_size': self.intermediate_size,
+            'num_hidden_layers': self.num_layers,
+            'num_attention_heads': self.num_heads,
+            'num_key_value_heads': self.num_kv_heads,
+            'head_dim': self.head_dim,
+            'max_position_embeddings': self.max_position_embeddings,
+            'rms_norm_eps': self.rms_norm_eps,
+            'tie_word_embeddings': self.tie_word_embeddings,
+            'hidden_act': 'silu',
+            'rope_theta': self.rope.theta,
+            'bos_token_id': self.bos_token_id,
+            'eos_token_id': self.eos_token_id,
+            'torch_dtype': 'bfloat16',
+        }
+        if self.family == 'llama':
+            d['attention_bias'] = self.attention_bias
+            d['mlp_bias'] = False
+        if self.rope.rope_type == 'llama3':
+            d['rope_scaling'] = {
+                'rope_type': 'llama3', 'factor': self.rope.factor,
+                'low_freq_factor': self.rope.low_freq_factor,
+                'high_freq_factor': self.rope.high_freq_factor,
+                'original_max_position_embeddings': self.rope.original_max_position_embeddings,
+            }
+        return d
+
+
+def _require(raw, key, kind, path):
+    if key not in raw or raw[key] is None:
+        raise CheckpointError(path, f"missing required key '{key}'")
+    value = raw[key]
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise CheckpointError(path, f"key '{key}' must be a positive integer, got {value!r}")
+    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))
+                          or not math.isfinite(value) or value <= 0):
+        raise CheckpointError(path, f"key '{key}' must be a positive number, got {value!r}")
+    return kind(value)
+
+
+def _parse_rope(raw, path):
+    params = raw.get('rope_parameters')
+    if params is None:
+        params = dict(raw.get('rope_scaling') or {})
+        if 'rope_theta' in raw:
+            params['rope_theta'] = raw['rope_theta']
+    if not isinstance(params, dict):
+        raise CheckpointError(path, f"key 'rope_parameters' must be an object, got {params!r}")
+    if 'rope_type' not in params and 'type' in params:
+        params['rope_type'] = params['type']
+    rope_type = params.get('rope_type', 'default')
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise CheckpointError(
+            path, f"key 'rope_type' = {rope_type!r} is not supported "
+            f'(supported: {", ".join(SUPPORTED_ROPE_TYPES)})')
+    rope = RopeConfig(theta=_require(params, 'rope_theta', float, path)
+                      if 'rope_theta' in params else 10000.0, rope_type=rope_type)
+    if rope_type == 'llama3':
+        rope.factor = _require(params, 'factor', float, path)
+        rope.low_freq_factor = _require(params, 'low_freq_factor', float, path)
+        rope.high_freq_factor = _require(params, 'high_freq_factor', float, path)
+        rope.original_max_position_embeddings = _require(
+            params, 'original_max_position_embeddings', int, path)
+        if rope.high_freq_factor <= rope.low_freq_factor:
+            raise CheckpointError(path, "key 'high_freq_factor' must exceed 'low_freq_factor'")
+    return rope
+
+
+def parse_config(raw, path='config.json'):
+    """Build a ModelConfig from a parsed ``config.json`` dict; CheckpointError if unusable."""
+    if not isinstance(raw, dict):
+        raise CheckpointError(path, 'config is not a JSON object')
+    archs = raw.get('architectures')
+    if not isinstance(archs, list) or len(archs) != 1:
+        raise CheckpointError(path, "key 'architectures' must list one architecture, "
+                                    f'got {archs!r}')
+    family = SUPPORTED_ARCHITECTURES.get(archs[0])
+    if family is None:
+        raise CheckpointError(
+            path, f"key 'architectures': {archs[0]!r} is not supported "
+            f'(supported: {", ".join(SUPPORTED_ARCHITECTURES)})')
+    act = raw.get('hidden_act', 'silu')
+    if act != 'silu':
+        raise CheckpointError(path, f"key 'hidden_act' = {act!r} is not supported (only 'silu')")
+    if raw.get('mlp_bias'):
+        raise CheckpointError(path, "key 'mlp_bias' = true is not supported")
+    if raw.get('use_sliding_window'):
+        raise CheckpointError(path, "key 'use_sliding_window' = true is not supported")
+    head_dim = raw.get('head_dim') or 0
+    if head_dim and (not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2):
+        raise CheckpointError(path, f"key 'head_dim' must be a positive even integer, got "
+                                    f'{head_dim!r}')
+    config = ModelConfig(
+        family=family,
+        vocab_size=_require(raw, 'vocab_size', int, path),
+        hidden_size=_require(raw, 'hidden_size', int, path),
+        intermediate_size=_require(raw, 'intermediate_size', int, path),
+        num_layers=_require(raw, 'num_hidden_layers', int, path),
+        num_heads=_require(raw, 'num_attention_heads', int, path),
+        num_kv_heads=_require(raw, 'num_key_value_heads', int, path)
+        if raw.get('num_key_value_heads') is not None
+        else _require(raw, 'num_attention_heads', int, path),
+        max_position_embeddings=_require(raw, 'max_position_embeddings', int, path),
+        rms_norm_eps=_require(raw, 'rms_norm_eps', float, path)
+        if 'rms_norm_eps' in raw else 1e-6,
+        head_dim=head_dim,
+        tie_word_embeddings=bool(raw.get('tie_word_embeddings', False)),
+        attention_bias=(family == 'qwen2') or bool(raw.get('attention_bias', False)),
+        rope=_parse_rope(raw, path),
+        bos_token_id=raw.get('bos_token_id') if isinstance(raw.get('bos_token_id'), int)
+        else None,
+        eos_token_id=raw.get('eos_token_id') if isinstance(raw.get('eos_token_id'), int)
+        else None,
+    )
+    if config.num_heads % config.num_kv_heads:
+        raise CheckpointError(path, f"key 'num_key_value_heads' = {config.num_kv_heads} does not "
+                                    f'divide num_attention_heads = {config.num_heads}')
+    if config.head_dim % 2:
+        raise CheckpointError(path, f'head dimension {config.head_dim} must be even for RoPE')
+    if not raw.get('head_dim') and config.hidden_size % config.num_heads:
+        raise CheckpointError(path, f"key 'hidden_size' = {config.hidden_size} is not a multiple "
+                                    f'of num_attention_heads = {config.num_heads}')
+    return config
+
+
+def read_config(directory):
+    """Read and parse ``DIR/config.json``."""
+    path = Path(directory) / 'config.json'
+    try:
+        raw = json.loads(path.read_text(encoding='utf-8'))
+    except FileNotFoundError:
+        raise CheckpointError(path, 'file not found') from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(path, f'not valid JSON: {exc}') from None
+    return parse_config(raw, path)

@@ -1,0 +1,58 @@
+"""ament_python package: installs with colcon on a ROS distro and with pip anywhere."""
+
+from glob import glob
+import os
+
+from setuptools import find_packages
+from setuptools import setup
+
+PACKAGE = 'rt_llm_node'
+ROS_WHEELS = [
+    'ros-rclpy', 'ros-rmw-fastrtps-cpp', 'ros-std-msgs', 'ros-sensor-msgs',
+    'ros-geometry-msgs', 'ros-nav-msgs', 'ros-diagnostic-msgs', 'ros-lifecycle-msgs',
+    'ros-trajectory-msgs',
+]
+
+
+def model_files():
+    """The embedded demo model, shipped as package data when present."""
+    root = os.path.join(PACKAGE, 'demo', 'model')
+    return [os.path.relpath(p, PACKAGE) for p in glob(os.path.join(root, '*'))]
+
+
+setup(
+    name=PACKAGE,
+    version='0.1.0',
+    packages=find_packages(exclude=['test']),
+    package_data={PACKAGE: model_files()},
+    data_files=[
+        ('share/ament_index/resource_index/packages', ['resource/' + PACKAGE]),
+        ('share/' + PACKAGE, ['package.xml']),
+        ('share/' + PACKAGE + '/launch', glob('launch/*.launch.py')),
+        ('share/' + PACKAGE + '/config', glob('config/*.yaml')),
+        ('share/' + PACKAGE + '/cuda', glob('cuda/*.cu') + glob('cuda/*.cuh')),
+    ],
+    python_requires='>=3.10',
+    install_requires=['numpy>=1.24', 'safetensors>=0.4.3', 'tokenizers>=0.15'],
+    extras_require={
+        'ros': ROS_WHEELS,
+        'cuda': ['cupy-cuda13x', 'nvidia-cuda-nvrtc'],
+        'cuda12': ['cupy-cuda12x', 'nvidia-cuda-nvrtc-cu12'],
+        'demo': ['matplotlib'],
+        'replay': ['rosbags>=0.10'],
+        'test': ['pytest', 'transformers', 'rosbags>=0.10', 'matplotlib', 'flake8>=6',
+                 'flake8-quotes', 'flake8-import-order', 'flake8-builtins',
+                 'flake8-comprehensions', 'nvidia-cuda-nvrtc'],
+    },
+    zip_safe=False,
+    maintainer='rt_llm_node team',
+    maintainer_email='team@rt-llm-node.invalid',
+    description='Real-time LLM inference inside a ROS 2 control loop',
+    license='Apache-2.0',
+    tests_require=['pytest'],
+    entry_points={
+        'console_scripts': [
+            'rt-llm-generate = rt_llm_node.generate:main',
+        ],
+    },
+)

@@ -1,0 +1,63 @@
+"""rt-llm-generate, run as a user would (a subprocess), on a real checkpoint."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from rt_llm_node.backends.numpy_backend import NumpyBackend
+from rt_llm_node.model import load_checkpoint
+
+
+def generate(*args):
+    return subprocess.run([sys.executable, '-m', 'rt_llm_node.generate', *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_json_ids_and_logits_dump_match_the_backend(tiny_checkpoint, tmp_path):
+    dump = tmp_path / 'logits.npy'
+    result = generate('--model', str(tiny_checkpoint), '--token-ids', '5,6,7,8',
+                      '--max-new-tokens', '6', '--json', '--dump-logits', str(dump))
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    logits = np.load(dump)
+    assert logits.shape == (6, 512) and logits.dtype == np.float32
+    assert out['generated_ids'] == logits.argmax(axis=1).tolist()
+    backend = NumpyBackend(load_checkpoint(tiny_checkpoint), 64)
+    backend.prefill([5, 6, 7, 8])
+    np.testing.assert_allclose(logits[0], backend.logits(), rtol=1e-6, atol=1e-6)
+    assert out['generated_ids'][0] == backend.argmax()
+    assert out['prefill_ms'] > 0 and out['decode_ms_median'] > 0
+
+
+def test_prompt_text_through_the_tokenizer(tiny_checkpoint):
+    result = generate('--model', str(tiny_checkpoint), '--prompt', 't1 t2 t3',
+                      '--max-new-tokens', '3')
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.split()) == 3
+
+
+def test_generation_longer_than_the_cache_stays_bounded(tiny_checkpoint):
+    result = generate('--model', str(tiny_checkpoint), '--token-ids', '1,2,3',
+                      '--max-new-tokens', '100', '--kv-capacity', '32', '--policy', 'meaning',
+                      '--json')
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert len(out['generated_ids']) == 100
+    assert out['cache_length'] <= 32 and out['evicted_tokens'] > 0
+
+
+def test_bad_inputs_are_clear_errors(tiny_checkpoint, tmp_path):
+    cases = [
+        (['--model', str(tmp_path), '--token-ids', '1'], 'config.json'),
+        (['--model', str(tiny_checkpoint), '--token-ids', '1,99999'], 'out of range'),
+        (['--model', str(tiny_checkpoint), '--token-ids', '1', '--kv-capacity', '99999'],
+         'kv capacity'),
+    ]
+    for args, message in cases:
+        result = generate(*args)
+        assert result.returncode == 2, result
+        assert message in result.stderr and 'Traceback' not in result.stderr
+    result = generate('--model', str(tiny_checkpoint), '--token-ids', 'a,b')
+    assert result.returncode == 2 and 'comma-separated' in result.stderr
