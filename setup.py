@@ -53,6 +53,7 @@ setup(
     entry_points={
         'console_scripts': [
             'rt-llm-generate = rt_llm_node.generate:main',
+            'rt-llm-eval = rt_llm_node.demo.evaluate:main',
         ],
     },
 )

@@ -12,19 +12,37 @@ from rt_llm_node.kvcache import OTHER
 
 
 class Context:
-    """Append segments, decode into them, evict by policy, roll back aborted work."""
+    """Append segments, decode into them, evict by policy, roll back aborted work.
+
+    ``pending`` holds tokens already chosen but not yet run (the end of the last
+    action): they enter the backend at the front of the next prefill, which saves
+    a decode step per tick.
+    """
 
     def __init__(self, backend, policy, decay=0.9):
         self.backend = backend
         self.cache = KVCache(backend.capacity, policy, decay)
+        self.pending = None            # (segment, [token ids]) or None
 
     @property
     def length(self):
         return self.cache.length
 
-    def make_room(self, n_needed, kind=OTHER, topic='', protect=()):
-        """Evict (and compact) so that ``n_needed`` more tokens fit; returns tokens evicted."""
-        slots = self.cache.plan(n_needed, Incoming(kind, topic), protect)
+    @property
+    def pending_tokens(self):
+        return len(self.pending[1]) if self.pending else 0
+
+    def plan_room(self, n_needed, incoming=(), protect=()):
+        """Kept slots so ``n_needed`` more tokens (pending ones included) fit, or None.
+
+        ``incoming``: [(kind, topic)] of the segments about to be appended.
+        """
+        protect = tuple(protect) + ((self.pending[0].uid,) if self.pending else ())
+        return self.cache.plan(n_needed + self.pending_tokens,
+                               [Incoming(k, t) for k, t in incoming], protect)
+
+    def apply_plan(self, slots):
+        """Evict: compact the backend and the bookkeeping to ``slots``; returns tokens evicted."""
         if slots is None:
             return 0
         evicted = self.cache.length - len(slots)
@@ -32,13 +50,40 @@ class Context:
         self.cache.apply(slots)
         return evicted
 
-    def append(self, token_ids, kind=OTHER, topic='', stamp=0.0, pinned=None, reserve=0):
+    def make_room(self, n_needed, kind=OTHER, topic='', protect=()):
+        """Evict (and compact) so that ``n_needed`` more tokens fit; returns tokens evicted."""
+        return self.apply_plan(self.plan_room(n_needed, [(kind, topic)], protect))
+
+    def append_segments(self, parts):
+        """Prefill pending tokens and ``parts`` [(ids, kind, topic, stamp)] in one backend call.
+
+        Room must have been made. Returns the new segments.
+        """
+        chunks, owners = [], []
+        if self.pending:
+            chunks.append(np.asarray(self.pending[1], dtype=np.int64))
+            owners.append(self.pending[0])
+            self.pending = None
+        for ids, kind, topic, stamp in parts:
+            chunks.append(np.asarray(ids, dtype=np.int64))
+            owners.append(self.cache.open_segment(kind, topic, stamp))
+        ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
+        if len(ids) == 0:
+            return owners[len(owners) - len(parts):]
+        if len(ids) == 1:
+            self.backend.decode(int(ids[0]))
+        else:
+            self.backend.prefill(ids)
+        for segment, chunk in zip(owners, chunks):
+            self.cache.extend(segment, chunk)
+        self.cache.add_attention(self.backend.attention_mass())
+        return owners[len(owners) - len(parts):]
+
+    def append(self, token_ids, kind=OTHER, topic='', stamp=0.0, reserve=0):
         """Prefill ``token_ids`` as a new segment, first making room for them plus ``reserve``."""
         ids = np.asarray(token_ids, dtype=np.int64)
         self.make_room(len(ids) + reserve, kind, topic)
-        segment = self.cache.open_segment(kind, topic, stamp, pinned)
-        self._run(segment, ids)
-        return segment
+        return self.append_segments([(ids, kind, topic, stamp)])[0]
 
     def open_segment(self, kind=OTHER, topic='', stamp=0.0, pinned=None):
         """Start an empty segment to decode into (room is made token by token)."""
@@ -47,24 +92,24 @@ class Context:
     def decode(self, segment, token_id):
         """Feed one token into ``segment`` (evicting other segments if the cache is full)."""
         self.make_room(1, segment.kind, segment.topic, protect=(segment.uid,))
-        self._run(segment, np.asarray([token_id], dtype=np.int64))
-
-    def _run(self, segment, ids):
-        if len(ids) == 1:
-            self.backend.decode(int(ids[0]))
-        else:
-            self.backend.prefill(ids)
-        self.cache.extend(segment, ids)
+        self.backend.decode(int(token_id))
+        self.cache.extend(segment, np.asarray([token_id], dtype=np.int64))
         self.cache.add_attention(self.backend.attention_mass())
+
+    def defer(self, segment, token_ids):
+        """Keep ``token_ids`` of ``segment`` pending until the next append."""
+        self.pending = (segment, list(token_ids))
 
     def mark(self):
         """Save the state that ``rollback`` returns to."""
-        return self.cache.mark()
+        return (self.cache.mark(), self.pending)
 
     def rollback(self, mark):
         """Forget everything appended since ``mark`` (on the backend too)."""
-        self.backend.rollback(mark.length)
-        self.cache.rollback(mark)
+        cache_mark, pending = mark
+        self.backend.rollback(cache_mark.length)
+        self.cache.rollback(cache_mark)
+        self.pending = pending
 
     def tick(self):
         """Age the attention scores by one control tick."""

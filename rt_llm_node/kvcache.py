@@ -70,7 +70,7 @@ class Mark:
 class KVCache:
     """Slot ownership and attention scores of a cache of ``capacity`` tokens."""
 
-    def __init__(self, capacity, policy, decay=0.9):
+    def __init__(self, capacity, policy, decay=0.9, slack=None):
         if capacity < 1:
             raise ValueError('capacity must be positive')
         if not 0.0 < decay <= 1.0:
@@ -78,6 +78,8 @@ class KVCache:
         self.capacity = int(capacity)
         self.policy = policy
         self.decay_factor = float(decay)
+        # evict this much more than needed, so compaction is occasional, not every tick
+        self.slack = capacity // 8 if slack is None else int(slack)
         self.owner = np.full(self.capacity, -1, np.int64)     # [capacity] segment id per slot
         self.token_ids = np.zeros(self.capacity, np.int64)    # [capacity] token in each slot
         self.mass = np.zeros(self.capacity, np.float64)       # [capacity] decayed attention
@@ -132,15 +134,15 @@ class KVCache:
         ids, counts = np.unique(self.owner[:self.length], return_counts=True)
         return dict(zip(ids.tolist(), counts.tolist()))
 
-    def stale_ids(self, incoming=None):
+    def stale_ids(self, incoming=()):
         """Ids of observations and instructions superseded by a newer one (or by ``incoming``)."""
         newest = {}
         for seg in self.segments.values():
             if seg.kind in (OBSERVATION, INSTRUCTION):
                 newest[(seg.kind, seg.topic if seg.kind == OBSERVATION else '')] = seg.uid
-        if incoming is not None and incoming.kind in (OBSERVATION, INSTRUCTION):
-            key = (incoming.kind, incoming.topic if incoming.kind == OBSERVATION else '')
-            newest[key] = self.next_id
+        for item in incoming:
+            if item.kind in (OBSERVATION, INSTRUCTION):
+                newest[(item.kind, item.topic if item.kind == OBSERVATION else '')] = self.next_id
         return {seg.uid for seg in self.segments.values()
                 if seg.kind in (OBSERVATION, INSTRUCTION)
                 and newest[(seg.kind, seg.topic if seg.kind == OBSERVATION else '')] != seg.uid}
@@ -153,6 +155,7 @@ class KVCache:
     def plan(self, n_needed, incoming=None, protect=()):
         """Return the ascending slots to keep so ``n_needed`` more fit, or None if they fit now.
 
+        ``incoming``: the Incoming segments about to be appended;
         ``protect``: segment ids that must not be evicted (e.g. the one being decoded).
         Raises CacheFullError when no plan can make the room.
         """
@@ -160,7 +163,10 @@ class KVCache:
             raise CacheFullError(f'{n_needed} tokens exceed the cache capacity {self.capacity}')
         if self.length + n_needed <= self.capacity:
             return None
-        keep = np.asarray(self.policy.keep(self, n_needed, incoming or Incoming(),
+        if isinstance(incoming, Incoming):
+            incoming = (incoming,)
+        target = min(self.capacity, n_needed + self.slack)
+        keep = np.asarray(self.policy.keep(self, target, tuple(incoming or ()),
                                            frozenset(protect)), dtype=bool)
         if keep.shape != (self.length,):
             raise RuntimeError(f'policy {self.policy.name} returned a mask of shape {keep.shape}')

@@ -13,7 +13,7 @@ from rt_llm_node.backends import CacheOverflowError
 
 def rmsnorm(x, weight, eps):
     """x: [n, hidden] -> [n, hidden]."""
-    variance = np.mean(x * x, axis=-1, keepdims=True)
+    variance = np.einsum('ij,ij->i', x, x)[:, None] / x.shape[-1]
     return x / np.sqrt(variance + eps) * weight
 
 
@@ -47,17 +47,21 @@ def attention(q, k, v, start):
     n, n_heads, d = q.shape
     t, n_kv, _ = k.shape
     group = n_heads // n_kv
-    # head h reads kv head h // group (HF repeat_kv order)
-    qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3)          # [kv, g, n, d]
-    scores = np.matmul(qg, k.transpose(1, 2, 0)[:, None])             # [kv, g, n, T]
+    # head h reads kv head h // group (HF repeat_kv order); contiguous operands keep
+    # numpy's batched matmul on BLAS
+    qg = np.ascontiguousarray(q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3))
+    qg = qg.reshape(n_kv, group * n, d)                                # [kv, g*n, d]
+    kt = np.ascontiguousarray(k.transpose(1, 2, 0))                    # [kv, d, T]
+    scores = np.matmul(qg, kt).reshape(n_kv, group, n, t)             # [kv, g, n, T]
     scores *= np.float32(1.0 / np.sqrt(d))
-    future = np.arange(t)[None, :] > (start + np.arange(n))[:, None]  # [n, T]
-    scores[..., future] = -np.inf
+    if n > 1:  # causal: only the new block needs a mask, older keys are all visible
+        scores[..., start:] += np.triu(np.full((n, n), -np.inf, np.float32), 1)
     scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
+    probs = np.exp(scores, out=scores)
     probs /= probs.sum(axis=-1, keepdims=True)
-    out = np.matmul(probs, v.transpose(1, 0, 2)[:, None])             # [kv, g, n, d]
-    out = out.transpose(2, 0, 1, 3).reshape(n, n_heads, d)
+    vt = np.ascontiguousarray(v.transpose(1, 0, 2))                    # [kv, T, d]
+    out = np.matmul(probs.reshape(n_kv, group * n, t), vt)            # [kv, g*n, d]
+    out = out.reshape(n_kv, group, n, d).transpose(2, 0, 1, 3).reshape(n, n_heads, d)
     return out, probs.sum(axis=(0, 1, 2))
 
 
@@ -102,6 +106,9 @@ class NumpyBackend:
         self.final_norm = checkpoint.float32('model.norm.weight')           # [hidden]
         self.layers = [LayerWeights(checkpoint, i) for i in range(cfg.num_layers)]
         self.inv_freq = cfg.rope.inv_freq(cfg.head_dim)                     # [head_dim // 2]
+        # cos, sin: [2 * capacity, head_dim // 2] for positions -capacity .. capacity-1
+        self.cos, self.sin = rope_tables(np.arange(-self.capacity, self.capacity),
+                                         self.inv_freq)
         shape = (cfg.num_layers, self.capacity, cfg.num_kv_heads, cfg.head_dim)
         self.k = np.zeros(shape, np.float32)    # k: [layers, capacity, n_kv_heads, head_dim]
         self.v = np.zeros(shape, np.float32)    # v: [layers, capacity, n_kv_heads, head_dim]
@@ -122,7 +129,8 @@ class NumpyBackend:
         if ids.min() < 0 or ids.max() >= cfg.vocab_size:
             raise BackendError(f'token id out of range 0..{cfg.vocab_size - 1}')
         end = start + n
-        cos, sin = rope_tables(np.arange(start, end), self.inv_freq)       # [n, d/2]
+        cos = self.cos[self.capacity + start:self.capacity + end]           # [n, d/2]
+        sin = self.sin[self.capacity + start:self.capacity + end]
         x = self.embed[ids]                                                 # [n, hidden]
         mass = np.zeros(end, np.float32)                                    # [T]
         q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
@@ -188,7 +196,8 @@ class NumpyBackend:
         m = len(keep)
         if m and (keep[-1] >= self.length or np.any(np.diff(keep) <= 0) or keep[0] < 0):
             raise BackendError('compact needs ascending slots below the cache length')
-        cos, sin = rope_tables(np.arange(m) - keep, self.inv_freq)          # [m, d/2]
+        delta = self.capacity + np.arange(m) - keep                         # new - old
+        cos, sin = self.cos[delta], self.sin[delta]                         # [m, d/2]
         for i in range(self.config.num_layers):
             self.k[i, :m] = apply_rope(self.k[i, keep], cos, sin)
             self.v[i, :m] = self.v[i, keep]

@@ -1,0 +1,165 @@
+"""Admission control: will prefill plus decode finish before the tick's deadline?
+
+A linear cost model is calibrated on the real backend at configure, over a grid
+of prefill lengths, cache lengths and decode steps:
+
+    prefill_ms(n, L) = a0 + a1 * n + a2 * n * L     (n new tokens over L cached)
+    decode_ms(L)     = b0 + b1 * L                  (one token over L cached)
+    compact_ms(m)    = c0 + c1 * m                  (m kept tokens re-rotated)
+
+Each grid point is timed several times and its upper quantile is what the model
+fits, so predictions lean pessimistic. Online, every admitted tick's measured time
+is compared with the model; the prediction is scaled by the worst measured/model
+ratio in a recent window (never below 1), so it never drops below the worst
+recently observed. A safety margin in milliseconds is added on top.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+import time
+
+import numpy as np
+
+
+@dataclass
+class CostModel:
+    """Coefficients of the three linear cost terms (milliseconds)."""
+
+    prefill: tuple = (0.0, 0.0, 0.0)   # a0, a1 (per token), a2 (per token x cached token)
+    decode: tuple = (0.0, 0.0)         # b0, b1 (per cached token)
+    compact: tuple = (0.0, 0.0)        # c0, c1 (per kept token)
+
+    def prefill_ms(self, n, cache_length):
+        if n <= 0:
+            return 0.0
+        a0, a1, a2 = self.prefill
+        return a0 + a1 * n + a2 * n * cache_length
+
+    def decode_ms(self, cache_length):
+        b0, b1 = self.decode
+        return b0 + b1 * cache_length
+
+    def compact_ms(self, kept):
+        c0, c1 = self.compact
+        return c0 + c1 * kept
+
+    def tick_ms(self, n_prefill, cache_length, n_decode, kept=None):
+        """Raw predicted time of a whole tick (compaction if ``kept`` is given)."""
+        total = 0.0
+        if kept is not None:
+            total += self.compact_ms(kept)
+            cache_length = kept
+        total += self.prefill_ms(n_prefill, cache_length)
+        for step in range(n_decode):
+            total += self.decode_ms(cache_length + n_prefill + step)
+        return total
+
+    def to_dict(self):
+        return {'prefill': list(self.prefill), 'decode': list(self.decode),
+                'compact': list(self.compact)}
+
+
+def _fit(features, targets):
+    """Non-negative least squares by clipping (tiny systems; enough for cost terms)."""
+    x = np.asarray(features, dtype=np.float64)
+    y = np.asarray(targets, dtype=np.float64)
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    coef = np.maximum(coef, 0.0)
+    # refit the free terms with the clipped ones fixed, so the fit is not biased low
+    for i in np.flatnonzero(coef == 0.0):
+        x[:, i] = 0.0
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    return tuple(float(c) for c in np.maximum(coef, 0.0))
+
+
+def calibrate(backend, vocab_size, quantile=0.9, repeats=5, prefill_lengths=(1, 8, 24, 48),
+              cache_fractions=(0.0, 0.5, 0.9), log=None, clock=time.perf_counter):
+    """Time ``backend`` over a grid and fit a CostModel to the upper ``quantile``.
+
+    Leaves the backend's cache empty. ``log(text)`` receives progress lines.
+    """
+    rng = np.random.default_rng(0)
+    capacity = backend.capacity
+    prefill_lengths = [n for n in prefill_lengths if n < capacity]
+    max_prefill = max(prefill_lengths)
+    pre_x, pre_y, dec_x, dec_y, cmp_x, cmp_y = [], [], [], [], [], []
+
+    def upper(samples):
+        return float(np.quantile(samples, quantile))
+
+    def fill(length):
+        backend.rollback(0)
+        if length:
+            backend.prefill(rng.integers(0, vocab_size, length))
+
+    for fraction in cache_fractions:
+        length = max(0, min(int(fraction * capacity), capacity - max_prefill - 1))
+        fill(length)
+        for n in prefill_lengths:
+            ids = rng.integers(0, vocab_size, n)
+            samples = []
+            for _ in range(repeats):
+                backend.rollback(length)
+                start = clock()
+                backend.prefill(ids)
+                samples.append((clock() - start) * 1e3)
+            pre_x.append([1.0, n, n * length])
+            pre_y.append(upper(samples))
+        samples = []
+        for _ in range(repeats):
+            backend.rollback(length)
+            start = clock()
+            backend.decode(1)
+            samples.append((clock() - start) * 1e3)
+        dec_x.append([1.0, length])
+        dec_y.append(upper(samples))
+        if length > 1:
+            keep = np.arange(0, length, 2)
+            samples = []
+            for _ in range(repeats):
+                fill(length)
+                start = clock()
+                backend.compact(keep)
+                samples.append((clock() - start) * 1e3)
+            cmp_x.append([1.0, len(keep)])
+            cmp_y.append(upper(samples))
+        if log:
+            log(f'calibrated at cache length {length}: decode {dec_y[-1]:.2f} ms, '
+                f'prefill of {max_prefill} tokens {pre_y[-1]:.2f} ms')
+    backend.rollback(0)
+    return CostModel(prefill=_fit(pre_x, pre_y), decode=_fit(dec_x, dec_y),
+                     compact=_fit(cmp_x, cmp_y) if cmp_x else (0.0, 0.0))
+
+
+class Admission:
+    """Decides admit/refuse from the cost model, a learned worst-case scale and a margin."""
+
+    def __init__(self, model, margin_ms=2.0, window=300):
+        if margin_ms < 0:
+            raise ValueError('margin_ms must be non-negative')
+        self.model = model
+        self.margin_ms = float(margin_ms)
+        self.ratios = deque(maxlen=int(window))
+
+    @property
+    def scale(self):
+        """Worst recent measured/model ratio, at least 1."""
+        return max([1.0, *self.ratios])
+
+    def predict_ms(self, n_prefill, cache_length, n_decode, kept=None):
+        """Pessimistic prediction of a tick's model time, margin included."""
+        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept)
+        return raw * self.scale + self.margin_ms
+
+    def step_ms(self, cache_length):
+        """Pessimistic prediction of one decode step (for the watchdog), margin excluded."""
+        return self.model.decode_ms(cache_length) * self.scale
+
+    def admit(self, predicted_ms, available_ms):
+        return predicted_ms <= available_ms
+
+    def observe(self, n_prefill, cache_length, n_decode, kept, measured_ms):
+        """Learn from one admitted tick's measured model time."""
+        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept)
+        if raw > 0 and np.isfinite(measured_ms):
+            self.ratios.append(measured_ms / raw)

@@ -1,0 +1,119 @@
+"""Expert episodes rendered to tokens exactly as the node renders them, and the BPE tokenizer.
+
+A tick's token stream is what ``TickEngine`` feeds the model: the segments of
+the inputs that changed (instruction once per goal, then /scan, /odom,
+/detections), then the action segment (prefix, one word per field, newline).
+"""
+
+from dataclasses import dataclass
+from dataclasses import field
+
+import numpy as np
+from tokenizers import decoders
+from tokenizers import models
+from tokenizers import pre_tokenizers
+from tokenizers import Regex
+from tokenizers import Tokenizer
+from tokenizers import trainers
+
+from rt_llm_node.codec import ObservationCodec
+from rt_llm_node.codec import scan_sectors
+from rt_llm_node.demo.expert import expert_command
+from rt_llm_node.demo.messages import MessageFactory
+from rt_llm_node.demo.profile import action_grammar
+from rt_llm_node.demo.profile import INPUTS
+from rt_llm_node.demo.profile import SYSTEM_PROMPT
+from rt_llm_node.demo.world import DemoWorld
+
+SCAN_SECTORS = next(s.options['sectors'] for s in INPUTS if s.topic == '/scan')
+
+
+@dataclass
+class TickTokens:
+    """One tick: input segments [(kind, topic, ids)] and the action's ids (prefix..newline)."""
+
+    segments: list
+    action_ids: list
+    n_prefix: int            # the action's first n_prefix ids are prefilled, not predicted
+
+
+@dataclass
+class Episode:
+    seed: int
+    ticks: list = field(default_factory=list)
+    results: list = field(default_factory=list)
+
+
+def episode_texts(seed, noise=0.0):
+    """Plain text lines of an expert episode (for training the tokenizer)."""
+    world = DemoWorld(seed, messages=MessageFactory(ros=False))
+    codec = ObservationCodec(None, INPUTS)
+    lines, instruction, last_w = [SYSTEM_PROMPT], '', 0.0
+    rng = np.random.default_rng(seed)
+    while not world.done:
+        msgs = world.observe()
+        for spec in INPUTS:
+            if spec.topic in msgs:
+                lines.append(codec.text(spec.topic, msgs[spec.topic]))
+        if '/instruction' in msgs:
+            instruction = msgs['/instruction'].data
+        v, w = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
+                              msgs['/detections'].data, last_w)
+        lines.append(f'act v{v:+.1f} w{w:+.2f}')
+        world.step(v + noise * rng.normal(), w + noise * rng.normal())
+        last_w = w
+    return lines
+
+
+def train_tokenizer(texts, vocab_size=768):
+    """Byte-level BPE over whitespace-led words (' word'), so words tokenize independently."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r' ?[^\s]+|\s'), behavior='isolated'),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=['<|endoftext|>'], show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None):
+    """Run the expert in the world; record each tick's tokens (label: the clean expert action).
+
+    ``noise``: std of Gaussian noise (v, w) added to the executed command, so the
+    data covers recoveries from the expert's own path (DART).
+    """
+    world = DemoWorld(seed, messages=MessageFactory(ros=False))
+    codec = ObservationCodec(tokenizer, INPUTS)
+    grammar = action_grammar(tokenizer)
+    rng = np.random.default_rng(seed if noise_seed is None else noise_seed)
+    episode = Episode(seed)
+    instruction, last_w = '', 0.0
+    while not world.done:
+        msgs = world.observe()
+        segments = [(spec.kind, spec.topic, codec.encode(spec.topic, msgs[spec.topic]))
+                    for spec in INPUTS if spec.topic in msgs]
+        if '/instruction' in msgs:
+            instruction = msgs['/instruction'].data
+        v, w = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
+                              msgs['/detections'].data, last_w)
+        values = {'linear.x': v, 'angular.z': w}
+        action_ids = tokenizer.encode(grammar.render(values)).ids
+        episode.ticks.append(TickTokens(segments, action_ids, len(grammar.prefix_ids)))
+        qv = grammar.fields[0].quantize(v)
+        qw = grammar.fields[1].quantize(w)
+        world.step(qv + noise[0] * rng.normal(), qw + noise[1] * rng.normal())
+        last_w = qw
+    episode.results = list(world.results)
+    return episode
+
+
+def system_ids(tokenizer):
+    return tokenizer.encode(SYSTEM_PROMPT + '\n').ids
+
+
+def success_rate(results):
+    return sum(r == 'reached' for r in results) / max(1, len(results))

@@ -1,0 +1,205 @@
+"""``rt-llm-eval``: closed-loop evaluation of the demo policy under each eviction policy.
+
+For every (policy, cache budget) the shipped model drives the in-process world
+through the very TickEngine the node uses, on held-out seeds; reported: goal
+success rate, and action agreement with the expert on the same observations.
+The expert is run on the same seeds for reference. Timing is not the subject
+here (a model clock and an always-admitting cost model are used): the node and
+the benchmarks measure time.
+
+    rt-llm-eval --episodes 200 --write     # table -> BENCHMARKS.md, PNG -> docs/
+"""
+
+import argparse
+from concurrent.futures import ProcessPoolExecutor
+import json
+import os
+from pathlib import Path
+import time
+
+import numpy as np
+
+from rt_llm_node.admission import Admission
+from rt_llm_node.admission import CostModel
+from rt_llm_node.backends.numpy_backend import NumpyBackend
+from rt_llm_node.codec import scan_sectors
+from rt_llm_node.demo.episodes import SCAN_SECTORS
+from rt_llm_node.demo.expert import expert_command
+from rt_llm_node.demo.messages import MessageFactory
+from rt_llm_node.demo.profile import action_grammar
+from rt_llm_node.demo.profile import INPUTS
+from rt_llm_node.demo.profile import SYSTEM_PROMPT
+from rt_llm_node.demo.world import DemoWorld
+from rt_llm_node.engine import ModelClock
+from rt_llm_node.engine import TickEngine
+from rt_llm_node.kvcache import POLICIES
+from rt_llm_node.model import load_checkpoint
+from rt_llm_node.model.embedded import default_model_path
+
+HELD_OUT_SEED0 = 1_000_000      # training uses seeds below 100,000 x (training seed + 1)
+BUDGETS = (128, 256, 512, 'full')
+_CACHE = {}
+
+
+def _checkpoint(path):
+    if path not in _CACHE:
+        _CACHE[path] = load_checkpoint(path)
+    return _CACHE[path]
+
+
+def run_model_episode(checkpoint, seed, policy, capacity, backend=None):
+    """One closed-loop episode; returns dict(results, ticks, agree, refusals)."""
+    backend = backend or NumpyBackend(checkpoint, capacity)
+    backend.rollback(0)
+    grammar = action_grammar(checkpoint.tokenizer)
+    clock = ModelClock()
+    engine = TickEngine(backend, checkpoint.tokenizer, INPUTS, grammar,
+                        Admission(CostModel(), margin_ms=0.0), policy=policy,
+                        system_prompt=SYSTEM_PROMPT, clock=clock)
+    engine.start()
+    world = DemoWorld(seed, messages=MessageFactory(ros=False))
+    dt = world.config.dt
+    snapshot, instruction, last_w = {}, '', 0.0
+    agree = refusals = 0
+    while not world.done:
+        now = world.tick * dt
+        clock.advance_to(now)
+        msgs = world.observe()
+        for topic, msg in msgs.items():
+            snapshot[topic] = (msg, now)
+        if '/instruction' in msgs:
+            instruction = msgs['/instruction'].data
+        ev, ew = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
+                                msgs['/detections'].data, last_w)
+        result = engine.tick(snapshot, now, now + dt)
+        if result.action is None:
+            refusals += 1
+            v = w = 0.0
+        else:
+            v = result.action.values['linear.x']
+            w = result.action.values['angular.z']
+            agree += (v == grammar.fields[0].quantize(ev) and w == grammar.fields[1].quantize(ew))
+        world.step(v, w)
+        last_w = w
+    return {'results': world.results, 'ticks': world.tick, 'agree': agree,
+            'refusals': refusals}
+
+
+def run_expert_episode(seed):
+    """The expert alone on ``seed`` (its commands quantized like the model's)."""
+    world = DemoWorld(seed, messages=MessageFactory(ros=False))
+    instruction, last_w = '', 0.0
+    from rt_llm_node.codec import ActionField
+    from rt_llm_node.demo.profile import TWIST_FIELDS
+    fv, fw = (ActionField(f['name'], f['key'], f['min'], f['max'], f['step'])
+              for f in TWIST_FIELDS)
+    while not world.done:
+        msgs = world.observe()
+        if '/instruction' in msgs:
+            instruction = msgs['/instruction'].data
+        v, w = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
+                              msgs['/detections'].data, last_w)
+        v, w = fv.quantize(v), fw.quantize(w)
+        world.step(v, w)
+        last_w = w
+    return {'results': world.results, 'ticks': world.tick}
+
+
+def _job(job):
+    model, policy, budget, seeds = job
+    checkpoint = _checkpoint(model)
+    if policy == 'expert':
+        return [run_expert_episode(s) for s in seeds]
+    capacity = checkpoint.config.max_position_embeddings if budget == 'full' else int(budget)
+    backend = NumpyBackend(checkpoint, capacity)
+    return [run_model_episode(checkpoint, s, policy, capacity, backend) for s in seeds]
+
+
+def summarize(episodes):
+    results = [r for e in episodes for r in e['results']]
+    ticks = sum(e['ticks'] for e in episodes)
+    out = {'episodes': len(episodes), 'goals': len(results),
+           'success': sum(r == 'reached' for r in results) / max(1, len(results)),
+           'ticks': ticks}
+    if episodes and 'agree' in episodes[0]:
+        out['agreement'] = sum(e['agree'] for e in episodes) / max(1, ticks)
+        out['refusals'] = sum(e['refusals'] for e in episodes)
+    return out
+
+
+def plot(table, path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    labels = [str(b) for b in BUDGETS]
+    for policy in POLICIES:
+        ys = [table[f'{policy}@{b}']['success'] for b in BUDGETS if f'{policy}@{b}' in table]
+        ax.plot(labels[:len(ys)], ys, marker='o', label=policy)
+    if 'expert' in table:
+        ax.axhline(table['expert']['success'], color='k', ls='--', lw=1, label='expert')
+    ax.set_xlabel('KV cache budget (tokens)')
+    ax.set_ylabel('goal success rate')
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title('demo policy in closed loop, held-out seeds')
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog='rt-llm-eval', description=__doc__.split('\n')[0])
+    parser.add_argument('--model', default=None, help='checkpoint (default: embedded)')
+    parser.add_argument('--episodes', type=int, default=200)
+    parser.add_argument('--policies', default=','.join(POLICIES))
+    parser.add_argument('--budgets', default=','.join(str(b) for b in BUDGETS))
+    parser.add_argument('--workers', type=int, default=os.cpu_count())
+    parser.add_argument('--json', default=None, help='write the full table as JSON here')
+    parser.add_argument('--plot', default=None, help='write the PNG here')
+    parser.add_argument('--write', action='store_true', help='record in BENCHMARKS.md')
+    args = parser.parse_args(argv)
+    model = str(args.model or default_model_path())
+    seeds = list(range(HELD_OUT_SEED0, HELD_OUT_SEED0 + args.episodes))
+    budgets = [b if b == 'full' else int(b) for b in args.budgets.split(',')]
+    configs = [('expert', None)] + [(p, b) for p in args.policies.split(',') for b in budgets]
+    chunk = max(1, len(seeds) // max(1, args.workers // 2))
+    jobs, owners = [], []
+    for policy, budget in configs:
+        for start in range(0, len(seeds), chunk):
+            jobs.append((model, policy, budget, seeds[start:start + chunk]))
+            owners.append('expert' if policy == 'expert' else f'{policy}@{budget}')
+    started = time.time()
+    gathered = {}
+    with ProcessPoolExecutor(args.workers) as pool:
+        for owner, episodes in zip(owners, pool.map(_job, jobs)):
+            gathered.setdefault(owner, []).extend(episodes)
+    table = {k: summarize(v) for k, v in gathered.items()}
+    elapsed = time.time() - started
+    full = {p: table.get(f'{p}@full', {}).get('success') for p in POLICIES}
+    header = ['policy', *[f'success @{b}' for b in budgets], *[f'agree @{b}' for b in budgets]]
+    rows = [['expert', *[f"{table['expert']['success']:.3f}"] * len(budgets),
+             *['-'] * len(budgets)]]
+    for p in args.policies.split(','):
+        rows.append([p, *[f"{table[f'{p}@{b}']['success']:.3f}" for b in budgets],
+                     *[f"{table[f'{p}@{b}']['agreement']:.3f}" for b in budgets]])
+    from rt_llm_node.bench_report import markdown_table
+    from rt_llm_node.bench_report import print_table
+    print_table(header, rows)
+    print(f'{args.episodes} held-out episodes per row, {elapsed:.0f} s')
+    if args.json:
+        Path(args.json).write_text(json.dumps({'table': table, 'full': full}, indent=2))
+    if args.plot or args.write:
+        plot_path = Path(args.plot or Path(__file__).resolve().parents[2] / 'docs' / 'eviction.png')
+        plot_path.parent.mkdir(parents=True, exist_ok=True)
+        plot(table, plot_path)
+    if args.write:
+        from rt_llm_node.bench_report import write_section
+        body = (markdown_table(header, rows)
+                + f'\n\nSeeds {seeds[0]}..{seeds[-1]} (held out), 3 goals each; '
+                f"'full' = the model's trained length "
+                f'({_checkpoint(model).config.max_position_embeddings} tokens). '
+                'Success: goals reached / goals; agree: ticks whose action equals the '
+                "expert's on the same observation.\n\n![success by budget](docs/eviction.png)")
+        write_section('eviction', 'Demo policy: eviction policies in closed loop', body)
+    return 0

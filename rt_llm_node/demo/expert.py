@@ -1,0 +1,66 @@
+"""The scripted expert: goal seeking with obstacle avoidance, from what the model sees.
+
+It reads the same rendered text the model reads (the instruction, the scan's
+sector minima, the detections line), so its decisions can be imitated from the
+context alone: no privileged state. Steering follows the gap: among the target
+bearing and the sector centres, head for the direction closest to the target
+whose sector is clear far enough.
+"""
+
+import math
+import re
+
+DETECTION = re.compile(r'(\w+) (\w+) (-?\d+)deg (\d+(?:\.\d+)?)m')
+INSTRUCTION = re.compile(r'go to the (\w+) (\w+)')
+MAX_V = 0.8
+MAX_W = 1.5
+
+
+def parse_detections(text):
+    """'red box 31deg 2.1m; ...' -> [(colour, shape, bearing_deg, distance_m)]."""
+    return [(c, s, int(b), float(d)) for c, s, b, d in DETECTION.findall(text)]
+
+
+def parse_instruction(text):
+    """'go to the red box' -> ('red', 'box'), or None."""
+    match = INSTRUCTION.search(text or '')
+    return (match.group(1), match.group(2)) if match else None
+
+
+def _clip(value, limit):
+    return max(-limit, min(limit, value))
+
+
+def expert_command(instruction, sectors, detections_text, last_w=0.0):
+    """(v, w) toward the goal in ``instruction``: attraction to it, repulsion from the scan.
+
+    ``sectors``: scan minima, sector 0 straight ahead, counter-clockwise;
+    ``last_w``: the previous command's turn rate (in the model's context too),
+    which breaks the tie when a pillar stands dead ahead.
+    """
+    n = len(sectors)
+    width = 2.0 * math.pi / n
+    target = parse_instruction(instruction)
+    seen = [d for d in parse_detections(detections_text) if target and d[:2] == target]
+    if not seen:  # nothing to go to: turn on the spot
+        return 0.0, MAX_W / 2
+    _, _, bearing_deg, distance = seen[0]
+    bearing = math.radians(bearing_deg)
+    turn = 2.0 * bearing
+    slow = 1.0
+    for s in range(n):
+        angle = math.atan2(math.sin(s * width), math.cos(s * width))
+        clear = sectors[s]
+        if math.isnan(clear) or abs(angle) > math.pi / 2 + 1e-6 or clear > 1.0:
+            continue
+        if abs(angle - bearing) < width and clear > distance - 0.5:
+            continue  # that return is the target itself
+        push = (1.0 - clear) / max(clear, 0.1) * math.cos(angle)
+        side = math.copysign(1.0, angle) if abs(angle) > 1e-6 else math.copysign(
+            1.0, -last_w if abs(last_w) > 0.1 else -1.0)
+        turn -= 1.2 * push * side
+        if abs(angle) <= width + 1e-6:
+            slow = min(slow, max(0.0, (clear - 0.3) / 0.7))
+    w = _clip(turn, MAX_W)
+    v = MAX_V * min(1.0, distance / 1.2) * max(0.0, math.cos(bearing)) ** 2 * slow
+    return v, w

@@ -1,0 +1,31 @@
+"""The demo task's interface: inputs, action schema and system prompt.
+
+The same definitions render the training data, drive the evaluation and fill
+``config/demo.yaml``; a test checks that the YAML and this module agree.
+"""
+
+from rt_llm_node.codec import InputSpec
+from rt_llm_node.codec import twist_grammar
+
+SYSTEM_PROMPT = 'go to the object in the task'
+RATE_HZ = 30.0
+
+INPUTS = (
+    InputSpec('/instruction', 'std_msgs/msg/String', kind='instruction', prefix='task',
+              max_age_s=1e9, max_tokens=16),
+    InputSpec('/scan', 'sensor_msgs/msg/LaserScan', max_age_s=0.2, max_tokens=24,
+              options={'sectors': 12}),
+    InputSpec('/odom', 'nav_msgs/msg/Odometry', max_age_s=0.2, max_tokens=24),
+    InputSpec('/detections', 'std_msgs/msg/String', prefix='det', max_age_s=0.2, max_tokens=40,
+              options={'max_chars': 120}),
+)
+
+TWIST_FIELDS = (
+    {'name': 'linear.x', 'key': 'v', 'min': -0.2, 'max': 0.8, 'step': 0.1},
+    {'name': 'angular.z', 'key': 'w', 'min': -1.5, 'max': 1.5, 'step': 0.25},
+)
+
+
+def action_grammar(tokenizer):
+    """The demo's Twist grammar for ``tokenizer``."""
+    return twist_grammar(tokenizer, TWIST_FIELDS)

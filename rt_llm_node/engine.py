@@ -1,0 +1,286 @@
+"""The tick engine: one control tick from input snapshot to action or refusal. No ROS here.
+
+    snapshot -> render new inputs -> admission -> evict -> prefill -> constrained decode
+             -> parse and clamp -> Action           (or a Refusal at any step)
+
+The clock is injected: ``WallClock`` on a robot, ``ModelClock`` in deterministic
+replay, where time advances by the cost model's predictions instead of by what
+the host happened to take. The same engine runs in the node, the replay tool,
+the demo evaluation and the tests.
+"""
+
+from dataclasses import asdict
+from dataclasses import dataclass
+import threading
+import time
+from typing import Optional
+
+from rt_llm_node.backends import BackendError
+from rt_llm_node.codec import ObservationCodec
+from rt_llm_node.codec import RenderError
+from rt_llm_node.context import Context
+from rt_llm_node.kvcache import ACTION
+from rt_llm_node.kvcache import CacheFullError
+from rt_llm_node.kvcache import INSTRUCTION
+from rt_llm_node.kvcache import make_policy
+from rt_llm_node.kvcache import OBSERVATION
+from rt_llm_node.kvcache import SYSTEM
+
+REFUSAL_REASONS = ('deadline', 'stale_input', 'not_ready', 'overrun_abort', 'backend_error',
+                   'input_error')
+
+
+class WallClock:
+    """Monotonic host time; work takes what it takes."""
+
+    def now(self):
+        return time.monotonic()
+
+    def charge(self, ms):
+        """Model time is real time here: nothing to add."""
+
+
+class ModelClock:
+    """Virtual time that advances only by the cost model's predictions (deterministic)."""
+
+    def __init__(self, start=0.0):
+        self.t = float(start)
+
+    def now(self):
+        return self.t
+
+    def charge(self, ms):
+        self.t += ms / 1e3
+
+    def advance_to(self, t):
+        self.t = max(self.t, float(t))
+
+
+@dataclass
+class Refusal:
+    """An explicit 'no action this tick', with why and by how much."""
+
+    tick: int
+    reason: str
+    predicted_ms: float
+    available_ms: float
+    stamp: float         # tick start (engine clock, s)
+    deadline: float      # engine clock, s
+    detail: str = ''
+
+
+@dataclass
+class TickRecord:
+    """What one tick did and how long each stage took (ms, engine clock)."""
+
+    tick: int
+    stamp: float
+    deadline: float
+    decision: str = 'refusal'      # 'action' or 'refusal'
+    reason: str = ''
+    predicted_ms: float = 0.0
+    available_ms: float = 0.0
+    n_prefill: int = 0
+    n_decode: int = 0
+    cache_length: int = 0
+    capacity: int = 0
+    evicted: int = 0
+    render_ms: float = 0.0
+    evict_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    total_ms: float = 0.0
+    late: bool = False             # admitted, then ran past the deadline
+
+    def to_dict(self):
+        return asdict(self)
+
+
+@dataclass
+class TickResult:
+    action: Optional[object]
+    refusal: Optional[Refusal]
+    record: TickRecord
+
+
+class InputBuffer:
+    """Latest message per topic with its receive time; written by callbacks, read by ticks."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._latest = {}
+
+    def put(self, topic, msg, received):
+        with self._lock:
+            self._latest[topic] = (msg, float(received))
+
+    def snapshot(self):
+        """A copy of {topic: (msg, received)} taken at one instant."""
+        with self._lock:
+            return dict(self._latest)
+
+    def clear(self):
+        with self._lock:
+            self._latest.clear()
+
+
+class TickEngine:
+    """Runs ticks against one backend, tokenizer, set of inputs and action grammar."""
+
+    def __init__(self, backend, tokenizer, inputs, grammar, admission, policy='meaning',
+                 system_prompt='', decay=0.9, clock=None):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.inputs = list(inputs)
+        self.codec = ObservationCodec(tokenizer, self.inputs)
+        self.grammar = grammar
+        self.admission = admission
+        self.context = Context(backend, make_policy(policy) if isinstance(policy, str)
+                               else policy, decay)
+        self.system_ids = tokenizer.encode(system_prompt + '\n').ids if system_prompt else []
+        self.clock = clock or WallClock()
+        self.index = 0
+        self.rendered = {}            # topic -> receive stamp of the last message in the cache
+        self.max_decode = grammar.max_decode_tokens()
+        self.ready = False
+
+    def start(self):
+        """Prefill the system prompt (pinned) and get ready for ticks."""
+        if self.system_ids:
+            if len(self.system_ids) >= self.backend.capacity // 2:
+                raise ValueError(f'the system prompt ({len(self.system_ids)} tokens) needs less '
+                                 f'than half the KV capacity ({self.backend.capacity})')
+            self.context.append(self.system_ids, kind=SYSTEM)
+        self.ready = True
+
+    # -- inputs -------------------------------------------------------------------------
+    def stale_inputs(self, snapshot, now):
+        """Descriptions of required inputs that are missing or too old."""
+        problems = []
+        for spec in self.inputs:
+            if not spec.required:
+                continue
+            entry = snapshot.get(spec.topic)
+            if entry is None:
+                if spec.kind != INSTRUCTION or spec.topic not in self.rendered:
+                    problems.append(f'{spec.topic}: no message yet')
+            elif spec.kind == OBSERVATION and now - entry[1] > spec.max_age_s:
+                problems.append(f'{spec.topic}: {1e3 * (now - entry[1]):.0f} ms old '
+                                f'(max {1e3 * spec.max_age_s:.0f})')
+        return problems
+
+    def render(self, snapshot):
+        """[(ids, kind, topic, stamp)] for every input with a message newer than the cache's."""
+        parts = []
+        for spec in self.inputs:
+            entry = snapshot.get(spec.topic)
+            if entry is None or entry[1] <= self.rendered.get(spec.topic, float('-inf')):
+                continue
+            ids = self.codec.encode(spec.topic, entry[0])
+            parts.append((ids, spec.kind, spec.topic, entry[1]))
+        return parts
+
+    # -- the tick -----------------------------------------------------------------------
+    def tick(self, snapshot, stamp, deadline):
+        """Run one tick started at ``stamp`` that must finish by ``deadline`` (engine clock)."""
+        index = self.index
+        self.index += 1
+        record = TickRecord(index, stamp, deadline, capacity=self.backend.capacity)
+        clock = self.clock
+        t0 = clock.now()
+
+        def refuse(reason, predicted=0.0, detail=''):
+            record.decision, record.reason = 'refusal', reason
+            record.available_ms = max(0.0, (deadline - t0) * 1e3)
+            record.predicted_ms = predicted
+            record.cache_length = self.context.length
+            record.total_ms = (clock.now() - t0) * 1e3
+            return TickResult(None, Refusal(index, reason, predicted, record.available_ms, stamp,
+                                            deadline, detail), record)
+
+        if not self.ready:
+            return refuse('not_ready', detail='the engine has not started')
+        problems = self.stale_inputs(snapshot, stamp)
+        if problems:
+            return refuse('stale_input', detail='; '.join(problems))
+        try:
+            parts = self.render(snapshot)
+        except RenderError as exc:
+            return refuse('input_error', detail=str(exc))
+        prefix = list(self.grammar.prefix_ids)
+        parts.append((prefix, ACTION, '', stamp))
+        n_prefill = self.context.pending_tokens + sum(len(p[0]) for p in parts)
+        n_decode = max(0, self.max_decode - 1)    # the last chosen token is deferred
+        t1 = clock.now()
+        record.render_ms = (t1 - t0) * 1e3
+        try:
+            slots = self.context.plan_room(n_prefill - self.context.pending_tokens + n_decode,
+                                           [(p[1], p[2]) for p in parts])
+        except CacheFullError as exc:
+            return refuse('backend_error', detail=f'cache cannot make room: {exc}')
+        kept = None if slots is None else len(slots)
+        length = self.context.length
+        predicted = self.admission.predict_ms(n_prefill, length, n_decode, kept)
+        available = (deadline - clock.now()) * 1e3
+        record.predicted_ms, record.available_ms = predicted, available
+        record.n_prefill = n_prefill
+        if not self.admission.admit(predicted, available):
+            return refuse('deadline', predicted)
+        model = self.admission.model
+        scale = self.admission.scale
+        mark = None
+        try:
+            record.evicted = self.context.apply_plan(slots)
+            if kept is not None:
+                clock.charge(model.compact_ms(kept) * scale)
+            t2 = clock.now()
+            record.evict_ms = (t2 - t1) * 1e3
+            mark = self.context.mark()
+            segments = self.context.append_segments([p for p in parts])
+            clock.charge(model.prefill_ms(n_prefill, self.context.length - n_prefill) * scale)
+            t3 = clock.now()
+            record.prefill_ms = (t3 - t2) * 1e3
+            action_segment = segments[-1]
+            state = self.grammar.start()
+            chosen = []
+            while True:
+                allowed = self.grammar.allowed(state)
+                token = int(allowed[0]) if len(allowed) == 1 else self.backend.argmax(allowed)
+                state = self.grammar.advance(state, token)
+                chosen.append(token)
+                if self.grammar.done(state):
+                    break
+                remaining = self.max_decode - len(chosen)
+                step = self.admission.step_ms(self.context.length)
+                if clock.now() + remaining * step / 1e3 > deadline:
+                    self.context.rollback(mark)
+                    record.decode_ms = (clock.now() - t3) * 1e3
+                    return refuse('overrun_abort', predicted,
+                                  f'{remaining} decode steps left would pass the deadline')
+                self.context.decode(action_segment, token)
+                clock.charge(model.decode_ms(self.context.length) * scale)
+                record.n_decode += 1
+            t4 = clock.now()
+            record.decode_ms = (t4 - t3) * 1e3
+        except (BackendError, CacheFullError, FloatingPointError) as exc:
+            if mark is not None:
+                try:
+                    self.context.rollback(mark)
+                except Exception:  # the backend is broken; the node will clean up
+                    pass
+            return refuse('backend_error', predicted, str(exc))
+        if t4 > deadline:
+            record.late = True
+            self.context.rollback(mark)
+            return refuse('overrun_abort', predicted, 'finished after the deadline')
+        self.context.defer(action_segment, [chosen[-1], *self.grammar.end_ids])
+        for ids, kind, topic, part_stamp in parts[:-1]:
+            self.rendered[topic] = part_stamp
+        self.admission.observe(n_prefill, length, record.n_decode, kept,
+                               (t4 - t1) * 1e3)
+        self.context.tick()
+        record.decision = 'action'
+        record.cache_length = self.context.length
+        record.total_ms = (t4 - t0) * 1e3
+        action = self.grammar.action(state, prefix + chosen + list(self.grammar.end_ids))
+        return TickResult(action, None, record)

@@ -1,0 +1,196 @@
+"""Train the demo policy by imitation of the expert; export an HF-layout checkpoint.
+
+Offline tooling (torch + transformers), run on the GPU machine:
+
+    python tools/train_demo_policy.py --out rt_llm_node/demo/model
+
+Steps: expert episodes on training seeds (with DART noise on half of them) ->
+a byte-level BPE tokenizer trained on their text -> token streams rendered
+exactly as the node renders them -> training contexts that, like the bounded
+cache, randomly drop old observation segments and re-base positions -> a small
+Llama trained on the action tokens -> config.json + model.safetensors +
+tokenizer.json + training.json (command, seed, data size, steps, final loss).
+"""
+
+import argparse
+from concurrent.futures import ProcessPoolExecutor
+import json
+import os
+from pathlib import Path
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rt_llm_node.demo.episodes import episode_texts  # noqa: E402
+from rt_llm_node.demo.episodes import expert_episode  # noqa: E402
+from rt_llm_node.demo.episodes import success_rate  # noqa: E402
+from rt_llm_node.demo.episodes import system_ids  # noqa: E402
+from rt_llm_node.demo.episodes import train_tokenizer  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+
+MODEL = {'vocab_size': 768, 'hidden_size': 192, 'intermediate_size': 512,
+         'num_hidden_layers': 4, 'num_attention_heads': 6, 'num_key_value_heads': 2,
+         'head_dim': 32, 'max_position_embeddings': 1024, 'rms_norm_eps': 1e-5,
+         'rope_theta': 10000.0, 'tie_word_embeddings': True}
+BUDGETS = (128, 192, 256, 384, 512, 768, 1024)
+
+
+def _texts(seed):
+    return episode_texts(seed)
+
+
+def _episode(job):
+    seed, tokenizer_json, noisy = job
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    noise = (0.15, 0.5) if noisy else (0.0, 0.0)
+    return expert_episode(seed, tokenizer, noise=noise)
+
+
+def build_sample(episode, system, end, budget, rng):
+    """Token ids and loss mask of one context ending at tick ``end``."""
+    ticks = episode.ticks
+    # the instruction in force at ``end``
+    instr = None
+    for t in range(end, -1, -1):
+        found = [s for s in ticks[t].segments if s[0] == 'instruction']
+        if found:
+            instr = (t, found[0][2])
+            break
+    p_drop_obs = rng.choice([0.0, 0.5, 0.8, 0.95, 1.0])
+    p_drop_act = rng.choice([0.0, 0.0, 0.3])
+    pieces = []          # reversed chronological list of (ids, is_target_mask)
+    used = len(system) + (len(instr[1]) if instr else 0)
+    for t in range(end, -1, -1):
+        tick = ticks[t]
+        chunk, mask = [], []
+        for kind, _, ids in tick.segments:
+            if kind == 'instruction':
+                continue
+            if t != end and rng.random() < p_drop_obs:
+                continue
+            chunk += ids
+            mask += [0] * len(ids)
+        keep_action = t == end or rng.random() >= p_drop_act
+        if keep_action:
+            a = tick.action_ids
+            chunk += a
+            mask += [0] * tick.n_prefix + [1] * (len(a) - tick.n_prefix)
+        if used + len(chunk) > budget:
+            break
+        used += len(chunk)
+        pieces.append((t, chunk, mask))
+    pieces.reverse()
+    ids, mask = list(system), [0] * len(system)
+    placed = False
+    for t, chunk, m in pieces:
+        if instr and not placed and t >= instr[0]:
+            ids += instr[1]
+            mask += [0] * len(instr[1])
+            placed = True
+        ids += chunk
+        mask += m
+    if instr and not placed:
+        ids += instr[1]
+        mask += [0] * len(instr[1])
+    return ids, mask
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--out', default='rt_llm_node/demo/model')
+    parser.add_argument('--episodes', type=int, default=1600)
+    parser.add_argument('--steps', type=int, default=3000)
+    parser.add_argument('--batch', type=int, default=64)
+    parser.add_argument('--lr', type=float, default=2e-3)
+    parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--workers', type=int, default=os.cpu_count())
+    args = parser.parse_args()
+    import torch
+    import transformers
+    started = time.time()
+    rng = np.random.default_rng(args.seed)
+    torch.manual_seed(args.seed)
+    seeds = list(range(args.seed * 100000, args.seed * 100000 + args.episodes))
+    with ProcessPoolExecutor(args.workers) as pool:
+        texts = [line for lines in pool.map(_texts, seeds[:200]) for line in lines]
+        tokenizer = train_tokenizer(texts, MODEL['vocab_size'])
+        tokenizer_json = tokenizer.to_str()
+        jobs = [(s, tokenizer_json, i % 2 == 1) for i, s in enumerate(seeds)]
+        episodes = list(pool.map(_episode, jobs, chunksize=8))
+    data_s = time.time() - started
+    clean = [e for i, e in enumerate(episodes) if i % 2 == 0]
+    n_ticks = sum(len(e.ticks) for e in episodes)
+    print(f'{len(episodes)} episodes, {n_ticks} ticks, expert success on clean episodes '
+          f'{success_rate([r for e in clean for r in e.results]):.3f}, data {data_s:.0f} s',
+          flush=True)
+    system = system_ids(tokenizer)
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    config = transformers.LlamaConfig(**MODEL, bos_token_id=None, eos_token_id=None)
+    model = transformers.LlamaForCausalLM(config).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
+                                  betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr,
+                                                   total_steps=args.steps, pct_start=0.05)
+    losses = []
+    tokens_seen = 0
+    for step in range(args.steps):
+        batch_ids, batch_mask = [], []
+        budget = int(rng.choice(BUDGETS))
+        for _ in range(args.batch):
+            episode = episodes[rng.integers(len(episodes))]
+            end = int(rng.integers(len(episode.ticks)))
+            ids, mask = build_sample(episode, system, end, budget, rng)
+            if not any(mask):  # the newest tick alone outgrew the budget: give it room
+                ids, mask = build_sample(episode, system, end, max(BUDGETS), rng)
+            batch_ids.append(ids)
+            batch_mask.append(mask)
+        width = max(len(i) for i in batch_ids)
+        ids = torch.zeros(len(batch_ids), width, dtype=torch.long)
+        labels = torch.full((len(batch_ids), width), -100, dtype=torch.long)
+        attention = torch.zeros(len(batch_ids), width, dtype=torch.long)
+        for b, (i, m) in enumerate(zip(batch_ids, batch_mask)):
+            ids[b, :len(i)] = torch.tensor(i)
+            attention[b, :len(i)] = 1
+            target = torch.tensor(i)
+            target[torch.tensor(m) == 0] = -100
+            labels[b, :len(i)] = target
+            tokens_seen += len(i)
+        ids, labels, attention = ids.to(device), labels.to(device), attention.to(device)
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == 'cuda'):
+            loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+        if step % 200 == 0 or step == args.steps - 1 or not np.isfinite(losses[-1]):
+            print(f'step {step} budget {budget} loss {np.mean(losses[-50:]):.4f} '
+                  f'{time.time() - started:.0f} s', flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = model.to('cpu').to(torch.bfloat16)
+    model.save_pretrained(out)
+    tokenizer.save(str(out / 'tokenizer.json'))
+    for extra in ('generation_config.json',):
+        if (out / extra).exists():
+            (out / extra).unlink()
+    record = {
+        'command': 'python tools/train_demo_policy.py ' + ' '.join(sys.argv[1:]),
+        'seed': args.seed, 'train_seeds': [seeds[0], seeds[-1]], 'episodes': len(episodes),
+        'ticks': n_ticks, 'tokens_seen': tokens_seen, 'steps': args.steps,
+        'batch': args.batch, 'lr': args.lr, 'parameters': n_params,
+        'final_loss': float(np.mean(losses[-100:])), 'wall_s': round(time.time() - started, 1),
+        'device': torch.cuda.get_device_name() if device == 'cuda' else 'cpu',
+        'torch': torch.__version__, 'transformers': transformers.__version__,
+    }
+    (out / 'training.json').write_text(json.dumps(record, indent=2) + '\n')
+    print(json.dumps(record))
+
+
+if __name__ == '__main__':
+    main()
