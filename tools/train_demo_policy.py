@@ -60,7 +60,7 @@ def build_sample(episode, system, end, budget, rng):
             instr = (t, found[0][2])
             break
     p_drop_obs = rng.choice([0.0, 0.5, 0.8, 0.95, 1.0])
-    p_drop_act = rng.choice([0.0, 0.0, 0.3])
+    p_drop_act = rng.choice([0.0, 0.3, 0.7])
     pieces = []          # reversed chronological list of (ids, is_target_mask)
     used = len(system) + (len(instr[1]) if instr else 0)
     for t in range(end, -1, -1):
@@ -120,6 +120,9 @@ def main():
         tokenizer_json = tokenizer.to_str()
         jobs = [(s, tokenizer_json, i % 2 == 1) for i, s in enumerate(seeds)]
         episodes = list(pool.map(_episode, jobs, chunksize=8))
+    for episode in episodes:
+        episode.goal_starts = [t for t, tick in enumerate(episode.ticks)
+                               if any(s[0] == 'instruction' for s in tick.segments)]
     data_s = time.time() - started
     clean = [e for i, e in enumerate(episodes) if i % 2 == 0]
     n_ticks = sum(len(e.ticks) for e in episodes)
@@ -142,7 +145,11 @@ def main():
         budget = int(rng.choice(BUDGETS))
         for _ in range(args.batch):
             episode = episodes[rng.integers(len(episodes))]
-            end = int(rng.integers(len(episode.ticks)))
+            if rng.random() < 0.2:  # oversample the first ticks of a goal (no useful history)
+                start = int(rng.choice(episode.goal_starts))
+                end = min(len(episode.ticks) - 1, start + int(rng.integers(30)))
+            else:
+                end = int(rng.integers(len(episode.ticks)))
             ids, mask = build_sample(episode, system, end, budget, rng)
             if not any(mask):  # the newest tick alone outgrew the budget: give it room
                 ids, mask = build_sample(episode, system, end, max(BUDGETS), rng)

@@ -63,4 +63,9 @@ def expert_command(instruction, sectors, detections_text, last_w=0.0):
             slow = min(slow, max(0.0, (clear - 0.3) / 0.7))
     w = _clip(turn, MAX_W)
     v = MAX_V * min(1.0, distance / 1.2) * max(0.0, math.cos(bearing)) ** 2 * slow
+    if v < 0.05:  # turning on the spot: never reverse the turn (no dithering in place)
+        if abs(last_w) > 0.1 and (w * last_w <= 0 or abs(w) < 0.5):
+            w = math.copysign(max(abs(w), 0.5), last_w)
+        elif abs(w) < 0.2:
+            w = math.copysign(0.5, bearing if abs(bearing) > 0.05 else 1.0)
     return v, w
