@@ -54,6 +54,9 @@ setup(
         'console_scripts': [
             'rt-llm-generate = rt_llm_node.generate:main',
             'rt-llm-eval = rt_llm_node.demo.evaluate:main',
+            'rt-llm-node = rt_llm_node.node:main',
+            'rt-llm-demo = rt_llm_node.demo.run:main',
+            'rt-llm-demo-world = rt_llm_node.demo.world_node:main',
         ],
     },
 )

@@ -342,6 +342,11 @@ class FieldGrammar:
             return 0 if not node.children else 1 + max(depth(c) for c in node.children.values())
         return sum(depth(t) for t in self.tries)
 
+    def typical_decode_tokens(self):
+        """Tokens of an action whose every field takes its median-length value."""
+        return sum(sorted(len(self._word_ids(f.text(v))) for v in f.values)[len(f.values) // 2]
+                   for f in self.fields)
+
     # decoding state: (field index, trie node, chosen values)
     def start(self):
         return (0, self.tries[0], ())
@@ -425,6 +430,9 @@ class StringGrammar:
         self._all = np.arange(vocab, dtype=np.int64)
 
     def max_decode_tokens(self):
+        return self.max_tokens
+
+    def typical_decode_tokens(self):
         return self.max_tokens
 
     def start(self):

@@ -9,6 +9,7 @@ the host happened to take. The same engine runs in the node, the replay tool,
 the demo evaluation and the tests.
 """
 
+from collections import deque
 from dataclasses import asdict
 from dataclasses import dataclass
 import threading
@@ -142,6 +143,9 @@ class TickEngine:
         self.index = 0
         self.rendered = {}            # topic -> receive stamp of the last message in the cache
         self.max_decode = grammar.max_decode_tokens()
+        # decode calls per action: the worst of the recent ticks (typical until observed);
+        # a longer action than predicted is caught by the watchdog between steps
+        self.recent_decodes = deque([max(0, grammar.typical_decode_tokens() - 1)], maxlen=300)
         self.ready = False
 
     def start(self):
@@ -210,7 +214,7 @@ class TickEngine:
         prefix = list(self.grammar.prefix_ids)
         parts.append((prefix, ACTION, '', stamp))
         n_prefill = self.context.pending_tokens + sum(len(p[0]) for p in parts)
-        n_decode = max(0, self.max_decode - 1)    # the last chosen token is deferred
+        n_decode = max(self.recent_decodes)      # the last chosen token is deferred
         t1 = clock.now()
         record.render_ms = (t1 - t0) * 1e3
         try:
@@ -278,6 +282,7 @@ class TickEngine:
             self.rendered[topic] = part_stamp
         self.admission.observe(n_prefill, length, record.n_decode, kept,
                                (t4 - t1) * 1e3)
+        self.recent_decodes.append(record.n_decode)
         self.context.tick()
         record.decision = 'action'
         record.cache_length = self.context.length

@@ -16,8 +16,7 @@ INPUTS = (
     InputSpec('/scan', 'sensor_msgs/msg/LaserScan', max_age_s=0.2, max_tokens=24,
               options={'sectors': 12}),
     InputSpec('/odom', 'nav_msgs/msg/Odometry', max_age_s=0.2, max_tokens=24),
-    InputSpec('/detections', 'std_msgs/msg/String', prefix='det', max_age_s=0.2, max_tokens=40,
-              options={'max_chars': 120}),
+    InputSpec('/detections', 'std_msgs/msg/String', prefix='det', max_age_s=0.2, max_tokens=40),
 )
 
 TWIST_FIELDS = (

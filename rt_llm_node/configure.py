@@ -1,0 +1,88 @@
+"""Build a ready TickEngine from parameter values: load, allocate, warm up, calibrate.
+
+No ROS here: the node calls it in ``on_configure``; replay and tests call it too.
+"""
+
+import time
+
+from rt_llm_node.admission import Admission
+from rt_llm_node.admission import calibrate
+from rt_llm_node.backends import make_backend
+from rt_llm_node.codec import ActionField
+from rt_llm_node.codec import FieldGrammar
+from rt_llm_node.codec import InputSpec
+from rt_llm_node.codec import StringGrammar
+from rt_llm_node.codec import twist_grammar
+from rt_llm_node.engine import TickEngine
+from rt_llm_node.model import load_checkpoint
+from rt_llm_node.model.embedded import default_model_path
+from rt_llm_node.params import validate
+
+
+class ConfigurationError(ValueError):
+    """Parameters that cannot make an engine (the message says which and why)."""
+
+
+def input_specs(values):
+    """InputSpec per configured input topic."""
+    specs = []
+    for i, topic in enumerate(values['input_topics']):
+        options = {'sectors': values['scan_sectors']} if values['input_types'][i].endswith(
+            'LaserScan') else {}
+        specs.append(InputSpec(topic, values['input_types'][i],
+                               max_age_s=values['input_max_age_s'][i],
+                               kind=values['input_kinds'][i],
+                               prefix=values['input_prefixes'][i],
+                               max_tokens=values['input_max_tokens'][i], options=options))
+    return specs
+
+
+def action_grammar(values, tokenizer):
+    """The action grammar the parameters describe."""
+    kind = values['action_type']
+    if kind == 'geometry_msgs/msg/Twist':
+        fields = [{'name': n, 'key': k, 'min': lo, 'max': hi, 'step': st}
+                  for n, k, lo, hi, st in zip(values['action_fields'], values['action_keys'],
+                                              values['action_min'], values['action_max'],
+                                              values['action_step'])]
+        return twist_grammar(tokenizer, fields)
+    if kind == 'trajectory_msgs/msg/JointTrajectory':
+        fields = [ActionField(n, f'j{i}', lo, hi, st) for i, (n, lo, hi, st) in enumerate(
+            zip(values['action_fields'], values['action_min'], values['action_max'],
+                values['action_step']))]
+        return FieldGrammar(tokenizer, 'joint_trajectory', fields)
+    return StringGrammar(tokenizer, values['action_max_tokens'], values['action_stop_text'])
+
+
+def configure_engine(values, clock=None, log=print):
+    """Validate, load the model, allocate the backend, warm up, calibrate; return the engine."""
+    errors = validate(values)
+    if errors:
+        raise ConfigurationError('; '.join(errors))
+    started = time.monotonic()
+    path = values['model_path'] or default_model_path()
+    log(f'loading model from {path}')
+    checkpoint = load_checkpoint(path)
+    cfg = checkpoint.config
+    if values['kv_capacity_tokens'] > cfg.max_position_embeddings:
+        raise ConfigurationError(
+            f"kv_capacity_tokens = {values['kv_capacity_tokens']} exceeds the model's trained "
+            f'length {cfg.max_position_embeddings}')
+    log(f'{cfg.family} model: {cfg.n_parameters() / 1e6:.1f}M parameters, '
+        f'{cfg.num_layers} layers, vocab {cfg.vocab_size}, weights {checkpoint.weight_dtype}')
+    backend = make_backend(values['backend'], checkpoint, values['kv_capacity_tokens'])
+    log(f'backend {backend.name}: KV cache of {backend.capacity} tokens allocated')
+    grammar = action_grammar(values, checkpoint.tokenizer)
+    specs = input_specs(values)
+    log('warming up and calibrating the cost model on this device')
+    model = calibrate(backend, cfg.vocab_size, repeats=values['calibration_repeats'],
+                      log=log)
+    log(f'cost model: prefill {model.prefill}, decode {model.decode}, '
+        f'compact {model.compact}')
+    admission = Admission(model, margin_ms=values['deadline_margin_ms'])
+    engine = TickEngine(backend, checkpoint.tokenizer, specs, grammar, admission,
+                        policy=values['eviction_policy'], system_prompt=values['system_prompt'],
+                        clock=clock)
+    engine.start()
+    log(f'configured in {time.monotonic() - started:.1f} s')
+    return engine

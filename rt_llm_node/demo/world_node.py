@@ -1,0 +1,91 @@
+"""``rt-llm-demo-world``: the demo world as a ROS 2 node (30 Hz, real topics).
+
+Publishes /scan, /odom, /detections (sensor QoS) and /instruction (reliable,
+transient local: once per goal); drives the robot with the latest /cmd_vel
+(zero if none arrived for ``cmd_timeout_s``). Episodes follow one another.
+"""
+
+import argparse
+import sys
+import time
+
+from geometry_msgs.msg import Twist
+from nav_msgs.msg import Odometry
+import rclpy
+from rclpy.executors import ExternalShutdownException
+from rclpy.node import Node
+from rclpy.qos import qos_profile_sensor_data
+from sensor_msgs.msg import LaserScan
+from std_msgs.msg import String
+
+from rt_llm_node.demo.messages import MessageFactory
+from rt_llm_node.demo.world import DemoWorld
+from rt_llm_node.node import INSTRUCTION_QOS
+
+
+class DemoWorldNode(Node):
+    """Steps a DemoWorld at ``rate_hz`` on the node's timer."""
+
+    def __init__(self, seed=1_000_000, rate_hz=30.0, cmd_timeout_s=0.5):
+        super().__init__('rt_llm_demo_world')
+        self.seed = seed
+        self.cmd_timeout_s = cmd_timeout_s
+        self.world = DemoWorld(seed, messages=MessageFactory(ros=True))
+        self.cmd = (0.0, 0.0)
+        self.cmd_time = 0.0
+        self.goals = {'reached': 0, 'timeout': 0}
+        self.trajectory = []           # (t, x, y, episode)
+        self.episode = 0
+        self.pubs = {
+            '/scan': self.create_publisher(LaserScan, '/scan', qos_profile_sensor_data),
+            '/odom': self.create_publisher(Odometry, '/odom', qos_profile_sensor_data),
+            '/detections': self.create_publisher(String, '/detections', qos_profile_sensor_data),
+            '/instruction': self.create_publisher(String, '/instruction', INSTRUCTION_QOS),
+        }
+        self.create_subscription(Twist, '/cmd_vel', self._on_cmd, 1)
+        self.create_timer(1.0 / rate_hz, self._step)
+
+    def _on_cmd(self, msg):
+        self.cmd = (msg.linear.x, msg.angular.z)
+        self.cmd_time = time.monotonic()
+
+    def _step(self):
+        if self.world.done:
+            self.episode += 1
+            self.world = DemoWorld(self.seed + self.episode, messages=MessageFactory(ros=True))
+        stamp = self.get_clock().now().to_msg()
+        for topic, msg in self.world.observe().items():
+            if hasattr(msg, 'header'):
+                msg.header.stamp = stamp
+            self.pubs[topic].publish(msg)
+        v, w = self.cmd if time.monotonic() - self.cmd_time < self.cmd_timeout_s else (0.0, 0.0)
+        event = self.world.step(v, w)
+        if event:
+            self.goals[event] += 1
+            self.get_logger().info(f'goal {event}: {self.world.results}')
+        self.trajectory.append((time.monotonic(), self.world.x, self.world.y, self.episode))
+
+
+def main(args=None):
+    argv = list(sys.argv[1:] if args is None else args)
+    ros_args = argv[argv.index('--ros-args'):] if '--ros-args' in argv else []
+    parser = argparse.ArgumentParser(prog='rt-llm-demo-world')
+    parser.add_argument('--seed', type=int, default=1_000_000)
+    options = parser.parse_args(argv[:len(argv) - len(ros_args)])
+    rclpy.init(args=['rt-llm-demo-world', *ros_args])
+    node = None
+    try:
+        node = DemoWorldNode(seed=options.seed)
+        rclpy.spin(node)
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        if node is not None:
+            node.destroy_node()
+        if rclpy.ok():
+            rclpy.shutdown()
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

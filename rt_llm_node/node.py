@@ -1,0 +1,388 @@
+"""The ROS 2 lifecycle node: parameters, subscriptions, publishers, the control thread.
+
+A thin adapter around ``TickEngine``: no model math here. ``on_configure`` loads,
+compiles, allocates, warms up and calibrates; ``on_activate`` only starts the
+control thread; ``on_deactivate`` stops it and sends the fallback action;
+``on_cleanup``/``on_shutdown`` release everything.
+"""
+
+import argparse
+from collections import Counter
+from collections import deque
+import gc
+import sys
+import threading
+import time
+from typing import Optional
+
+from diagnostic_msgs.msg import DiagnosticArray
+from diagnostic_msgs.msg import DiagnosticStatus
+from diagnostic_msgs.msg import KeyValue
+from geometry_msgs.msg import Twist
+from nav_msgs.msg import Odometry
+from rcl_interfaces.msg import FloatingPointRange
+from rcl_interfaces.msg import IntegerRange
+from rcl_interfaces.msg import ParameterDescriptor
+from rcl_interfaces.msg import SetParametersResult
+import rclpy
+from rclpy.duration import Duration
+from rclpy.executors import ExternalShutdownException
+from rclpy.lifecycle import LifecycleNode
+from rclpy.lifecycle import TransitionCallbackReturn
+from rclpy.qos import DurabilityPolicy
+from rclpy.qos import qos_profile_sensor_data
+from rclpy.qos import QoSProfile
+from rclpy.qos import ReliabilityPolicy
+from sensor_msgs.msg import Imu
+from sensor_msgs.msg import JointState
+from sensor_msgs.msg import LaserScan
+from std_msgs.msg import String
+from trajectory_msgs.msg import JointTrajectory
+from trajectory_msgs.msg import JointTrajectoryPoint
+
+try:  # Jazzy and later
+    from rclpy.event_handler import PublisherEventCallbacks
+except ImportError:  # Humble
+    from rclpy.qos_event import PublisherEventCallbacks
+
+from rt_llm_node.codec import fallback_values
+from rt_llm_node.configure import configure_engine
+from rt_llm_node.engine import InputBuffer
+from rt_llm_node.params import PARAMETERS
+from rt_llm_node.params import validate
+
+MESSAGE_CLASSES = {
+    'sensor_msgs/msg/LaserScan': LaserScan,
+    'nav_msgs/msg/Odometry': Odometry,
+    'sensor_msgs/msg/Imu': Imu,
+    'sensor_msgs/msg/JointState': JointState,
+    'geometry_msgs/msg/Twist': Twist,
+    'std_msgs/msg/String': String,
+    'trajectory_msgs/msg/JointTrajectory': JointTrajectory,
+}
+INSTRUCTION_QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE,
+                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
+
+
+def _descriptor(p):
+    d = ParameterDescriptor(description=p.description)
+    if p.choices:
+        d.additional_constraints = 'one of: ' + ', '.join(p.choices)
+    if p.low is not None and isinstance(p.default, float):
+        d.floating_point_range = [FloatingPointRange(from_value=float(p.low),
+                                                     to_value=float(p.high))]
+    elif p.low is not None:
+        d.integer_range = [IntegerRange(from_value=int(p.low), to_value=int(p.high))]
+    return d
+
+
+def to_message(action, action_type, period_s):
+    """The ROS message of an Action (values already clamped by the grammar)."""
+    if action_type == 'geometry_msgs/msg/Twist':
+        msg = Twist()
+        for name, value in action.values.items():
+            group, axis = name.split('.')
+            setattr(getattr(msg, group), axis, float(value))
+        return msg
+    if action_type == 'std_msgs/msg/String':
+        return String(data=action.text)
+    msg = JointTrajectory()
+    msg.joint_names = list(action.values)
+    point = JointTrajectoryPoint()
+    point.positions = [float(v) for v in action.values.values()]
+    point.time_from_start = Duration(seconds=period_s).to_msg()
+    msg.points = [point]
+    return msg
+
+
+class RtLlmNode(LifecycleNode):
+    """Every tick: snapshot inputs, admit or refuse, decode an action before the deadline."""
+
+    def __init__(self, node_name='rt_llm_node', **kwargs):
+        super().__init__(node_name, **kwargs)
+        self._engine = None
+        self._action_pub = None
+        self._refusal_pub = None
+        self._diagnostics_pub = None
+        self._diagnostics_timer = None
+        self._subscriptions_ = []
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._buffer = InputBuffer()
+        self._values = {}
+        self._last_action = None
+        self._stats_lock = threading.Lock()
+        self._reset_stats()
+        for p in PARAMETERS:
+            self.declare_parameter(p.name, p.default, _descriptor(p))
+        self.add_on_set_parameters_callback(self._on_set_parameters)
+
+    # -- parameters ---------------------------------------------------------------------
+    def _current_values(self, overrides=()):
+        values = {p.name: self.get_parameter(p.name).value for p in PARAMETERS}
+        values.update(dict(overrides))
+        for name, value in values.items():
+            if isinstance(value, tuple) or (hasattr(value, 'tolist')):
+                values[name] = list(value)
+        return values
+
+    def _on_set_parameters(self, params):
+        changes = {}
+        for p in params:
+            value = p.value
+            if hasattr(value, 'tolist'):
+                value = value.tolist()
+            changes[p.name] = list(value) if isinstance(value, tuple) else value
+        errors = validate(self._current_values(changes))
+        if errors:
+            return SetParametersResult(successful=False, reason='; '.join(errors))
+        if self._engine is not None and set(changes) - {'on_refusal'}:
+            return SetParametersResult(successful=False, reason='node is configured: '
+                                       'clean up before changing parameters')
+        if 'on_refusal' in changes:
+            self._values['on_refusal'] = changes['on_refusal']
+        return SetParametersResult(successful=True)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def on_configure(self, state):
+        self._values = self._current_values()
+        try:
+            self._engine = configure_engine(self._values,
+                                            log=lambda text: self.get_logger().info(text))
+        except Exception as exc:  # every failure is reported, never raised into rclpy
+            self.get_logger().error(f'configure failed: {exc}')
+            self._engine = None
+            return TransitionCallbackReturn.FAILURE
+        v = self._values
+        period = 1.0 / v['rate_hz']
+        action_qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                                deadline=Duration(seconds=period))
+        callbacks = PublisherEventCallbacks(deadline=self._on_deadline_missed)
+        self._action_pub = self.create_lifecycle_publisher(
+            MESSAGE_CLASSES[v['action_type']], v['action_topic'], action_qos,
+            event_callbacks=callbacks)
+        self._refusal_pub = self.create_lifecycle_publisher(DiagnosticArray, '~/refusal', 10)
+        self._diagnostics_pub = self.create_lifecycle_publisher(DiagnosticArray,
+                                                                '/diagnostics', 10)
+        for spec in self._engine.inputs:
+            qos = INSTRUCTION_QOS if spec.kind == 'instruction' else qos_profile_sensor_data
+            self._subscriptions_.append(self.create_subscription(
+                MESSAGE_CLASSES[spec.type], spec.topic,
+                lambda msg, topic=spec.topic: self._buffer.put(topic, msg, time.monotonic()),
+                qos))
+        self.get_logger().info(f'configured: {len(self._engine.inputs)} inputs, action on '
+                               f"{v['action_topic']} at {v['rate_hz']} Hz")
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_activate(self, state):
+        self._reset_stats()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._control_loop, name='rt_llm_control',
+                                        daemon=True)
+        self._diagnostics_timer = self.create_timer(1.0, self._publish_diagnostics)
+        result = super().on_activate(state)
+        self._thread.start()
+        return result
+
+    def on_deactivate(self, state):
+        self._stop_loop()
+        self._publish_fallback(force_stop=True)
+        if self._diagnostics_timer is not None:
+            self.destroy_timer(self._diagnostics_timer)
+            self._diagnostics_timer = None
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state):
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state):
+        self._stop_loop()
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_error(self, state):
+        self.get_logger().error('error processing: releasing the model')
+        self._stop_loop()
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def _release(self):
+        for sub in self._subscriptions_:
+            self.destroy_subscription(sub)
+        self._subscriptions_ = []
+        for pub in (self._action_pub, self._refusal_pub, self._diagnostics_pub):
+            if pub is not None:
+                self.destroy_lifecycle_publisher(pub)
+        self._action_pub = self._refusal_pub = self._diagnostics_pub = None
+        self._engine = None
+        self._buffer.clear()
+        self._last_action = None
+        gc.collect()
+
+    def _stop_loop(self):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+        gc.enable()
+
+    # -- the control loop ---------------------------------------------------------------
+    def _reset_stats(self):
+        with self._stats_lock:
+            self._stats = Counter()
+            self._refusals = Counter()
+            self._latencies = deque(maxlen=3000)
+            self._cache_occupancy = 0.0
+
+    def _on_deadline_missed(self, event):
+        with self._stats_lock:
+            self._stats['qos_deadline_missed'] += event.total_count_change
+
+    def _control_loop(self):
+        engine = self._engine
+        period = 1.0 / self._values['rate_hz']
+        margin = self._values['deadline_margin_ms'] / 1e3
+        gc.disable()  # collected between ticks when there is time, never inside one
+        next_start = time.monotonic() + period
+        consecutive_errors = 0
+        while not self._stop.is_set():
+            delay = next_start - time.monotonic()
+            if delay > 0:
+                self._stop.wait(delay)
+                if self._stop.is_set():
+                    break
+            start = next_start
+            next_start += period
+            now = time.monotonic()
+            if now > start + period:  # fell a whole period behind: skip, do not burst
+                skipped = int((now - start) / period)
+                next_start = start + (skipped + 1) * period
+                with self._stats_lock:
+                    self._stats['skipped_periods'] += skipped
+                continue
+            ros_start = self.get_clock().now()
+            deadline = start + period - margin
+            result = engine.tick(self._buffer.snapshot(), start, deadline)
+            self._publish_result(result, ros_start, start)
+            rec = result.record
+            consecutive_errors = consecutive_errors + 1 if rec.reason == 'backend_error' else 0
+            with self._stats_lock:
+                self._stats['ticks'] += 1
+                self._stats['actions' if result.action else 'refusals'] += 1
+                if result.refusal:
+                    self._refusals[result.refusal.reason] += 1
+                self._stats['late'] += int(rec.late)
+                self._latencies.append((time.monotonic() - start) * 1e3)
+                self._cache_occupancy = rec.cache_length / max(1, rec.capacity)
+            if consecutive_errors >= self._values['backend_error_limit']:
+                self.get_logger().error(f'{consecutive_errors} consecutive backend errors: '
+                                        'stopping the control loop')
+                self._publish_fallback(force_stop=True)
+                break
+            if next_start - time.monotonic() > 0.5 * period:
+                gc.collect(0)
+        gc.enable()
+
+    def _publish_result(self, result, ros_start, start):
+        if result.action is not None:
+            self._last_action = result.action
+            self._action_pub.publish(to_message(result.action, self._values['action_type'],
+                                                1.0 / self._values['rate_hz']))
+            return
+        r = result.refusal
+        stamp = ros_start.to_msg()
+        deadline_ros = ros_start + Duration(seconds=r.deadline - start)
+        status = DiagnosticStatus(level=DiagnosticStatus.WARN, name=self.get_fully_qualified_name(),
+                                  message=r.reason, hardware_id='rt_llm_node')
+        status.values = [KeyValue(key='tick', value=str(r.tick)),
+                         KeyValue(key='reason', value=r.reason),
+                         KeyValue(key='predicted_ms', value=f'{r.predicted_ms:.3f}'),
+                         KeyValue(key='available_ms', value=f'{r.available_ms:.3f}'),
+                         KeyValue(key='deadline_stamp',
+                                  value=str(deadline_ros.nanoseconds)),
+                         KeyValue(key='detail', value=r.detail[:200])]
+        array = DiagnosticArray(status=[status])
+        array.header.stamp = stamp
+        self._refusal_pub.publish(array)
+        self._publish_fallback()
+
+    def _publish_fallback(self, force_stop=False):
+        if self._action_pub is None or self._engine is None:
+            return
+        mode = 'stop' if force_stop else self._values.get('on_refusal', 'stop')
+        if mode == 'none':
+            return
+        action = fallback_values(self._engine.grammar, mode, self._last_action)
+        self._action_pub.publish(to_message(action, self._values['action_type'],
+                                            1.0 / self._values['rate_hz']))
+
+    def _publish_diagnostics(self):
+        if self._diagnostics_pub is None:
+            return
+        with self._stats_lock:
+            stats = dict(self._stats)
+            refusals = dict(self._refusals)
+            latencies = sorted(self._latencies)
+            occupancy = self._cache_occupancy
+
+        def pct(q):
+            return latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies \
+                else 0.0
+        status = DiagnosticStatus(level=DiagnosticStatus.OK, name=self.get_fully_qualified_name(),
+                                  message='running', hardware_id='rt_llm_node')
+        pairs = {'ticks': stats.get('ticks', 0), 'actions': stats.get('actions', 0),
+                 'refusals': stats.get('refusals', 0),
+                 'admitted_but_late': stats.get('late', 0),
+                 'qos_deadline_missed': stats.get('qos_deadline_missed', 0),
+                 'skipped_periods': stats.get('skipped_periods', 0),
+                 'tick_ms_p50': f'{pct(0.5):.2f}', 'tick_ms_p99': f'{pct(0.99):.2f}',
+                 'tick_ms_max': f'{latencies[-1] if latencies else 0.0:.2f}',
+                 'cache_occupancy': f'{occupancy:.3f}'}
+        pairs.update({f'refusals_{k}': v for k, v in refusals.items()})
+        if refusals:
+            status.level = DiagnosticStatus.WARN
+            status.message = 'refusing some ticks'
+        status.values = [KeyValue(key=k, value=str(v)) for k, v in pairs.items()]
+        array = DiagnosticArray(status=[status])
+        array.header.stamp = self.get_clock().now().to_msg()
+        self._diagnostics_pub.publish(array)
+
+    def stats(self):
+        """A copy of the counters (for tests and the demo)."""
+        with self._stats_lock:
+            return dict(self._stats), dict(self._refusals), list(self._latencies)
+
+
+def main(args=None):
+    """rt-llm-node [--autostart] [--ros-args --params-file FILE ...]."""
+    argv = list(sys.argv if args is None else args)
+    ros_args = argv[argv.index('--ros-args'):] if '--ros-args' in argv else []
+    own = argv[1:len(argv) - len(ros_args)] if args is None else argv[:len(argv) - len(ros_args)]
+    parser = argparse.ArgumentParser(prog='rt-llm-node')
+    parser.add_argument('--autostart', action='store_true',
+                        help='configure and activate at start (no lifecycle manager needed)')
+    options = parser.parse_args(own)
+    rclpy.init(args=['rt-llm-node', *ros_args])
+    node = None
+    try:
+        node = RtLlmNode()
+        if options.autostart:
+            if node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
+                node.get_logger().error('autostart: configure failed')
+                return 1
+            node.trigger_activate()
+        rclpy.spin(node)
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        if node is not None:
+            node._stop_loop()
+            node.destroy_node()
+        if rclpy.ok():
+            rclpy.shutdown()
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The node's parameters: names, defaults, descriptions, ranges and validation. No ROS here.
+
+``PARAMETERS`` is the single source: the node declares from it, the YAML files
+are checked against it by a test, and ``validate`` is used both by the node's
+on-set-parameters callback and at configure.
+"""
+
+from dataclasses import dataclass
+import math
+
+from rt_llm_node.backends import BACKENDS
+from rt_llm_node.codec import normalize_type
+from rt_llm_node.kvcache import POLICIES
+
+ON_REFUSAL = ('stop', 'hold', 'none')
+ACTION_TYPES = ('geometry_msgs/msg/Twist', 'std_msgs/msg/String',
+                'trajectory_msgs/msg/JointTrajectory')
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    default: object
+    description: str
+    low: float = None
+    high: float = None
+    choices: tuple = ()
+
+
+PARAMETERS = (
+    Param('model_path', '', 'HF-layout checkpoint directory; empty: the embedded demo model'),
+    Param('backend', 'auto', 'inference backend', choices=BACKENDS),
+    Param('rate_hz', 30.0, 'control rate (ticks per second)', 1.0, 200.0),
+    Param('deadline_margin_ms', 3.0, 'safety margin kept before each tick deadline (ms)',
+          0.0, 100.0),
+    Param('kv_capacity_tokens', 512, 'KV cache size in tokens (fixed, preallocated)',
+          32, 131072),
+    Param('eviction_policy', 'meaning', 'what the full cache forgets first',
+          choices=tuple(POLICIES)),
+    Param('system_prompt', '', 'text prefilled once and pinned in the cache'),
+    Param('on_refusal', 'stop', 'fallback after a refusal: stop (zero action), hold (last '
+          'action) or none (publish nothing)', choices=ON_REFUSAL),
+    Param('input_topics', ['/scan', '/odom'], 'subscribed topics, in rendering order'),
+    Param('input_types', ['sensor_msgs/msg/LaserScan', 'nav_msgs/msg/Odometry'],
+          'message type of each input topic'),
+    Param('input_max_age_s', [0.2, 0.2], 'max age of each input before stale_input (s)'),
+    Param('input_kinds', ['observation', 'observation'],
+          'observation (rendered when new) or instruction (pinned, once per message)'),
+    Param('input_prefixes', ['', ''], 'text put before each input line (e.g. det, task)'),
+    Param('input_max_tokens', [32, 32], 'token cap of each input line', ),
+    Param('scan_sectors', 8, 'LaserScan sectors rendered (min range each)', 4, 36),
+    Param('action_topic', 'cmd_vel', 'topic of the published action'),
+    Param('action_type', 'geometry_msgs/msg/Twist', 'type of the action message',
+          choices=ACTION_TYPES),
+    Param('action_fields', ['linear.x', 'angular.z'],
+          'Twist fields, or joint names for JointTrajectory'),
+    Param('action_keys', ['v', 'w'], 'short text key of each field in the action grammar'),
+    Param('action_min', [-0.2, -1.5], 'lower limit of each field (SI units)'),
+    Param('action_max', [0.8, 1.5], 'upper limit of each field (SI units)'),
+    Param('action_step', [0.1, 0.25], 'quantization step of each field'),
+    Param('action_max_tokens', 16, 'std_msgs/String actions: max tokens', 1, 256),
+    Param('action_stop_text', '\n', 'std_msgs/String actions: text that ends the action'),
+    Param('calibration_repeats', 5, 'timings per calibration grid point', 2, 50),
+    Param('backend_error_limit', 5, 'consecutive backend errors before ErrorProcessing',
+          1, 1000),
+)
+BY_NAME = {p.name: p for p in PARAMETERS}
+LISTS = {'input_topics': str, 'input_types': str, 'input_max_age_s': float,
+         'input_kinds': str, 'input_prefixes': str, 'input_max_tokens': int,
+         'action_fields': str, 'action_keys': str, 'action_min': float,
+         'action_max': float, 'action_step': float}
+
+
+def check(name, value):
+    """Error message for one value, or '' if it is acceptable on its own."""
+    p = BY_NAME.get(name)
+    if p is None:
+        return f'unknown parameter {name!r}'
+    if name in LISTS:
+        kind = LISTS[name]
+        if not isinstance(value, (list, tuple)):
+            return f'{name} must be a list'
+        for item in value:
+            if kind is float and (isinstance(item, bool) or not isinstance(item, (int, float))
+                                  or not math.isfinite(item)):
+                return f'{name}: {item!r} is not a finite number'
+            if kind is int and (isinstance(item, bool) or not isinstance(item, int) or item < 1):
+                return f'{name}: {item!r} is not a positive integer'
+            if kind is str and not isinstance(item, str):
+                return f'{name}: {item!r} is not a string'
+        if name == 'input_types':
+            for item in value:
+                try:
+                    normalize_type(item)
+                except ValueError as exc:
+                    return str(exc)
+        if name == 'input_max_age_s' and any(v <= 0 for v in value):
+            return 'input_max_age_s must be positive'
+        if name == 'input_kinds' and any(v not in ('observation', 'instruction') for v in value):
+            return 'input_kinds must be observation or instruction'
+        if name == 'action_step' and any(v <= 0 for v in value):
+            return 'action_step must be positive'
+        return ''
+    if isinstance(p.default, float) and (isinstance(value, bool) or not isinstance(
+            value, (int, float)) or not math.isfinite(value)):
+        return f'{name} must be a finite number'
+    if isinstance(p.default, int) and not isinstance(p.default, bool) and (
+            isinstance(value, bool) or not isinstance(value, int)):
+        return f'{name} must be an integer'
+    if isinstance(p.default, str) and not isinstance(value, str):
+        return f'{name} must be a string'
+    if p.low is not None and not p.low <= value <= p.high:
+        return f'{name} = {value} is outside [{p.low}, {p.high}]'
+    if p.choices and value not in p.choices:
+        return f'{name} = {value!r} is not one of {", ".join(p.choices)}'
+    return ''
+
+
+def validate(values):
+    """Errors of a whole parameter set (each value and their consistency)."""
+    errors = [e for e in (check(k, v) for k, v in values.items()) if e]
+    if errors:
+        return errors
+    n = len(values['input_topics'])
+    for key in ('input_types', 'input_max_age_s', 'input_kinds', 'input_prefixes',
+                'input_max_tokens'):
+        if len(values[key]) != n:
+            errors.append(f'{key} has {len(values[key])} entries, input_topics has {n}')
+    if values['action_type'] != 'std_msgs/msg/String':
+        m = len(values['action_fields'])
+        keys = ('action_min', 'action_max', 'action_step')
+        keys += ('action_keys',) if values['action_type'].endswith('Twist') else ()
+        for key in keys:
+            if len(values[key]) != m:
+                errors.append(f'{key} has {len(values[key])} entries, action_fields has {m}')
+        if not errors and any(lo > hi for lo, hi in zip(values['action_min'],
+                                                        values['action_max'])):
+            errors.append('action_min must not exceed action_max')
+    return errors
