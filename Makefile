@@ -24,8 +24,7 @@ $(STAMP): setup.py setup.cfg
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -c "from rt_llm_node.model.synthetic import write_random_checkpoint as w; w('/tmp/rt_llm_tiny', 'tiny')"
-	$(VENV)/bin/rt-llm-generate --model /tmp/rt_llm_tiny --prompt "t1 t2 t3" --max-new-tokens 16
+	$(VENV)/bin/rt-llm-demo --seconds $(or $(SECONDS),60) --out out/demo.png
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra test

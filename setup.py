@@ -35,7 +35,7 @@ setup(
     python_requires='>=3.10',
     install_requires=['numpy>=1.24', 'safetensors>=0.4.3', 'tokenizers>=0.15'],
     extras_require={
-        'ros': ROS_WHEELS,
+        'ros': ROS_WHEELS + ['pyyaml'],
         'cuda': ['cupy-cuda13x', 'nvidia-cuda-nvrtc'],
         'cuda12': ['cupy-cuda12x', 'nvidia-cuda-nvrtc-cu12'],
         'demo': ['matplotlib'],

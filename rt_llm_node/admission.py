@@ -11,7 +11,8 @@ Each grid point is timed several times and its upper quantile is what the model
 fits, so predictions lean pessimistic. Online, every admitted tick's measured time
 is compared with the model; the prediction is scaled by the worst measured/model
 ratio in a recent window (never below 1), so it never drops below the worst
-recently observed. A safety margin in milliseconds is added on top.
+recently observed (the window counts ticks, refused ones too, so a one-off
+spike expires). A safety margin in milliseconds is added on top.
 """
 
 from collections import deque
@@ -134,17 +135,25 @@ def calibrate(backend, vocab_size, quantile=0.9, repeats=5, prefill_lengths=(1, 
 class Admission:
     """Decides admit/refuse from the cost model, a learned worst-case scale and a margin."""
 
-    def __init__(self, model, margin_ms=2.0, window=300):
+    def __init__(self, model, margin_ms=2.0, window=60):
         if margin_ms < 0:
             raise ValueError('margin_ms must be non-negative')
         self.model = model
         self.margin_ms = float(margin_ms)
-        self.ratios = deque(maxlen=int(window))
+        self.window = int(window)
+        self.tick = 0
+        self.ratios = deque()          # (tick, measured / model) of admitted ticks
+
+    def new_tick(self):
+        """Advance the window by one tick, admitted or not, so old spikes expire."""
+        self.tick += 1
+        while self.ratios and self.ratios[0][0] <= self.tick - self.window:
+            self.ratios.popleft()
 
     @property
     def scale(self):
-        """Worst recent measured/model ratio, at least 1."""
-        return max([1.0, *self.ratios])
+        """Worst measured/model ratio of the last ``window`` ticks, at least 1."""
+        return max([1.0, *(r for _, r in self.ratios)])
 
     def predict_ms(self, n_prefill, cache_length, n_decode, kept=None):
         """Pessimistic prediction of a tick's model time, margin included."""
@@ -162,4 +171,4 @@ class Admission:
         """Learn from one admitted tick's measured model time."""
         raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept)
         if raw > 0 and np.isfinite(measured_ms):
-            self.ratios.append(measured_ms / raw)
+            self.ratios.append((self.tick, measured_ms / raw))

@@ -166,7 +166,7 @@ class InputSpec:
     """One subscribed topic: how to render it and when it is too old."""
 
     topic: str
-    type: str                      # e.g. 'sensor_msgs/msg/LaserScan'
+    msg_type: str                  # e.g. 'sensor_msgs/msg/LaserScan'
     max_age_s: float = 0.5
     required: bool = True
     kind: str = 'observation'      # or 'instruction' (rendered once per new message)
@@ -175,7 +175,7 @@ class InputSpec:
     options: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        self.type = normalize_type(self.type)
+        self.msg_type = normalize_type(self.msg_type)
         if self.kind not in ('observation', 'instruction'):
             raise ValueError(f'input {self.topic}: kind must be observation or instruction')
         if not (self.max_age_s > 0 and self.max_tokens > 0):
@@ -193,11 +193,11 @@ class ObservationCodec:
         """Rendered line for ``msg`` on ``topic`` (RenderError if it cannot be rendered)."""
         spec = self.inputs[topic]
         try:
-            line = RENDERERS[spec.type](msg, spec.options)
+            line = RENDERERS[spec.msg_type](msg, spec.options)
         except RenderError:
             raise
         except (AttributeError, TypeError, ValueError) as exc:
-            raise RenderError(f'{topic}: malformed {spec.type}: {exc}') from None
+            raise RenderError(f'{topic}: malformed {spec.msg_type}: {exc}') from None
         return f'{spec.prefix} {line}'.strip() if spec.prefix else line
 
     def encode(self, topic, msg):
@@ -226,6 +226,13 @@ class TokenTrie:
         if node.children:
             raise GrammarError(f'{value!r} is a token prefix of another value')
         node.terminal, node.value = True, value
+
+    def shortest(self):
+        """Fewest tokens from here to a complete value (cached)."""
+        if not hasattr(self, '_shortest'):
+            self._shortest = 0 if self.terminal else 1 + min(
+                c.shortest() for c in self.children.values())
+        return self._shortest
 
     def allowed(self):
         """Sorted int64 array of the tokens that may follow here (cached)."""
@@ -259,8 +266,8 @@ class ActionField:
         if self.step <= 0 or self.maximum < self.minimum:
             raise GrammarError(f'action field {self.name}: need step > 0 and max >= min')
         self.values = _steps(self.minimum, self.maximum, self.step)
-        decimals = next(d for d in range(7) if abs(self.step * 10 ** d
-                                                  - round(self.step * 10 ** d)) < 1e-6)
+        decimals = next(d for d in range(7)
+                        if abs(self.step * 10 ** d - round(self.step * 10 ** d)) < 1e-6)
         self.decimals = decimals
         width = max(len(f'{abs(v):.{decimals}f}') for v in self.values)
         self.width = width
@@ -368,6 +375,13 @@ class FieldGrammar:
     def done(self, state):
         return state[0] >= len(self.tries)
 
+    def min_remaining(self, state):
+        """Fewest tokens still to choose before the action is complete."""
+        index, node, _ = state
+        if index >= len(self.tries):
+            return 0
+        return node.shortest() + sum(t.shortest() for t in self.tries[index + 1:])
+
     def action(self, state, token_ids=()):
         """The clamped Action of a finished state."""
         values = {f.name: float(f.quantize(v)) for f, v in zip(self.fields, state[2])}
@@ -443,6 +457,9 @@ class StringGrammar:
 
     def advance(self, state, token):
         return state + (int(token),)
+
+    def min_remaining(self, state):
+        return 0 if self.done(state) else 1
 
     def done(self, state):
         return (len(state) >= self.max_tokens

@@ -79,7 +79,8 @@ def configure_engine(values, clock=None, log=print):
                       log=log)
     log(f'cost model: prefill {model.prefill}, decode {model.decode}, '
         f'compact {model.compact}')
-    admission = Admission(model, margin_ms=values['deadline_margin_ms'])
+    admission = Admission(model, margin_ms=values['deadline_margin_ms'],
+                          window=values['admission_window_ticks'])
     engine = TickEngine(backend, checkpoint.tokenizer, specs, grammar, admission,
                         policy=values['eviction_policy'], system_prompt=values['system_prompt'],
                         clock=clock)

@@ -189,6 +189,7 @@ class TickEngine:
         """Run one tick started at ``stamp`` that must finish by ``deadline`` (engine clock)."""
         index = self.index
         self.index += 1
+        self.admission.new_tick()
         record = TickRecord(index, stamp, deadline, capacity=self.backend.capacity)
         clock = self.clock
         t0 = clock.now()
@@ -240,7 +241,7 @@ class TickEngine:
             t2 = clock.now()
             record.evict_ms = (t2 - t1) * 1e3
             mark = self.context.mark()
-            segments = self.context.append_segments([p for p in parts])
+            segments = self.context.append_segments(list(parts))
             clock.charge(model.prefill_ms(n_prefill, self.context.length - n_prefill) * scale)
             t3 = clock.now()
             record.prefill_ms = (t3 - t2) * 1e3
@@ -254,7 +255,9 @@ class TickEngine:
                 chosen.append(token)
                 if self.grammar.done(state):
                     break
-                remaining = self.max_decode - len(chosen)
+                # the fastest completion from here: decode this token, then choose
+                # min_remaining more of which the last is deferred
+                remaining = self.grammar.min_remaining(state)
                 step = self.admission.step_ms(self.context.length)
                 if clock.now() + remaining * step / 1e3 > deadline:
                     self.context.rollback(mark)

@@ -111,6 +111,7 @@ class RtLlmNode(LifecycleNode):
         self._buffer = InputBuffer()
         self._values = {}
         self._last_action = None
+        self.last_error = ''
         self._stats_lock = threading.Lock()
         self._reset_stats()
         for p in PARAMETERS:
@@ -150,7 +151,8 @@ class RtLlmNode(LifecycleNode):
             self._engine = configure_engine(self._values,
                                             log=lambda text: self.get_logger().info(text))
         except Exception as exc:  # every failure is reported, never raised into rclpy
-            self.get_logger().error(f'configure failed: {exc}')
+            self.last_error = f'configure failed: {exc}'
+            self.get_logger().error(self.last_error)
             self._engine = None
             return TransitionCallbackReturn.FAILURE
         v = self._values
@@ -167,7 +169,7 @@ class RtLlmNode(LifecycleNode):
         for spec in self._engine.inputs:
             qos = INSTRUCTION_QOS if spec.kind == 'instruction' else qos_profile_sensor_data
             self._subscriptions_.append(self.create_subscription(
-                MESSAGE_CLASSES[spec.type], spec.topic,
+                MESSAGE_CLASSES[spec.msg_type], spec.topic,
                 lambda msg, topic=spec.topic: self._buffer.put(topic, msg, time.monotonic()),
                 qos))
         self.get_logger().info(f'configured: {len(self._engine.inputs)} inputs, action on '
@@ -244,6 +246,10 @@ class RtLlmNode(LifecycleNode):
         period = 1.0 / self._values['rate_hz']
         margin = self._values['deadline_margin_ms'] / 1e3
         gc.disable()  # collected between ticks when there is time, never inside one
+        # other Python threads (executor callbacks) may hold the GIL for the whole switch
+        # interval, 5 ms by default: far too long inside a 33 ms tick
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(0.0005)
         next_start = time.monotonic() + period
         consecutive_errors = 0
         while not self._stop.is_set():
@@ -255,14 +261,14 @@ class RtLlmNode(LifecycleNode):
             start = next_start
             next_start += period
             now = time.monotonic()
-            if now > start + period:  # fell a whole period behind: skip, do not burst
-                skipped = int((now - start) / period)
-                next_start = start + (skipped + 1) * period
+            deadline = start + period - margin
+            if now >= deadline:  # woken after this tick's deadline: nothing can be on time
+                skipped = int((now - start) / period) + 1
+                next_start = start + skipped * period
                 with self._stats_lock:
                     self._stats['skipped_periods'] += skipped
                 continue
-            ros_start = self.get_clock().now()
-            deadline = start + period - margin
+            ros_start = self.get_clock().now() - Duration(seconds=now - start)
             result = engine.tick(self._buffer.snapshot(), start, deadline)
             self._publish_result(result, ros_start, start)
             rec = result.record
@@ -282,6 +288,7 @@ class RtLlmNode(LifecycleNode):
                 break
             if next_start - time.monotonic() > 0.5 * period:
                 gc.collect(0)
+        sys.setswitchinterval(switch_interval)
         gc.enable()
 
     def _publish_result(self, result, ros_start, start):
@@ -293,8 +300,9 @@ class RtLlmNode(LifecycleNode):
         r = result.refusal
         stamp = ros_start.to_msg()
         deadline_ros = ros_start + Duration(seconds=r.deadline - start)
-        status = DiagnosticStatus(level=DiagnosticStatus.WARN, name=self.get_fully_qualified_name(),
-                                  message=r.reason, hardware_id='rt_llm_node')
+        status = DiagnosticStatus(level=DiagnosticStatus.WARN,
+                                  name=self.get_fully_qualified_name(), message=r.reason,
+                                  hardware_id='rt_llm_node')
         status.values = [KeyValue(key='tick', value=str(r.tick)),
                          KeyValue(key='reason', value=r.reason),
                          KeyValue(key='predicted_ms', value=f'{r.predicted_ms:.3f}'),
@@ -304,6 +312,8 @@ class RtLlmNode(LifecycleNode):
                          KeyValue(key='detail', value=r.detail[:200])]
         array = DiagnosticArray(status=[status])
         array.header.stamp = stamp
+        status.values.append(KeyValue(key='published_stamp',
+                                      value=str(self.get_clock().now().nanoseconds)))
         self._refusal_pub.publish(array)
         self._publish_fallback()
 
@@ -329,8 +339,9 @@ class RtLlmNode(LifecycleNode):
         def pct(q):
             return latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies \
                 else 0.0
-        status = DiagnosticStatus(level=DiagnosticStatus.OK, name=self.get_fully_qualified_name(),
-                                  message='running', hardware_id='rt_llm_node')
+        status = DiagnosticStatus(level=DiagnosticStatus.OK,
+                                  name=self.get_fully_qualified_name(), message='running',
+                                  hardware_id='rt_llm_node')
         pairs = {'ticks': stats.get('ticks', 0), 'actions': stats.get('actions', 0),
                  'refusals': stats.get('refusals', 0),
                  'admitted_but_late': stats.get('late', 0),

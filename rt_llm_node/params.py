@@ -60,6 +60,8 @@ PARAMETERS = (
     Param('action_step', [0.1, 0.25], 'quantization step of each field'),
     Param('action_max_tokens', 16, 'std_msgs/String actions: max tokens', 1, 256),
     Param('action_stop_text', '\n', 'std_msgs/String actions: text that ends the action'),
+    Param('admission_window_ticks', 60, 'ticks over which the worst measured/predicted '
+          'ratio is kept', 1, 100000),
     Param('calibration_repeats', 5, 'timings per calibration grid point', 2, 50),
     Param('backend_error_limit', 5, 'consecutive backend errors before ErrorProcessing',
           1, 1000),

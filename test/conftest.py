@@ -13,3 +13,9 @@ def tiny_checkpoint(tmp_path_factory):
     """A random tiny Llama checkpoint written by our numpy writer (no torch needed)."""
     from rt_llm_node.model.synthetic import write_random_checkpoint
     return write_random_checkpoint(tmp_path_factory.mktemp('tiny'), 'tiny', seed=1)
+
+
+def pytest_configure(config):
+    """Keep DDS discovery on this host and away from other test runs."""
+    os.environ.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
+    os.environ.setdefault('ROS_DOMAIN_ID', str(100 + os.getpid() % 100))

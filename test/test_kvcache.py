@@ -38,13 +38,13 @@ def test_unknown_policy_is_a_clear_error():
 
 
 def test_no_plan_when_it_fits():
-    cache = KVCache(32, make_policy('meaning'))
+    cache = KVCache(32, make_policy('meaning'), slack=0)
     add(cache, 10, SYSTEM)
     assert cache.plan(22) is None
 
 
 def test_recency_drops_oldest_unpinned_segments():
-    cache = KVCache(40, make_policy('recency'))
+    cache = KVCache(40, make_policy('recency'), slack=0)
     system = add(cache, 8, SYSTEM)
     a = add(cache, 10, OBSERVATION, '/scan', mass=5.0)
     b = add(cache, 10, OBSERVATION, '/odom')
@@ -55,7 +55,7 @@ def test_recency_drops_oldest_unpinned_segments():
 
 
 def test_sink_window_keeps_sinks_and_newest_tokens():
-    cache = KVCache(32, make_policy('sink_window', sink_tokens=4))
+    cache = KVCache(32, make_policy('sink_window', sink_tokens=4), slack=0)
     add(cache, 32, OBSERVATION, '/scan')
     cache.token_ids[:32] = np.arange(32)
     evict(cache, 8)
@@ -64,7 +64,7 @@ def test_sink_window_keeps_sinks_and_newest_tokens():
 
 
 def test_h2o_keeps_recent_window_and_heavy_hitters():
-    cache = KVCache(20, make_policy('h2o', recent_tokens=5))
+    cache = KVCache(20, make_policy('h2o', recent_tokens=5), slack=0)
     add(cache, 20, OBSERVATION, '/scan')
     cache.token_ids[:20] = np.arange(20)
     cache.accumulated[:20] = 0.0
@@ -74,7 +74,7 @@ def test_h2o_keeps_recent_window_and_heavy_hitters():
 
 
 def test_meaning_evicts_superseded_observation_first_whatever_its_attention():
-    cache = KVCache(50, make_policy('meaning'))
+    cache = KVCache(50, make_policy('meaning'), slack=0)
     system = add(cache, 8, SYSTEM)
     instruction = add(cache, 6, INSTRUCTION)
     old_scan = add(cache, 10, OBSERVATION, '/scan', mass=100.0)
@@ -86,7 +86,7 @@ def test_meaning_evicts_superseded_observation_first_whatever_its_attention():
 
 
 def test_meaning_counts_the_incoming_observation_as_superseding():
-    cache = KVCache(30, make_policy('meaning'))
+    cache = KVCache(30, make_policy('meaning'), slack=0)
     scan = add(cache, 10, OBSERVATION, '/scan', mass=50.0)
     odom = add(cache, 10, OBSERVATION, '/odom', mass=0.0)
     act = add(cache, 10, ACTION, mass=0.0)
@@ -95,7 +95,7 @@ def test_meaning_counts_the_incoming_observation_as_superseding():
 
 
 def test_meaning_then_lowest_mass_per_token_then_age():
-    cache = KVCache(60, make_policy('meaning'))
+    cache = KVCache(60, make_policy('meaning'), slack=0)
     a = add(cache, 10, ACTION, mass=1.0)        # 1.0 per token
     add(cache, 20, ACTION, mass=0.5)            # 0.5 per token: lowest
     c = add(cache, 10, ACTION, mass=1.0)        # ties with a, younger
@@ -107,7 +107,7 @@ def test_meaning_then_lowest_mass_per_token_then_age():
 
 
 def test_meaning_never_evicts_pins_but_does_evict_a_superseded_instruction():
-    cache = KVCache(40, make_policy('meaning'))
+    cache = KVCache(40, make_policy('meaning'), slack=0)
     system = add(cache, 10, SYSTEM)
     first = add(cache, 10, INSTRUCTION)
     assert first.pinned
@@ -128,7 +128,7 @@ def test_decay_ages_the_mass_but_not_the_accumulated_score():
 
 
 def test_rollback_forgets_new_segments_and_restores_scores():
-    cache = KVCache(40, make_policy('meaning'))
+    cache = KVCache(40, make_policy('meaning'), slack=0)
     first = add(cache, 10, INSTRUCTION)
     mark = cache.mark()
     add(cache, 5, INSTRUCTION)
@@ -142,7 +142,7 @@ def test_rollback_forgets_new_segments_and_restores_scores():
 @pytest.mark.parametrize('policy', ['recency', 'sink_window', 'h2o', 'meaning'])
 def test_random_workload_never_exceeds_capacity(policy):
     rng = np.random.default_rng()
-    cache = KVCache(64, make_policy(policy))
+    cache = KVCache(64, make_policy(policy), slack=0)
     add(cache, 6, SYSTEM)
     add(cache, 5, INSTRUCTION)
     kinds = [(OBSERVATION, '/scan'), (OBSERVATION, '/odom'), (ACTION, ''), (INSTRUCTION, '')]
@@ -158,3 +158,14 @@ def test_random_workload_never_exceeds_capacity(policy):
         assert owners == set(cache.segments), 'every live segment owns a slot and vice versa'
     if policy == 'meaning':
         assert cache.segments[min(cache.segments)].kind == SYSTEM
+
+
+def test_slack_evicts_ahead_so_compaction_is_occasional():
+    cache = KVCache(64, make_policy('recency'), slack=16)
+    for _ in range(6):
+        add(cache, 10, ACTION)
+    slots = cache.plan(10)
+    assert slots is not None and 64 - len(slots) >= 26, 'needed 10 more, freed 10 + slack'
+    cache.apply(slots)
+    add(cache, 10, ACTION)
+    assert cache.plan(10) is None, 'the next segment fits without another compaction'

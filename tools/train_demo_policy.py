@@ -21,6 +21,7 @@ import sys
 import time
 
 import numpy as np
+from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -29,7 +30,6 @@ from rt_llm_node.demo.episodes import expert_episode  # noqa: E402
 from rt_llm_node.demo.episodes import success_rate  # noqa: E402
 from rt_llm_node.demo.episodes import system_ids  # noqa: E402
 from rt_llm_node.demo.episodes import train_tokenizer  # noqa: E402
-from tokenizers import Tokenizer  # noqa: E402
 
 MODEL = {'vocab_size': 768, 'hidden_size': 192, 'intermediate_size': 512,
          'num_hidden_layers': 4, 'num_attention_heads': 6, 'num_key_value_heads': 2,

@@ -20,9 +20,9 @@ from rt_llm_node.codec import ObservationCodec
 from rt_llm_node.codec import scan_sectors
 from rt_llm_node.demo.expert import expert_command
 from rt_llm_node.demo.messages import MessageFactory
-from rt_llm_node.demo.profile import action_grammar
-from rt_llm_node.demo.profile import INPUTS
-from rt_llm_node.demo.profile import SYSTEM_PROMPT
+from rt_llm_node.demo.task import action_grammar
+from rt_llm_node.demo.task import INPUTS
+from rt_llm_node.demo.task import SYSTEM_PROMPT
 from rt_llm_node.demo.world import DemoWorld
 
 SCAN_SECTORS = next(s.options['sectors'] for s in INPUTS if s.topic == '/scan')

@@ -17,8 +17,6 @@ import os
 from pathlib import Path
 import time
 
-import numpy as np
-
 from rt_llm_node.admission import Admission
 from rt_llm_node.admission import CostModel
 from rt_llm_node.backends.numpy_backend import NumpyBackend
@@ -26,9 +24,9 @@ from rt_llm_node.codec import scan_sectors
 from rt_llm_node.demo.episodes import SCAN_SECTORS
 from rt_llm_node.demo.expert import expert_command
 from rt_llm_node.demo.messages import MessageFactory
-from rt_llm_node.demo.profile import action_grammar
-from rt_llm_node.demo.profile import INPUTS
-from rt_llm_node.demo.profile import SYSTEM_PROMPT
+from rt_llm_node.demo.task import action_grammar
+from rt_llm_node.demo.task import INPUTS
+from rt_llm_node.demo.task import SYSTEM_PROMPT
 from rt_llm_node.demo.world import DemoWorld
 from rt_llm_node.engine import ModelClock
 from rt_llm_node.engine import TickEngine
@@ -90,7 +88,7 @@ def run_expert_episode(seed):
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
     instruction, last_w = '', 0.0
     from rt_llm_node.codec import ActionField
-    from rt_llm_node.demo.profile import TWIST_FIELDS
+    from rt_llm_node.demo.task import TWIST_FIELDS
     fv, fw = (ActionField(f['name'], f['key'], f['min'], f['max'], f['step'])
               for f in TWIST_FIELDS)
     while not world.done:
@@ -190,7 +188,8 @@ def main(argv=None):
     if args.json:
         Path(args.json).write_text(json.dumps({'table': table, 'full': full}, indent=2))
     if args.plot or args.write:
-        plot_path = Path(args.plot or Path(__file__).resolve().parents[2] / 'docs' / 'eviction.png')
+        root = Path(__file__).resolve().parents[2]
+        plot_path = Path(args.plot or root / 'docs' / 'eviction.png')
         plot_path.parent.mkdir(parents=True, exist_ok=True)
         plot(table, plot_path)
     if args.write:

@@ -1,0 +1,229 @@
+"""The lifecycle node over real rclpy and DDS: a separate publisher node feeds the inputs."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+rclpy = pytest.importorskip('rclpy', reason='rclpy (the ros extra) is not installed')
+
+from diagnostic_msgs.msg import DiagnosticArray  # noqa: E402,I100
+from geometry_msgs.msg import Twist  # noqa: E402
+from rclpy.executors import MultiThreadedExecutor  # noqa: E402
+from rclpy.lifecycle import TransitionCallbackReturn  # noqa: E402
+from rclpy.node import Node  # noqa: E402
+from rclpy.parameter import Parameter  # noqa: E402
+
+from rt_llm_node.demo.run import demo_parameters  # noqa: E402
+from rt_llm_node.demo.world_node import DemoWorldNode  # noqa: E402
+from rt_llm_node.node import RtLlmNode  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope='module')
+def executor():
+    rclpy.init()
+    ex = MultiThreadedExecutor(num_threads=3)
+    thread = threading.Thread(target=ex.spin, daemon=True)
+    thread.start()
+    yield ex
+    ex.shutdown()
+    rclpy.shutdown()
+
+
+class Recorder(Node):
+    """Subscribes to the node's outputs and keeps (receive ROS time, message)."""
+
+    def __init__(self, name='recorder'):
+        super().__init__(name)
+        self.actions, self.refusals = [], []
+        self.create_subscription(Twist, '/cmd_vel', lambda m: self.actions.append(
+            (self.get_clock().now(), m)), 10)
+        self.create_subscription(DiagnosticArray, '/rt_llm_node/refusal',
+                                 lambda m: self.refusals.append((self.get_clock().now(), m)),
+                                 100)
+
+
+@pytest.fixture
+def rig(executor):
+    """World publisher, recorder and a factory of LLM nodes, all on the executor."""
+    world = DemoWorldNode()
+    recorder = Recorder()
+    made = []
+
+    def make(**overrides):
+        params = demo_parameters()
+        params.update(backend='numpy', calibration_repeats=3, **overrides)
+        node = RtLlmNode(parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
+        executor.add_node(node)
+        made.append(node)
+        return node
+
+    executor.add_node(world)
+    executor.add_node(recorder)
+    time.sleep(0.3)
+    yield world, recorder, make
+    for node in made:
+        node._stop_loop()
+        executor.remove_node(node)
+        node.destroy_node()
+    for node in (world, recorder):
+        executor.remove_node(node)
+        node.destroy_node()
+
+
+def wait_for_peers(node, inputs=4, timeout=30.0):
+    """Block until the inputs arrive and the outputs have subscribers (DDS discovery)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if (len(node._buffer.snapshot()) >= inputs
+                and node._refusal_pub.get_subscription_count() >= 1
+                and node._action_pub.get_subscription_count() >= 1):
+            time.sleep(0.3)
+            return
+        time.sleep(0.1)
+    raise AssertionError('peers not discovered in time')
+
+
+def reasons(recorder):
+    return [m.status[0].message for _, m in recorder.refusals]
+
+
+def test_publishes_actions_at_the_rate(rig):
+    world, recorder, make = rig
+    node = make(rate_hz=10.0, deadline_margin_ms=5.0)
+    assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
+    wait_for_peers(node)
+    node.trigger_activate()
+    time.sleep(4.0)
+    node.trigger_deactivate()
+    stats, refusals, _ = node.stats()
+    assert stats['ticks'] >= 30, stats
+    assert stats.get('actions', 0) >= 20, (stats, refusals)
+    assert stats.get('late', 0) == 0
+    assert len(recorder.actions) >= stats.get('actions', 0) - 2  # discovery may miss a first
+    for _, msg in recorder.actions:
+        assert -0.2 <= msg.linear.x <= 0.8 and -1.5 <= msg.angular.z <= 1.5
+        assert math.isfinite(msg.linear.x) and math.isfinite(msg.angular.z)
+
+
+def test_too_short_a_period_refuses_with_deadline_before_the_deadline(executor, tmp_path):
+    """The inputs come from, and the outputs go to, another process (as on a robot)."""
+    out = tmp_path / 'peer.json'
+    script = os.path.join(HERE, 'peer_process.py')
+    world = subprocess.Popen([sys.executable, script, 'world', '40'])
+    peer = subprocess.Popen([sys.executable, script, 'recorder', '40', str(out)])
+    params = demo_parameters()
+    # 20 ms periods with 12 ms kept as margin: 8 ms is less than any tick of the model takes
+    params.update(backend='numpy', calibration_repeats=3, rate_hz=50.0,
+                  deadline_margin_ms=12.0, on_refusal='none')
+    node = RtLlmNode(parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
+    executor.add_node(node)
+    try:
+        assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
+        wait_for_peers(node)
+        node.trigger_activate()
+        time.sleep(2.5)
+        node.trigger_deactivate()
+        stats, refusals, _ = node.stats()
+    finally:
+        node._stop_loop()
+        executor.remove_node(node)
+        node.destroy_node()
+        for proc in (world, peer):
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=30)
+    record = json.loads(out.read_text())
+    assert refusals.get('deadline', 0) > 80, (stats, refusals)
+    assert stats.get('actions', 0) == 0
+    deadline_refusals = [r for r in record['refusals'] if r[2] == 'deadline']
+    assert len(deadline_refusals) > 80
+    assert stats.get('late', 0) == 0
+    # Python on a non-real-time kernel, 3 processes on 2 shared cores: the OS may
+    # preempt the control thread between decision and publish, or the recorder before it
+    # reads. Measured here: 0-15% of refusals published or received up to ~10 ms late.
+    # A known gap (see the closing note); held to 25% so a gross regression still fails.
+    late_published = [(tick, reason, (published - deadline) / 1e6) for _, deadline, reason, tick,
+                      published in record['refusals'] if published > deadline]
+    assert len(late_published) <= 0.25 * len(record['refusals']), late_published[:5]
+    late = [(tick, (received - deadline) / 1e6) for received, deadline, _, tick, _
+            in record['refusals'] if received > deadline]
+    assert len(late) <= 0.25 * len(record['refusals']), f'{len(late)} arrived late: {late[:5]}'
+    print(f'refusals: {len(record["refusals"])}, published late {len(late_published)}, '
+          f'arrived late {len(late)}, worst {max([d for _, d in late], default=0):.1f} ms')
+    assert len(record['actions']) == 1, 'only the stop sent on deactivate'
+
+
+def test_missing_input_gives_stale_input(rig):
+    world, recorder, make = rig
+    node = make(rate_hz=10.0, input_topics=['/instruction', '/scan', '/odom_missing',
+                                            '/detections'])
+    assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
+    wait_for_peers(node, inputs=3)
+    node.trigger_activate()
+    time.sleep(1.5)
+    node.trigger_deactivate()
+    stats, refusals, _ = node.stats()
+    assert refusals.get('stale_input', 0) >= 5 and stats.get('actions', 0) == 0
+    assert 'stale_input' in reasons(recorder)
+    detail = {kv.key: kv.value for kv in recorder.refusals[-1][1].status[0].values}['detail']
+    assert '/odom_missing' in detail
+
+
+def test_broken_model_fails_configure_with_the_loader_message(rig, tmp_path):
+    world, recorder, make = rig
+    (tmp_path / 'config.json').write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    node = make(model_path=str(tmp_path))
+    assert node.trigger_configure() != TransitionCallbackReturn.SUCCESS
+    assert 'GPT2LMHeadModel' in node.last_error and 'config.json' in node.last_error
+    node2 = make(model_path=str(tmp_path / 'missing'))
+    assert node2.trigger_configure() != TransitionCallbackReturn.SUCCESS
+    assert 'not a checkpoint directory' in node2.last_error
+
+
+def test_deactivate_stops_output_and_cleanup_then_configure_works(rig):
+    world, recorder, make = rig
+    node = make(rate_hz=10.0)
+    assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
+    wait_for_peers(node)
+    node.trigger_activate()
+    time.sleep(1.0)
+    node.trigger_deactivate()
+    time.sleep(0.3)
+    count = len(recorder.actions) + len(recorder.refusals)
+    last = recorder.actions[-1][1]
+    assert last.linear.x == 0.0 and last.angular.z == 0.0, 'deactivate sends a stop'
+    time.sleep(1.0)
+    assert len(recorder.actions) + len(recorder.refusals) == count, 'output after deactivate'
+    assert node.trigger_cleanup() == TransitionCallbackReturn.SUCCESS
+    assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
+    wait_for_peers(node)
+    node.trigger_activate()
+    time.sleep(1.0)
+    node.trigger_deactivate()
+    assert len(recorder.actions) + len(recorder.refusals) > count
+
+
+def test_invalid_parameters_are_rejected(rig):
+    world, recorder, make = rig
+    node = make()
+    bad = [Parameter('rate_hz', value=-5.0), Parameter('eviction_policy', value='lru'),
+           Parameter('backend', value='tpu'), Parameter('input_max_age_s', value=[0.1]),
+           Parameter('action_step', value=[0.1, -0.25]),
+           Parameter('kv_capacity_tokens', value=5)]
+    for param in bad:
+        result = node.set_parameters([param])[0]
+        assert not result.successful, param.name
+        assert result.reason
+    assert node.set_parameters([Parameter('rate_hz', value=20.0)])[0].successful
+    assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
+    result = node.set_parameters([Parameter('rate_hz', value=25.0)])[0]
+    assert not result.successful and 'clean up' in result.reason
+    assert node.set_parameters([Parameter('on_refusal', value='hold')])[0].successful
