@@ -61,3 +61,9 @@ def test_bad_inputs_are_clear_errors(tiny_checkpoint, tmp_path):
         assert message in result.stderr and 'Traceback' not in result.stderr
     result = generate('--model', str(tiny_checkpoint), '--token-ids', 'a,b')
     assert result.returncode == 2 and 'comma-separated' in result.stderr
+
+
+def test_cuda_backend_request_is_a_clear_error_here(tiny_checkpoint):
+    result = generate('--model', str(tiny_checkpoint), '--token-ids', '1', '--backend', 'cuda')
+    assert result.returncode == 2 and 'Traceback' not in result.stderr
+    assert 'cuda' in result.stderr.lower()

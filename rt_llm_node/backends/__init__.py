@@ -37,14 +37,28 @@ def cuda_available():
         return False
 
 
+def cuda_backend_class():
+    """The CUDA backend class, or None where this build has none."""
+    try:
+        from rt_llm_node.backends.cuda_backend import CudaBackend
+    except ImportError:
+        return None
+    return CudaBackend
+
+
 def make_backend(name, checkpoint, capacity):
     """Build backend ``name`` ('auto', 'numpy' or 'cuda') for ``checkpoint``."""
     if name not in BACKENDS:
         raise ValueError(f'unknown backend {name!r} (choose from {", ".join(BACKENDS)})')
     if name == 'auto':
-        name = 'cuda' if cuda_available() else 'numpy'
+        name = 'cuda' if cuda_available() and cuda_backend_class() else 'numpy'
     if name == 'cuda':
-        from rt_llm_node.backends.cuda_backend import CudaBackend
-        return CudaBackend(checkpoint, capacity)
+        backend_class = cuda_backend_class()
+        if backend_class is None:
+            raise BackendError('the CUDA backend is not part of this build yet; '
+                               "use backend 'numpy' (or 'auto')")
+        if not cuda_available():
+            raise BackendError('backend cuda needs CuPy and a CUDA device; none was found')
+        return backend_class(checkpoint, capacity)
     from rt_llm_node.backends.numpy_backend import NumpyBackend
     return NumpyBackend(checkpoint, capacity)

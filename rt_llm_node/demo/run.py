@@ -1,13 +1,17 @@
 """``rt-llm-demo`` (``make demo``): the demo world and the node in closed loop over DDS.
 
-Starts both nodes (one process, one executor, real topics), configures and
+Starts the world (its own process, as on a robot) and the node, configures and
 activates the LLM node with ``config/demo.yaml``, runs for ``--seconds``,
 prints one line per second and writes a PNG of the trajectory and of the tick
 latency against the deadline.
 """
 
 import argparse
+from collections import Counter
+import json
 from pathlib import Path
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -15,10 +19,12 @@ import time
 import rclpy
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.lifecycle import TransitionCallbackReturn
+from rclpy.node import Node
 from rclpy.parameter import Parameter
+from std_msgs.msg import String
 import yaml
 
-from rt_llm_node.demo.world_node import DemoWorldNode
+from rt_llm_node.node import INSTRUCTION_QOS
 from rt_llm_node.node import RtLlmNode
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,25 +46,22 @@ def demo_parameters(path=None):
     raise FileNotFoundError('config/demo.yaml not found')
 
 
-def plot(world, latencies, deadline_ms, path):
+def plot(layout, latencies, deadline_ms, path):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
-    w = world.world
-    for (p, r) in w.obstacles:
+    for (p, r) in layout['obstacles']:
         ax1.add_patch(plt.Circle(p, r, color='0.6'))
-    for (colour, shape), p in w.objects:
+    for (colour, shape), p in layout['objects']:
         ax1.add_patch(plt.Circle(p, 0.2, color=colour))
         ax1.text(p[0] + 0.25, p[1], shape, fontsize=8)
-    episode = world.episode
-    pts = [(x, y) for _, x, y, e in world.trajectory if e == episode]
-    if pts:
-        ax1.plot(*zip(*pts), 'k-', lw=1)
-    ax1.set_xlim(0, w.config.arena)
-    ax1.set_ylim(0, w.config.arena)
+    if layout['trajectory']:
+        ax1.plot(*zip(*layout['trajectory']), 'k-', lw=1)
+    ax1.set_xlim(0, layout['arena'])
+    ax1.set_ylim(0, layout['arena'])
     ax1.set_aspect('equal')
-    ax1.set_title(f'trajectory (episode {episode}), goals: {world.goals}')
+    ax1.set_title(f"trajectory (episode {layout['episode']}), goals: {layout['goals']}")
     ax2.plot(latencies, lw=0.7, label='tick latency')
     ax2.axhline(deadline_ms, color='r', ls='--', label='deadline')
     ax2.set_xlabel('tick')
@@ -67,6 +70,16 @@ def plot(world, latencies, deadline_ms, path):
     ax2.set_title('tick latency against the deadline')
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+class GoalCounter(Node):
+    """Counts the world's goal events (the world runs in its own process)."""
+
+    def __init__(self):
+        super().__init__('rt_llm_demo_goals')
+        self.goals = Counter()
+        self.create_subscription(String, '/rt_llm_demo_world/goal_events',
+                                 lambda m: self.goals.update([m.data]), INSTRUCTION_QOS)
 
 
 def main(argv=None):
@@ -79,11 +92,15 @@ def main(argv=None):
     params = demo_parameters(args.params)
     if args.backend:
         params['backend'] = args.backend
+    layout_file = Path(args.out).with_suffix('.world.json')
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    world = subprocess.Popen([sys.executable, '-m', 'rt_llm_node.demo.world_node',
+                              '--record', str(layout_file)])
     rclpy.init()
-    world = DemoWorldNode()
+    goals = GoalCounter()
     node = RtLlmNode(parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
     executor = MultiThreadedExecutor(num_threads=2)
-    executor.add_node(world)
+    executor.add_node(goals)
     executor.add_node(node)
     spinner = threading.Thread(target=executor.spin, daemon=True)
     spinner.start()
@@ -100,19 +117,22 @@ def main(argv=None):
             print(f"t={time.monotonic() - started:5.1f}s ticks {stats.get('ticks', 0):5d} "
                   f"actions {stats.get('actions', 0):5d} refusals {stats.get('refusals', 0):4d} "
                   f"{dict(refusals) or ''} p99 {p99:5.1f} ms late {stats.get('late', 0)} "
-                  f"goals reached {world.goals['reached']} timed out {world.goals['timeout']}",
+                  f"goals reached {goals.goals['reached']} timed out {goals.goals['timeout']}",
                   flush=True)
         node.trigger_deactivate()
         stats, refusals, latencies = node.stats()
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        plot(world, latencies, 1e3 / params['rate_hz'], args.out)
-        print(f'wrote {args.out}')
     finally:
+        node._stop_loop()
         executor.shutdown()
+        spinner.join(timeout=5.0)
         node.destroy_node()
-        world.destroy_node()
+        goals.destroy_node()
         if rclpy.ok():
             rclpy.shutdown()
+        world.send_signal(signal.SIGINT)
+        world.wait(timeout=30)
+    plot(json.loads(layout_file.read_text()), latencies, 1e3 / params['rate_hz'], args.out)
+    print(f'wrote {args.out}')
     return 0
 
 

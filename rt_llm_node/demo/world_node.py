@@ -42,8 +42,16 @@ class DemoWorldNode(Node):
             '/detections': self.create_publisher(String, '/detections', qos_profile_sensor_data),
             '/instruction': self.create_publisher(String, '/instruction', INSTRUCTION_QOS),
         }
+        self.events = self.create_publisher(String, '~/goal_events', INSTRUCTION_QOS)
         self.create_subscription(Twist, '/cmd_vel', self._on_cmd, 1)
         self.create_timer(1.0 / rate_hz, self._step)
+
+    def layout(self):
+        """The current episode's arena, pillars, objects and trajectory (for plots)."""
+        w = self.world
+        return {'arena': w.config.arena, 'obstacles': w.obstacles, 'objects': w.objects,
+                'goals': self.goals, 'episode': self.episode,
+                'trajectory': [(x, y) for _, x, y, e in self.trajectory if e == self.episode]}
 
     def _on_cmd(self, msg):
         self.cmd = (msg.linear.x, msg.angular.z)
@@ -62,6 +70,7 @@ class DemoWorldNode(Node):
         event = self.world.step(v, w)
         if event:
             self.goals[event] += 1
+            self.events.publish(String(data=event))
             self.get_logger().info(f'goal {event}: {self.world.results}')
         self.trajectory.append((time.monotonic(), self.world.x, self.world.y, self.episode))
 
@@ -71,6 +80,8 @@ def main(args=None):
     ros_args = argv[argv.index('--ros-args'):] if '--ros-args' in argv else []
     parser = argparse.ArgumentParser(prog='rt-llm-demo-world')
     parser.add_argument('--seed', type=int, default=1_000_000)
+    parser.add_argument('--record', default=None, help='write the layout and trajectory '
+                        '(JSON) here on exit')
     options = parser.parse_args(argv[:len(argv) - len(ros_args)])
     rclpy.init(args=['rt-llm-demo-world', *ros_args])
     node = None
@@ -81,6 +92,10 @@ def main(args=None):
         pass
     finally:
         if node is not None:
+            if options.record:
+                import json
+                with open(options.record, 'w') as f:
+                    json.dump(node.layout(), f)
             node.destroy_node()
         if rclpy.ok():
             rclpy.shutdown()
