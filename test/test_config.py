@@ -1,0 +1,54 @@
+"""The YAML files declare exactly the node's parameters, and the demo profile matches the demo."""
+
+import os
+
+import yaml
+
+from rt_llm_node.demo import task
+from rt_llm_node.params import BY_NAME
+from rt_llm_node.params import validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load(name):
+    with open(os.path.join(ROOT, 'config', name)) as f:
+        return yaml.safe_load(f)['rt_llm_node']['ros__parameters']
+
+
+def test_defaults_file_lists_every_parameter_with_its_default():
+    values = load('rt_llm.yaml')
+    assert set(values) == set(BY_NAME)
+    for name, value in values.items():
+        assert value == BY_NAME[name].default, name
+    assert validate(values) == []
+
+
+def test_demo_profile_matches_the_demo_task():
+    values = {p: BY_NAME[p].default for p in BY_NAME}
+    values.update(load('demo.yaml'))
+    assert validate(values) == []
+    assert values['system_prompt'] == task.SYSTEM_PROMPT
+    assert values['rate_hz'] == task.RATE_HZ
+    assert values['input_topics'] == [s.topic for s in task.INPUTS]
+    assert values['input_types'] == [s.msg_type for s in task.INPUTS]
+    assert values['input_kinds'] == [s.kind for s in task.INPUTS]
+    assert values['input_prefixes'] == [s.prefix for s in task.INPUTS]
+    assert values['input_max_tokens'] == [s.max_tokens for s in task.INPUTS]
+    assert values['input_max_age_s'] == [s.max_age_s for s in task.INPUTS]
+    scan = next(s for s in task.INPUTS if s.topic == '/scan')
+    assert values['scan_sectors'] == scan.options['sectors']
+    assert values['action_fields'] == [f['name'] for f in task.TWIST_FIELDS]
+    assert values['action_keys'] == [f['key'] for f in task.TWIST_FIELDS]
+    assert values['action_min'] == [f['min'] for f in task.TWIST_FIELDS]
+    assert values['action_max'] == [f['max'] for f in task.TWIST_FIELDS]
+    assert values['action_step'] == [f['step'] for f in task.TWIST_FIELDS]
+
+
+def test_inconsistent_lists_are_reported():
+    values = {p: BY_NAME[p].default for p in BY_NAME}
+    values['input_types'] = ['sensor_msgs/msg/LaserScan']
+    assert any('input_types has 1 entries' in e for e in validate(values))
+    values = {p: BY_NAME[p].default for p in BY_NAME}
+    values['input_types'] = ['sensor_msgs/msg/PointCloud2', 'nav_msgs/msg/Odometry']
+    assert any('unsupported input type' in e for e in validate(values))

@@ -1,0 +1,108 @@
+"""TickEngine without ROS, on a model clock: every decision path, deterministic."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from rt_llm_node.admission import Admission
+from rt_llm_node.admission import CostModel
+from rt_llm_node.backends.numpy_backend import NumpyBackend
+from rt_llm_node.demo.messages import MessageFactory
+from rt_llm_node.demo.task import action_grammar
+from rt_llm_node.demo.task import INPUTS
+from rt_llm_node.demo.task import SYSTEM_PROMPT
+from rt_llm_node.demo.world import DemoWorld
+from rt_llm_node.engine import ModelClock
+from rt_llm_node.engine import TickEngine
+from rt_llm_node.model import load_checkpoint
+from rt_llm_node.model.embedded import default_model_path
+
+
+@pytest.fixture(scope='module')
+def checkpoint():
+    return load_checkpoint(default_model_path())
+
+
+def make_engine(checkpoint, cost=None, capacity=256):
+    clock = ModelClock()
+    engine = TickEngine(NumpyBackend(checkpoint, capacity), checkpoint.tokenizer, INPUTS,
+                        action_grammar(checkpoint.tokenizer),
+                        Admission(cost or CostModel(), margin_ms=0.0), policy='meaning',
+                        system_prompt=SYSTEM_PROMPT, clock=clock)
+    engine.start()
+    return engine, clock
+
+
+def snapshot(world, now):
+    return {topic: (msg, now) for topic, msg in world.observe().items()}
+
+
+def test_actions_parse_clamp_and_stay_finite_over_many_ticks(checkpoint):
+    engine, clock = make_engine(checkpoint, capacity=128)
+    world = DemoWorld(5, messages=MessageFactory(ros=False))
+    snap = {}
+    for i in range(120):
+        now = i / 30
+        clock.advance_to(now)
+        snap.update(snapshot(world, now))
+        result = engine.tick(snap, now, now + 1 / 30)
+        assert result.action is not None, result.refusal
+        v, w = result.action.values['linear.x'], result.action.values['angular.z']
+        assert -0.2 <= v <= 0.8 and -1.5 <= w <= 1.5 and math.isfinite(v + w)
+        assert engine.context.length <= 128
+        world.step(v, w)
+    assert engine.context.cache.evicted_tokens > 0
+
+
+def test_deadline_refusal_leaves_the_cache_untouched(checkpoint):
+    engine, clock = make_engine(checkpoint, CostModel(prefill=(40.0, 0.0, 0.0)))
+    world = DemoWorld(6, messages=MessageFactory(ros=False))
+    length = engine.context.length
+    result = engine.tick(snapshot(world, 0.0), 0.0, 1 / 30)
+    assert result.refusal.reason == 'deadline'
+    assert result.refusal.predicted_ms > result.refusal.available_ms
+    assert engine.context.length == length
+
+
+def test_watchdog_aborts_and_rolls_back(checkpoint):
+    # prefill is cheap, each decode step 20 ms: the action cannot finish in 33 ms
+    engine, clock = make_engine(checkpoint, CostModel(prefill=(1.0, 0.0, 0.0),
+                                                      decode=(20.0, 0.0)))
+    engine.recent_decodes.clear()
+    engine.recent_decodes.append(0)  # admission thinks no decode step is needed
+    world = DemoWorld(7, messages=MessageFactory(ros=False))
+    length, pending = engine.context.length, engine.context.pending
+    result = engine.tick(snapshot(world, 0.0), 0.0, 1 / 30)
+    assert result.refusal is not None and result.refusal.reason == 'overrun_abort'
+    assert engine.context.length == length and engine.context.pending == pending
+    assert engine.rendered == {}, 'aborted inputs are rendered again next tick'
+
+
+def test_stale_and_malformed_inputs_are_refusals_not_crashes(checkpoint):
+    engine, clock = make_engine(checkpoint)
+    world = DemoWorld(8, messages=MessageFactory(ros=False))
+    snap = snapshot(world, 0.0)
+    clock.advance_to(1.0)
+    result = engine.tick(snap, 1.0, 1.0 + 1 / 30)
+    assert result.refusal.reason == 'stale_input' and '/scan' in result.refusal.detail
+    snap.update(snapshot(world, 1.0))
+    bad = snap['/odom'][0]
+    bad.pose.pose.position.x = float('nan')
+    result = engine.tick(snap, 1.0, 1.0 + 1 / 30)
+    assert result.refusal.reason == 'input_error' and 'position.x' in result.refusal.detail
+    snap['/odom'] = (SimpleNamespace(pose=None), 1.0)
+    result = engine.tick(snap, 1.0, 1.0 + 1 / 30)
+    assert result.refusal.reason == 'input_error'
+    snap.update(snapshot(world, 1.0))
+    snap['/detections'] = (SimpleNamespace(data='x' * 100000), 1.0)
+    result = engine.tick(snap, 1.0, 1.0 + 1 / 30)
+    assert result.action is not None, 'an oversized string is capped, not fatal'
+
+
+def test_not_started_engine_refuses_not_ready(checkpoint):
+    clock = ModelClock()
+    engine = TickEngine(NumpyBackend(checkpoint, 64), checkpoint.tokenizer, INPUTS,
+                        action_grammar(checkpoint.tokenizer), Admission(CostModel()),
+                        clock=clock)
+    assert engine.tick({}, 0.0, 0.03).refusal.reason == 'not_ready'
