@@ -111,6 +111,7 @@ class RtLlmNode(LifecycleNode):
         self._buffer = InputBuffer()
         self._values = {}
         self._last_action = None
+        self._failed = False
         self.last_error = ''
         self._stats_lock = threading.Lock()
         self._reset_stats()
@@ -192,6 +193,8 @@ class RtLlmNode(LifecycleNode):
         if self._diagnostics_timer is not None:
             self.destroy_timer(self._diagnostics_timer)
             self._diagnostics_timer = None
+        if self._failed:  # repeated backend errors: go through ErrorProcessing
+            return TransitionCallbackReturn.ERROR
         return super().on_deactivate(state)
 
     def on_cleanup(self, state):
@@ -204,9 +207,10 @@ class RtLlmNode(LifecycleNode):
         return TransitionCallbackReturn.SUCCESS
 
     def on_error(self, state):
-        self.get_logger().error('error processing: releasing the model')
+        self.get_logger().error(f'error processing ({self.last_error}): releasing the model')
         self._stop_loop()
         self._release()
+        self._failed = False
         return TransitionCallbackReturn.SUCCESS
 
     def _release(self):
@@ -282,9 +286,13 @@ class RtLlmNode(LifecycleNode):
                 self._latencies.append((time.monotonic() - start) * 1e3)
                 self._cache_occupancy = rec.cache_length / max(1, rec.capacity)
             if consecutive_errors >= self._values['backend_error_limit']:
-                self.get_logger().error(f'{consecutive_errors} consecutive backend errors: '
-                                        'stopping the control loop')
+                self.last_error = (f'{consecutive_errors} consecutive backend errors, the last: '
+                                   f'{result.refusal.detail}')
+                self.get_logger().error(self.last_error)
                 self._publish_fallback(force_stop=True)
+                self._failed = True
+                # the transition joins this thread, so it is requested from another one
+                threading.Thread(target=self.trigger_deactivate, daemon=True).start()
                 break
             if next_start - time.monotonic() > 0.5 * period:
                 gc.collect(0)

@@ -227,3 +227,24 @@ def test_invalid_parameters_are_rejected(rig):
     result = node.set_parameters([Parameter('rate_hz', value=25.0)])[0]
     assert not result.successful and 'clean up' in result.reason
     assert node.set_parameters([Parameter('on_refusal', value='hold')])[0].successful
+
+
+def test_repeated_backend_errors_go_through_error_processing(rig):
+    world, recorder, make = rig
+    node = make(rate_hz=10.0, backend_error_limit=3)
+    assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
+    wait_for_peers(node)
+    node.trigger_activate()
+    time.sleep(0.5)
+    # a real fault, not a stand-in: corrupt the weights so the model yields NaN logits
+    node._engine.backend.lm_head[:] = float('nan')
+    end = time.monotonic() + 10.0
+    while node._state_machine.current_state[1] != 'unconfigured' and time.monotonic() < end:
+        time.sleep(0.1)
+    state = node._state_machine.current_state[1]
+    assert state == 'unconfigured', (node.stats()[:2], node.last_error)
+    assert 'consecutive backend errors' in node.last_error and 'non-finite' in node.last_error
+    assert 'backend_error' in reasons(recorder)
+    last = recorder.actions[-1][1]
+    assert last.linear.x == 0.0 and last.angular.z == 0.0, 'the robot is told to stop'
+    assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS, 'and can start over'
