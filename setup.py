@@ -49,7 +49,6 @@ setup(
     maintainer_email='team@rt-llm-node.invalid',
     description='Real-time LLM inference inside a ROS 2 control loop',
     license='Apache-2.0',
-    tests_require=['pytest'],
     entry_points={
         'console_scripts': [
             'rt-llm-generate = rt_llm_node.generate:main',

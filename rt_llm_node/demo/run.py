@@ -32,7 +32,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def demo_parameters(path=None):
     """The demo profile's ros__parameters (from the source tree or the installed share)."""
-    candidates = [Path(path)] if path else [ROOT / 'config' / 'demo.yaml']
+    candidates = [Path(path)] if path else [
+        ROOT / 'config' / 'demo.yaml',                                      # source tree
+        Path(sys.prefix) / 'share' / 'rt_llm_node' / 'config' / 'demo.yaml',  # pip install
+    ]
     try:
         from ament_index_python.packages import get_package_share_directory
         candidates.append(Path(get_package_share_directory('rt_llm_node')) / 'config' /
