@@ -160,7 +160,8 @@ def main(argv=None):
     model = str(args.model or default_model_path())
     seeds = list(range(HELD_OUT_SEED0, HELD_OUT_SEED0 + args.episodes))
     budgets = [b if b == 'full' else int(b) for b in args.budgets.split(',')]
-    configs = [('expert', None)] + [(p, b) for p in args.policies.split(',') for b in budgets]
+    policies = [p for p in args.policies.split(',') if p]
+    configs = [('expert', None)] + [(p, b) for p in policies for b in budgets]
     chunk = max(1, len(seeds) // max(1, args.workers // 2))
     jobs, owners = [], []
     for policy, budget in configs:
@@ -178,7 +179,7 @@ def main(argv=None):
     header = ['policy', *[f'success @{b}' for b in budgets], *[f'agree @{b}' for b in budgets]]
     rows = [['expert', *[f"{table['expert']['success']:.3f}"] * len(budgets),
              *['-'] * len(budgets)]]
-    for p in args.policies.split(','):
+    for p in policies:
         rows.append([p, *[f"{table[f'{p}@{b}']['success']:.3f}" for b in budgets],
                      *[f"{table[f'{p}@{b}']['agreement']:.3f}" for b in budgets]])
     from rt_llm_node.bench_report import markdown_table
@@ -187,12 +188,18 @@ def main(argv=None):
     print(f'{args.episodes} held-out episodes per row, {elapsed:.0f} s')
     if args.json:
         Path(args.json).write_text(json.dumps({'table': table, 'full': full}, indent=2))
-    if args.plot or args.write:
+    if args.plot or (args.write and policies):
         root = Path(__file__).resolve().parents[2]
         plot_path = Path(args.plot or root / 'docs' / 'eviction.png')
         plot_path.parent.mkdir(parents=True, exist_ok=True)
         plot(table, plot_path)
-    if args.write:
+    if args.write and not policies:
+        from rt_llm_node.bench_report import write_section
+        write_section('expert', 'Demo expert on held-out seeds (commands quantized to the '
+                      'action grammar)', markdown_table(['episodes', 'goals', 'success'], [[
+                          table['expert']['episodes'], table['expert']['goals'],
+                          f"{table['expert']['success']:.3f}"]]))
+    elif args.write:
         from rt_llm_node.bench_report import write_section
         body = (markdown_table(header, rows)
                 + f'\n\nSeeds {seeds[0]}..{seeds[-1]} (held out), 3 goals each; '
