@@ -55,10 +55,6 @@ class CostModel:
             total += self.decode_ms(cache_length + n_prefill + step)
         return total
 
-    def to_dict(self):
-        return {'prefill': list(self.prefill), 'decode': list(self.decode),
-                'compact': list(self.compact)}
-
 
 def _fit(features, targets):
     """Non-negative least squares by clipping (tiny systems; enough for cost terms)."""

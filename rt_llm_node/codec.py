@@ -343,12 +343,6 @@ class FieldGrammar:
         """Text of an action given field values (quantized first); used to make training data."""
         return self.render_words([f.text(f.quantize(values[f.name])) for f in self.fields])
 
-    def max_decode_tokens(self):
-        """Upper bound of tokens decoded for one action (prefix and newline are not decoded)."""
-        def depth(node):
-            return 0 if not node.children else 1 + max(depth(c) for c in node.children.values())
-        return sum(depth(t) for t in self.tries)
-
     def typical_decode_tokens(self):
         """Tokens of an action whose every field takes its median-length value."""
         return sum(sorted(len(self._word_ids(f.text(v))) for v in f.values)[len(f.values) // 2]
@@ -442,9 +436,6 @@ class StringGrammar:
         self.end_ids = tokenizer.encode('\n').ids
         vocab = tokenizer.get_vocab_size(with_added_tokens=True)
         self._all = np.arange(vocab, dtype=np.int64)
-
-    def max_decode_tokens(self):
-        return self.max_tokens
 
     def typical_decode_tokens(self):
         return self.max_tokens

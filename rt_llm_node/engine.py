@@ -10,7 +10,6 @@ the demo evaluation and the tests.
 """
 
 from collections import deque
-from dataclasses import asdict
 from dataclasses import dataclass
 import threading
 import time
@@ -93,9 +92,6 @@ class TickRecord:
     total_ms: float = 0.0
     late: bool = False             # admitted, then ran past the deadline
 
-    def to_dict(self):
-        return asdict(self)
-
 
 @dataclass
 class TickResult:
@@ -142,7 +138,6 @@ class TickEngine:
         self.clock = clock or WallClock()
         self.index = 0
         self.rendered = {}            # topic -> receive stamp of the last message in the cache
-        self.max_decode = grammar.max_decode_tokens()
         # decode calls per action: the worst of the recent ticks (typical until observed);
         # a longer action than predicted is caught by the watchdog between steps
         self.recent_decodes = deque([max(0, grammar.typical_decode_tokens() - 1)], maxlen=300)

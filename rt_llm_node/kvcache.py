@@ -147,10 +147,6 @@ class KVCache:
                 if seg.kind in (OBSERVATION, INSTRUCTION)
                 and newest[(seg.kind, seg.topic if seg.kind == OBSERVATION else '')] != seg.uid}
 
-    def occupancy(self):
-        """Fraction of the capacity in use."""
-        return self.length / self.capacity
-
     # -- evicting ---------------------------------------------------------------------
     def plan(self, n_needed, incoming=None, protect=()):
         """Return the ascending slots to keep so ``n_needed`` more fit, or None if they fit now.
@@ -325,9 +321,3 @@ def make_policy(name, **options):
     except KeyError:
         raise ValueError(f'unknown eviction policy {name!r} '
                          f'(choose from {", ".join(POLICIES)})') from None
-
-
-def segment_summary(cache):
-    """[(kind, topic, tokens, pinned)] of the live segments, oldest first (for logs)."""
-    counts = cache.tokens_of()
-    return [(s.kind, s.topic, counts.get(s.uid, 0), s.pinned) for s in cache.segments.values()]

@@ -18,4 +18,8 @@ def tiny_checkpoint(tmp_path_factory):
 def pytest_configure(config):
     """Keep DDS discovery on this host and away from other test runs."""
     os.environ.setdefault('ROS_AUTOMATIC_DISCOVERY_RANGE', 'LOCALHOST')
-    os.environ.setdefault('ROS_DOMAIN_ID', str(100 + os.getpid() % 100))
+    # data over UDP loopback: Fast DDS shared-memory segments left by a killed process can
+    # match a reader and writer that then never exchange a sample
+    os.environ.setdefault('FASTDDS_BUILTIN_TRANSPORTS', 'UDPv4')
+    # 1..101 are the domain ids whose ports never collide with Linux ephemeral ports
+    os.environ.setdefault('ROS_DOMAIN_ID', str(10 + os.getpid() % 90))

@@ -27,8 +27,9 @@ from rt_llm_node.node import RtLlmNode  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture
 def executor():
+    """A fresh rclpy context and executor per test, so one test's DDS state cannot leak."""
     rclpy.init()
     ex = MultiThreadedExecutor(num_threads=3)
     thread = threading.Thread(target=ex.spin, daemon=True)
@@ -89,7 +90,16 @@ def wait_for_peers(node, inputs=4, timeout=30.0):
             time.sleep(0.3)
             return
         time.sleep(0.1)
-    raise AssertionError('peers not discovered in time')
+    raise AssertionError(f'peers not discovered in time: inputs {sorted(node._buffer.snapshot())}, '
+                         f'refusal subscribers {node._refusal_pub.get_subscription_count()}, '
+                         f'action subscribers {node._action_pub.get_subscription_count()}')
+
+
+def start(node, inputs=4):
+    """Configure, wait for DDS discovery, activate."""
+    assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
+    wait_for_peers(node, inputs)
+    node.trigger_activate()
 
 
 def reasons(recorder):
@@ -99,9 +109,7 @@ def reasons(recorder):
 def test_publishes_actions_at_the_rate(rig):
     world, recorder, make = rig
     node = make(rate_hz=10.0, deadline_margin_ms=5.0)
-    assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
-    wait_for_peers(node)
-    node.trigger_activate()
+    start(node)
     time.sleep(4.0)
     node.trigger_deactivate()
     stats, refusals, _ = node.stats()
@@ -127,9 +135,7 @@ def test_too_short_a_period_refuses_with_deadline_before_the_deadline(executor, 
     node = RtLlmNode(parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
     executor.add_node(node)
     try:
-        assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
-        wait_for_peers(node)
-        node.trigger_activate()
+        start(node)
         time.sleep(2.5)
         node.trigger_deactivate()
         stats, refusals, _ = node.stats()
@@ -165,9 +171,7 @@ def test_missing_input_gives_stale_input(rig):
     world, recorder, make = rig
     node = make(rate_hz=10.0, input_topics=['/instruction', '/scan', '/odom_missing',
                                             '/detections'])
-    assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
-    wait_for_peers(node, inputs=3)
-    node.trigger_activate()
+    start(node, inputs=3)
     time.sleep(1.5)
     node.trigger_deactivate()
     stats, refusals, _ = node.stats()
@@ -191,9 +195,7 @@ def test_broken_model_fails_configure_with_the_loader_message(rig, tmp_path):
 def test_deactivate_stops_output_and_cleanup_then_configure_works(rig):
     world, recorder, make = rig
     node = make(rate_hz=10.0)
-    assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
-    wait_for_peers(node)
-    node.trigger_activate()
+    start(node)
     time.sleep(1.0)
     node.trigger_deactivate()
     time.sleep(0.3)
@@ -203,9 +205,7 @@ def test_deactivate_stops_output_and_cleanup_then_configure_works(rig):
     time.sleep(1.0)
     assert len(recorder.actions) + len(recorder.refusals) == count, 'output after deactivate'
     assert node.trigger_cleanup() == TransitionCallbackReturn.SUCCESS
-    assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
-    wait_for_peers(node)
-    node.trigger_activate()
+    start(node)
     time.sleep(1.0)
     node.trigger_deactivate()
     assert len(recorder.actions) + len(recorder.refusals) > count
@@ -232,9 +232,7 @@ def test_invalid_parameters_are_rejected(rig):
 def test_repeated_backend_errors_go_through_error_processing(rig):
     world, recorder, make = rig
     node = make(rate_hz=10.0, backend_error_limit=3)
-    assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
-    wait_for_peers(node)
-    node.trigger_activate()
+    start(node)
     time.sleep(0.5)
     # a real fault, not a stand-in: corrupt the weights so the model yields NaN logits
     node._engine.backend.lm_head[:] = float('nan')
