@@ -90,7 +90,8 @@ def wait_for_peers(node, inputs=4, timeout=30.0):
             time.sleep(0.3)
             return
         time.sleep(0.1)
-    raise AssertionError(f'peers not discovered in time: inputs {sorted(node._buffer.snapshot())}, '
+    inputs = sorted(node._buffer.snapshot())
+    raise AssertionError(f'peers not discovered in time: inputs {inputs}, '
                          f'refusal subscribers {node._refusal_pub.get_subscription_count()}, '
                          f'action subscribers {node._action_pub.get_subscription_count()}')
 
