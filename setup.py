@@ -40,9 +40,9 @@ setup(
         'cuda12': ['cupy-cuda12x', 'nvidia-cuda-nvrtc-cu12'],
         'demo': ['matplotlib'],
         'replay': ['rosbags>=0.10'],
-        'test': ['pytest', 'transformers', 'rosbags>=0.10', 'matplotlib', 'flake8>=6',
+        'test': ['pytest', 'transformers', 'rosbags>=0.10', 'matplotlib', 'flake8>=6', 'pyyaml',
                  'flake8-quotes', 'flake8-import-order', 'flake8-builtins',
-                 'flake8-comprehensions', 'nvidia-cuda-nvrtc'],
+                 'flake8-comprehensions', 'cupy-cuda13x', 'nvidia-cuda-nvrtc'],
     },
     zip_safe=False,
     maintainer='rt_llm_node team',
@@ -52,6 +52,7 @@ setup(
     entry_points={
         'console_scripts': [
             'rt-llm-generate = rt_llm_node.generate:main',
+            'rt-llm-bench = rt_llm_node.bench:main',
             'rt-llm-eval = rt_llm_node.demo.evaluate:main',
             'rt-llm-node = rt_llm_node.node:main',
             'rt-llm-demo = rt_llm_node.demo.run:main',

@@ -29,6 +29,7 @@ SHAPES = {
         'tie_word_embeddings': True, 'rms_norm_eps': 1e-5},
     'qwen2.5-0.5b': {
         'family': 'qwen2', 'vocab_size': 151936, 'hidden_size': 896, 'intermediate_size': 4864,
+        'attention_bias': True,
         'num_layers': 24, 'num_heads': 14, 'num_kv_heads': 2, 'max_position_embeddings': 32768,
         'tie_word_embeddings': True},
     'llama-3.2-1b': {

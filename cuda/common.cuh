@@ -1,0 +1,113 @@
+// common.cuh: types and helpers shared by every kernel file.
+//
+// The loader (rt_llm_node/backends/cuda_kernels.py) compiles all .cu files as one NVRTC
+// program per weight dtype, with exactly one of RT_WEIGHT_BF16, RT_WEIGHT_F16 or
+// RT_WEIGHT_F32 defined. Weights ("wt") stay in their stored dtype; every sum is fp32.
+// No CUDA header is included: 16-bit conversions are bit operations or one PTX cvt, so
+// NVRTC compiles these sources on a machine with no CUDA toolkit and no GPU.
+#pragma once
+
+#if defined(RT_WEIGHT_BF16) || defined(RT_WEIGHT_F16)
+typedef unsigned short wt;           // raw bf16 or fp16 bits
+#elif defined(RT_WEIGHT_F32)
+typedef float wt;
+#else
+#error "define RT_WEIGHT_BF16, RT_WEIGHT_F16 or RT_WEIGHT_F32"
+#endif
+
+#define WARP 32
+#define FULL_MASK 0xffffffffu
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float bits_to_float(unsigned short h) {
+#if defined(RT_WEIGHT_BF16)
+  return __uint_as_float(((unsigned)h) << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#endif
+}
+
+__device__ __forceinline__ float w2f(wt w) {
+#if defined(RT_WEIGHT_F32)
+  return w;
+#else
+  return bits_to_float(w);
+#endif
+}
+
+// Eight consecutive weights from p (16-byte aligned) as fp32.
+__device__ __forceinline__ void load8(const wt* p, float* o) {
+#if defined(RT_WEIGHT_F32)
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+  const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+  o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+#else
+  const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+  const unsigned u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    o[2 * i] = bits_to_float((unsigned short)(u[i] & 0xffffu));
+    o[2 * i + 1] = bits_to_float((unsigned short)(u[i] >> 16));
+  }
+#endif
+}
+
+// Eight consecutive fp32 activations from p (16-byte aligned).
+__device__ __forceinline__ void load8f(const float* p, float* o) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  const float4 b = *(reinterpret_cast<const float4*>(p) + 1);
+  o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+  o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+  return v;
+}
+
+// Sum over the block; every thread gets the result. scratch: >= 32 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+  const int n_warps = (blockDim.x + WARP - 1) / WARP;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < n_warps ? scratch[lane] : 0.f;
+  return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+  const int n_warps = (blockDim.x + WARP - 1) / WARP;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < n_warps ? scratch[lane] : NEG_INF;
+  return warp_max(v);
+}
+
+// The run state lives in device memory so that captured graphs replay unchanged:
+// state[STATE_TOKEN] token of a decode step, state[STATE_START] cache length before the
+// call (position of its first token), state[STATE_N] tokens in the call,
+// state[STATE_MASS_ACC] 1 when the call continues an earlier chunk (attention mass adds up),
+// state[STATE_FLAGS] bit 0 set when a logit was not finite, state[STATE_RESULT] arg-max,
+// state[STATE_COUNTER] blocks done in argmax_masked. The host writes the first five.
+#define STATE_TOKEN 0
+#define STATE_START 1
+#define STATE_N 2
+#define STATE_MASS_ACC 3
+#define STATE_FLAGS 4
+#define STATE_RESULT 5
+#define STATE_COUNTER 6

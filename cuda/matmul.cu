@@ -1,0 +1,210 @@
+// matmul.cu: y = W . xhat for the tokens of a call, W: [rows, K] row-major (HF Linear),
+// with the layer's epilogue fused in. xhat = x, or rmsnorm(x) * norm_w when norm_w is
+// given: each block first computes 1 / rms of its tokens, then normalizes on the fly.
+//
+// Geometry: block = 32 * w threads (w warps, at most 8); a warp owns one unit (two output
+// rows) for a tile of TT tokens; grid = (ceil(units / w), ceil(n_max / TT)); tiles at or past
+// state[STATE_N] tokens exit. Suffix _t1 (decode, TT = 1) and _t8 (prefill, TT = 8).
+// Dtypes: W, bias, norm_w: wt; x, outputs and sums: fp32; cache slots fp32.
+//
+// Epilogues (one extern "C" wrapper each):
+//   matmul_residual  units = ceil(rows / 2), rows 2u and 2u + 1: out[t, r] += y  (o, down)
+//   matmul_store     same units: out[t, r] = y; a non-finite y sets bit 0 of
+//                    state[STATE_FLAGS]; last_only runs only the call's last token (LM head)
+//   matmul_swiglu    units = inter, rows u (gate) and inter + u (up): act[t, u] = silu(g) * up
+//   matmul_qkv_rope  units = q and k RoPE pairs (rows i and i + d/2 of a head), then v row
+//                    pairs; adds the bias, rotates q and k at position start + t with the
+//                    cos/sin tables ([2 * cap, d/2], row cap + position), writes q to q_out
+//                    [n_max, q_size] and k, v to cache slot start + t ([cap, n_kv, d]).
+#include "common.cuh"
+
+#define EPI_RESIDUAL 0
+#define EPI_STORE 1
+#define EPI_SWIGLU 2
+#define EPI_QKV_ROPE 3
+
+struct QkvArgs {
+  const wt* bias;        // [q + 2 kv] or null
+  float* q_out;          // [n_max, q_size]
+  float* k_cache;        // this layer: [cap, n_kv, d]
+  float* v_cache;
+  const float* cos_t;    // [2 * cap, d / 2]
+  const float* sin_t;
+  int n_heads, n_kv, head_dim, cap;
+};
+
+// a0[t], a1[t] = rows w0, w1 dotted with xhat of token t (t < n_t); every lane gets the sums.
+template <int TT>
+__device__ __forceinline__ void dot_rows(const wt* __restrict__ w0, const wt* __restrict__ w1,
+                                         const float* __restrict__ x, int K,
+                                         const wt* __restrict__ norm_w, const float* inv_rms,
+                                         int n_t, float* a0, float* a1) {
+  const int lane = threadIdx.x % WARP;
+#pragma unroll
+  for (int t = 0; t < TT; ++t) { a0[t] = 0.f; a1[t] = 0.f; }
+  if ((K & 7) == 0) {
+    for (int k = lane * 8; k < K; k += WARP * 8) {
+      float wa[8], wb[8], nw[8];
+      load8(w0 + k, wa);
+      load8(w1 + k, wb);
+      if (norm_w) {
+        load8(norm_w + k, nw);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) nw[j] = 1.f;
+      }
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        if (t < n_t) {
+          float xv[8];
+          load8f(x + (long long)t * K + k, xv);
+          float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float xn = xv[j] * inv_rms[t] * nw[j];
+            s0 = fmaf(wa[j], xn, s0);
+            s1 = fmaf(wb[j], xn, s1);
+          }
+          a0[t] += s0;
+          a1[t] += s1;
+        }
+      }
+    }
+  } else {  // rows not 16-byte aligned: scalar loads
+    for (int k = lane; k < K; k += WARP) {
+      const float wa = w2f(w0[k]), wb = w2f(w1[k]);
+      const float nw = norm_w ? w2f(norm_w[k]) : 1.f;
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        if (t < n_t) {
+          const float xn = x[(long long)t * K + k] * inv_rms[t] * nw;
+          a0[t] = fmaf(wa, xn, a0[t]);
+          a1[t] = fmaf(wb, xn, a1[t]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < TT; ++t) { a0[t] = warp_sum(a0[t]); a1[t] = warp_sum(a1[t]); }
+}
+
+// Rows of unit u for the qkv layout: RoPE pairs of q heads, of k heads, then v row pairs.
+__device__ __forceinline__ void qkv_rows(int u, const QkvArgs& a, int* r0, int* r1, int* kind) {
+  const int half = a.head_dim / 2, q_size = a.n_heads * a.head_dim, kv_size = a.n_kv * a.head_dim;
+  if (u < a.n_heads * half) {
+    *kind = 0;
+    *r0 = (u / half) * a.head_dim + u % half;
+    *r1 = *r0 + half;
+  } else if (u < (a.n_heads + a.n_kv) * half) {
+    const int v = u - a.n_heads * half;
+    *kind = 1;
+    *r0 = q_size + (v / half) * a.head_dim + v % half;
+    *r1 = *r0 + half;
+  } else {
+    const int v = u - (a.n_heads + a.n_kv) * half;
+    *kind = 2;
+    *r0 = q_size + kv_size + 2 * v;
+    *r1 = *r0 + 1;
+  }
+}
+
+template <int TT, int EPI>
+__device__ void matmul_body(int* __restrict__ state, const wt* __restrict__ W, int rows, int K,
+                            const float* __restrict__ x, const wt* __restrict__ norm_w, float eps,
+                            float* __restrict__ out, int units, int last_only, QkvArgs qa) {
+  __shared__ float inv_rms[TT];
+  __shared__ float scratch[WARP];
+  const int n = state[STATE_N], start = state[STATE_START];
+  const int t0 = last_only ? n - 1 : blockIdx.y * TT;
+  const int n_t = last_only ? 1 : min(TT, n - t0);
+  if (n_t <= 0) return;  // the whole block leaves together
+  const float* xt = x + (long long)t0 * K;
+  for (int t = 0; t < TT; ++t) {
+    float ss = 0.f;
+    if (norm_w && t < n_t)
+      for (int k = threadIdx.x; k < K; k += blockDim.x) ss += xt[(long long)t * K + k] * xt[(long long)t * K + k];
+    ss = block_sum(ss, scratch);
+    if (threadIdx.x == 0) inv_rms[t] = norm_w ? 1.f / sqrtf(ss / K + eps) : 1.f;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x % WARP;
+  const int u = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  if (u >= units) return;
+  int r0, r1, kind = 0;
+  if (EPI == EPI_SWIGLU) {
+    r0 = u; r1 = rows / 2 + u;
+  } else if (EPI == EPI_QKV_ROPE) {
+    qkv_rows(u, qa, &r0, &r1, &kind);
+  } else {
+    r0 = 2 * u; r1 = min(2 * u + 1, rows - 1);
+  }
+  float a0[TT], a1[TT];
+  dot_rows<TT>(W + (long long)r0 * K, W + (long long)r1 * K, xt, K, norm_w, inv_rms, n_t, a0, a1);
+#pragma unroll
+  for (int t = 0; t < TT; ++t) {
+    if (lane != t || t >= n_t) continue;
+    const int tok = t0 + t;
+    float y0 = a0[t], y1 = a1[t];
+    if (EPI == EPI_RESIDUAL) {
+      out[(long long)tok * rows + r0] += y0;
+      if (2 * u + 1 < rows) out[(long long)tok * rows + r1] += y1;
+    } else if (EPI == EPI_STORE) {
+      const long long base = last_only ? 0 : (long long)tok * rows;
+      out[base + r0] = y0;
+      if (2 * u + 1 < rows) out[base + r1] = y1;
+      if (!isfinite(y0) || !isfinite(y1)) atomicOr(state + STATE_FLAGS, 1);
+    } else if (EPI == EPI_SWIGLU) {
+      out[(long long)tok * (rows / 2) + u] = y0 / (1.f + expf(-y0)) * y1;
+    } else {
+      if (qa.bias) { y0 += w2f(qa.bias[r0]); y1 += w2f(qa.bias[r1]); }
+      const int d = qa.head_dim, half = d / 2, pos = start + tok;
+      const int q_size = qa.n_heads * d, kv_size = qa.n_kv * d;
+      if (kind < 2) {
+        const int i = (kind == 0 ? r0 : r0 - q_size) % d;
+        const float c = qa.cos_t[(long long)(qa.cap + pos) * half + i];
+        const float s = qa.sin_t[(long long)(qa.cap + pos) * half + i];
+        const float o0 = y0 * c - y1 * s, o1 = y1 * c + y0 * s;
+        if (kind == 0) {
+          qa.q_out[(long long)tok * q_size + r0] = o0;
+          qa.q_out[(long long)tok * q_size + r1] = o1;
+        } else {
+          float* slot = qa.k_cache + (long long)pos * kv_size;
+          slot[r0 - q_size] = o0;
+          slot[r1 - q_size] = o1;
+        }
+      } else {
+        float* slot = qa.v_cache + (long long)pos * kv_size;
+        slot[r0 - q_size - kv_size] = y0;
+        slot[r1 - q_size - kv_size] = y1;
+      }
+    }
+  }
+}
+
+#define MATMUL_PLAIN(NAME, TT, EPI)                                                        \
+  extern "C" __global__ void __launch_bounds__(256)                                        \
+  NAME(int* state, const wt* W, int rows, int K, const float* x, const wt* norm_w,          \
+       float eps, float* out, int units, int last_only) {                                   \
+    QkvArgs none = {};                                                                      \
+    matmul_body<TT, EPI>(state, W, rows, K, x, norm_w, eps, out, units, last_only, none);   \
+  }
+
+MATMUL_PLAIN(matmul_residual_t1, 1, EPI_RESIDUAL)
+MATMUL_PLAIN(matmul_residual_t8, 8, EPI_RESIDUAL)
+MATMUL_PLAIN(matmul_store_t1, 1, EPI_STORE)
+MATMUL_PLAIN(matmul_swiglu_t1, 1, EPI_SWIGLU)
+MATMUL_PLAIN(matmul_swiglu_t8, 8, EPI_SWIGLU)
+
+#define MATMUL_QKV(NAME, TT)                                                                \
+  extern "C" __global__ void __launch_bounds__(256)                                        \
+  NAME(int* state, const wt* W, int rows, int K, const float* x, const wt* norm_w,          \
+       float eps, int units, const wt* bias, float* q_out, float* k_cache, float* v_cache,  \
+       const float* cos_t, const float* sin_t, int n_heads, int n_kv, int head_dim,         \
+       int cap) {                                                                           \
+    QkvArgs qa = {bias, q_out, k_cache, v_cache, cos_t, sin_t, n_heads, n_kv, head_dim,     \
+                  cap};                                                                     \
+    matmul_body<TT, EPI_QKV_ROPE>(state, W, rows, K, x, norm_w, eps, nullptr, units, 0, qa); \
+  }
+
+MATMUL_QKV(matmul_qkv_rope_t1, 1)
+MATMUL_QKV(matmul_qkv_rope_t8, 8)

@@ -1,0 +1,364 @@
+"""CUDA backend: the numpy backend's interface on hand-written NVRTC kernels and CUDA graphs.
+
+Weights stay on the device in their stored dtype (bf16, fp16 or fp32); activations, the
+KV cache and every sum are fp32. Everything is allocated, compiled and captured in the
+constructor (the node's configure): one CUDA graph for a decode step and one per prefill
+bucket (up to 16, 32, 64, 128 tokens; longer prompts run in chunks). The call's token,
+start position and length live in a small device ``state`` array, so a tick replays
+graphs and allocates nothing on the device. No cuBLAS, no torch.
+"""
+
+import numpy as np
+
+from rt_llm_node.backends import BackendError
+from rt_llm_node.backends import CacheOverflowError
+from rt_llm_node.backends.cuda_kernels import KernelSet
+from rt_llm_node.backends.numpy_backend import rope_tables
+
+PREFILL_BUCKETS = (16, 32, 64, 128)
+ATT_CHUNK = 64          # keys per attention split; matches attention.cu
+ARGMAX_BLOCKS = 64
+STATE_RING = 64         # pinned upload slots for the run state
+IDS_RING = 4            # and for prefill token ids
+# state slots; match common.cuh
+TOKEN, START, N, MASS_ACC, FLAGS, RESULT, COUNTER = range(7)
+
+
+NULL = np.uint64(0)  # a null device pointer argument
+
+
+def _i32(value):
+    return np.int32(value)
+
+
+class LayerBuffers:
+    """One decoder layer's weights on the device, projections fused as in the numpy backend."""
+
+    def __init__(self, cp, checkpoint, index):
+        p = f'model.layers.{index}.'
+        t = checkpoint.tensors
+        cfg = checkpoint.config
+
+        def up(*names):
+            return cp.asarray(np.concatenate([t[p + n].bits.reshape(t[p + n].shape)
+                                              for n in names]))
+        self.attn_norm = up('input_layernorm.weight')                         # [hidden]
+        self.mlp_norm = up('post_attention_layernorm.weight')                 # [hidden]
+        self.wqkv = up('self_attn.q_proj.weight', 'self_attn.k_proj.weight',
+                       'self_attn.v_proj.weight')                             # [q+2kv, hidden]
+        self.bqkv = (up('self_attn.q_proj.bias', 'self_attn.k_proj.bias',
+                        'self_attn.v_proj.bias') if cfg.attention_bias else None)  # [q+2kv]
+        self.wo = up('self_attn.o_proj.weight')                               # [hidden, q]
+        self.wgate_up = up('mlp.gate_proj.weight', 'mlp.up_proj.weight')     # [2*inter, hidden]
+        self.wdown = up('mlp.down_proj.weight')                               # [hidden, inter]
+
+
+class CudaBackend:
+    """Decoder on the GPU with a preallocated KV cache (see ``rt_llm_node.backends``)."""
+
+    name = 'cuda'
+
+    def __init__(self, checkpoint, capacity, device_id=0):
+        import cupy as cp
+        self.cp = cp
+        cfg = checkpoint.config
+        if not 1 <= capacity <= cfg.max_position_embeddings:
+            raise ValueError(f'kv capacity {capacity} must be in 1..{cfg.max_position_embeddings} '
+                             "(the model's trained length)")
+        if cfg.head_dim % 2 or cfg.head_dim > 256 or cfg.num_heads % cfg.num_kv_heads:
+            raise BackendError(f'the CUDA kernels need an even head_dim <= 256 and whole GQA '
+                               f'groups (head_dim {cfg.head_dim}, heads {cfg.num_heads}, '
+                               f'kv heads {cfg.num_kv_heads})')
+        dtypes = {t.dtype for t in checkpoint.tensors.values()}
+        if len(dtypes) != 1:
+            raise BackendError(f'the CUDA backend needs one weight dtype, found {sorted(dtypes)}')
+        self.config = cfg
+        self.capacity = int(capacity)
+        self.weight_dtype = dtypes.pop()
+        self.device = cp.cuda.Device(device_id)
+        with self.device:
+            self._allocate(checkpoint)
+            self.kernels = KernelSet(self.weight_dtype, device_id)
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            self._warm_up_and_capture()
+
+    # -- set-up (configure time) ---------------------------------------------------
+    def _allocate(self, checkpoint):
+        cp, cfg, cap = self.cp, self.config, self.capacity
+        t = checkpoint.tensors
+
+        def up(name):
+            return cp.asarray(t[name].bits.reshape(t[name].shape))
+        self.embed = up('model.embed_tokens.weight')                          # [vocab, hidden]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else up('lm_head.weight')
+        self.final_norm = up('model.norm.weight')                             # [hidden]
+        self.layers = [LayerBuffers(cp, checkpoint, i) for i in range(cfg.num_layers)]
+        cos, sin = rope_tables(np.arange(-cap, cap), cfg.rope.inv_freq(cfg.head_dim))
+        self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)                 # [2*cap, d/2]
+        shape = (cfg.num_layers, cap, cfg.num_kv_heads, cfg.head_dim)
+        f32 = np.float32
+        self.k, self.v = cp.zeros(shape, f32), cp.zeros(shape, f32)           # KV cache
+        self.k_tmp, self.v_tmp = cp.zeros(shape, f32), cp.zeros(shape, f32)   # compaction
+        n_max = PREFILL_BUCKETS[-1]
+        self.n_splits = (cap + ATT_CHUNK - 1) // ATT_CHUNK
+        self.state = cp.zeros(8, np.int32)
+        self.ids = cp.zeros(n_max, np.int32)                                  # [n_max]
+        self.x = cp.zeros((n_max, cfg.hidden_size), f32)                      # residual stream
+        self.q = cp.zeros((n_max, cfg.q_size), f32)
+        self.attn_out = cp.zeros((n_max, cfg.q_size), f32)
+        self.act = cp.zeros((n_max, cfg.intermediate_size), f32)
+        self.scores = cp.zeros((cfg.num_heads, n_max, cap), f32)             # prefill, per layer
+        self.ml = cp.zeros((cfg.num_heads * n_max, 2), f32)
+        self.scores_dec = cp.zeros((cfg.num_layers, cfg.num_heads, cap), f32)  # decode, all layers
+        self.ml_dec = cp.zeros((cfg.num_layers, cfg.num_heads, 2), f32)
+        self.part_ml = cp.zeros((cfg.num_heads * n_max, self.n_splits, 2), f32)
+        self.part_o = cp.zeros((cfg.num_heads * n_max, self.n_splits, cfg.head_dim), f32)
+        self.mass, self.mass_tmp = cp.zeros(cap, f32), cp.zeros(cap, f32)
+        self.logits_buf = cp.zeros(cfg.vocab_size, f32)
+        self.allowed = cp.zeros(cfg.vocab_size, np.int32)
+        self.keep = cp.zeros(cap, np.int32)
+        self.part_v = cp.zeros(ARGMAX_BLOCKS, f32)
+        self.part_i = cp.zeros(ARGMAX_BLOCKS, np.int32)
+        # pinned host buffers: uploads from a ring of slots, one stream sync per wrap
+        self.state_ring = self._pinned((STATE_RING, 8), np.int32)
+        self.ids_ring = self._pinned((IDS_RING, n_max), np.int32)
+        self.rings = [0, 0]
+        self.host_allowed = self._pinned(cfg.vocab_size, np.int32)
+        self.host_keep = self._pinned(cap, np.int32)
+        self.host_flags = self._pinned(2, np.int32)
+        self.host_mass = self._pinned(cap, f32)
+        self.host_logits = self._pinned(cfg.vocab_size, f32)
+        self.length = 0
+        self._logits_valid = False
+
+    def _pinned(self, shape, dtype):
+        count = int(np.prod(shape))
+        memory = self.cp.cuda.alloc_pinned_memory(count * np.dtype(dtype).itemsize)
+        return np.frombuffer(memory, dtype, count).reshape(shape)
+
+    def _to_device(self, device_array, host_array, count=None):
+        count = host_array.size if count is None else count
+        runtime = self.cp.cuda.runtime
+        runtime.memcpyAsync(device_array.data.ptr, host_array.ctypes.data,
+                            count * host_array.itemsize, runtime.memcpyHostToDevice,
+                            self.stream.ptr)
+
+    def _to_host(self, host_array, device_array, count=None):
+        """Copy and wait (the one place where a call waits for the GPU)."""
+        count = host_array.size if count is None else count
+        runtime = self.cp.cuda.runtime
+        runtime.memcpyAsync(host_array.ctypes.data, device_array.data.ptr,
+                            count * host_array.itemsize, runtime.memcpyDeviceToHost,
+                            self.stream.ptr)
+        self.stream.synchronize()
+        self.rings = [0, 0]
+
+    def _ring_slot(self, which, ring):
+        index = self.rings[which]
+        if index == len(ring):     # every slot may still be in flight: wait once
+            self.stream.synchronize()
+            index = 0
+        self.rings[which] = index + 1
+        return ring[index]
+
+    def _launch(self, name, grid, block, *args):
+        self.kernels.functions[name](grid, block, args, stream=self.stream)
+
+    def _enqueue_forward(self, n_max):
+        """Every kernel of one forward over up to n_max tokens (state says how many)."""
+        cfg, cap = self.config, self.capacity
+        decode = n_max == 1
+        tt = 1 if decode else 8
+        tiles = (n_max + tt - 1) // tt
+        sfx = '_t1' if decode else '_t8'
+        hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        eps = np.float32(cfg.rms_norm_eps)
+        warps = 4
+        block = (32 * warps,)
+
+        def mm_grid(units):
+            return ((units + warps - 1) // warps, tiles)
+        self._launch('embed_gather', (n_max,), (256,), self.state, self.ids, self.embed, self.x,
+                     _i32(hid), _i32(1 if decode else 0))
+        qkv_rows = cfg.q_size + 2 * cfg.kv_size
+        qkv_units = qkv_rows // 2
+        for i, layer in enumerate(self.layers):
+            kc, vc = self.k[i], self.v[i]
+            self._launch('matmul_qkv_rope' + sfx, mm_grid(qkv_units), block, self.state,
+                         layer.wqkv, _i32(qkv_rows), _i32(hid), self.x, layer.attn_norm, eps,
+                         _i32(qkv_units), layer.bqkv if layer.bqkv is not None else NULL,
+                         self.q, kc, vc, self.cos, self.sin, _i32(cfg.num_heads),
+                         _i32(cfg.num_kv_heads), _i32(d), _i32(cap))
+            scores = self.scores_dec[i] if decode else self.scores
+            ml = self.ml_dec[i] if decode else self.ml
+            self._launch('attn_partial', (cfg.num_heads * n_max, self.n_splits), (128,),
+                         self.state, self.q, kc, vc, scores, self.part_ml, self.part_o,
+                         _i32(n_max), _i32(cfg.num_heads), _i32(cfg.num_kv_heads), _i32(d),
+                         _i32(cap), _i32(self.n_splits), np.float32(1.0 / np.sqrt(d)))
+            self._launch('attn_combine', (cfg.num_heads * n_max,), (128,), self.state,
+                         self.part_ml, self.part_o, self.attn_out, ml, _i32(n_max),
+                         _i32(cfg.num_heads), _i32(d), _i32(self.n_splits))
+            if not decode:
+                self._enqueue_mass(n_max, self.scores, self.ml, 1, first=i == 0)
+            self._launch('matmul_residual' + sfx, mm_grid((hid + 1) // 2), block, self.state,
+                         layer.wo, _i32(hid), _i32(cfg.q_size), self.attn_out, NULL, eps,
+                         self.x, _i32((hid + 1) // 2), _i32(0))
+            self._launch('matmul_swiglu' + sfx, mm_grid(inter), block, self.state,
+                         layer.wgate_up, _i32(2 * inter), _i32(hid), self.x, layer.mlp_norm,
+                         eps, self.act, _i32(inter), _i32(0))
+            self._launch('matmul_residual' + sfx, mm_grid((hid + 1) // 2), block, self.state,
+                         layer.wdown, _i32(hid), _i32(inter), self.act, NULL, eps, self.x,
+                         _i32((hid + 1) // 2), _i32(0))
+        if decode:
+            self._enqueue_mass(1, self.scores_dec, self.ml_dec, cfg.num_layers, first=True)
+        vocab_units = (cfg.vocab_size + 1) // 2
+        self._launch('matmul_store_t1', ((vocab_units + warps - 1) // warps, 1), block,
+                     self.state, self.lm_head, _i32(cfg.vocab_size), _i32(hid), self.x,
+                     self.final_norm, eps, self.logits_buf, _i32(vocab_units), _i32(1))
+
+    def _enqueue_mass(self, n_max, scores, ml, n_layers, first):
+        cfg = self.config
+        scores_stride = cfg.num_heads * n_max * self.capacity
+        ml_stride = cfg.num_heads * n_max * 2
+        self._launch('attn_mass', ((self.capacity + 255) // 256,), (256,), self.state, scores,
+                     ml, self.mass, _i32(n_max), _i32(cfg.num_heads), _i32(self.capacity),
+                     _i32(n_layers), np.int64(scores_stride), np.int64(ml_stride),
+                     _i32(1 if first else 0))
+
+    def _capture(self, n_max):
+        stream = self.stream
+        with stream:
+            stream.begin_capture()
+            try:
+                self._enqueue_forward(n_max)
+            finally:
+                graph = stream.end_capture()
+        graph.upload(stream)
+        return graph
+
+    def _warm_up_and_capture(self):
+        # run every forward once directly (loads the module, checks launches), then capture
+        self.graphs = {}
+        for n_max in (1,) + PREFILL_BUCKETS:
+            n = min(n_max, self.capacity)
+            self._write_state(token=0, start=0, n=n, mass_acc=0)
+            self._enqueue_forward(n_max)
+            self.stream.synchronize()
+            self.graphs[n_max] = self._capture(n_max)
+        for n_max, graph in self.graphs.items():   # and replay each once
+            self._write_state(token=0, start=0, n=min(n_max, self.capacity), mass_acc=0)
+            graph.launch(self.stream)
+        self.stream.synchronize()
+        self.k.fill(0)
+        self.v.fill(0)
+        self.length = 0
+        self._logits_valid = False
+
+    # -- the calls -----------------------------------------------------------------
+    def _write_state(self, token, start, n, mass_acc):
+        slot = self._ring_slot(0, self.state_ring)
+        slot[:5] = (token, start, n, mass_acc, 0)
+        self._to_device(self.state, slot, 5)
+
+    def _check_ids(self, ids, n):
+        if n == 0:
+            raise BackendError('no tokens to run')
+        if self.length + n > self.capacity:
+            raise CacheOverflowError(f'{n} tokens do not fit: {self.length} of '
+                                     f'{self.capacity} cache slots in use')
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise BackendError(f'token id out of range 0..{self.config.vocab_size - 1}')
+
+    def prefill(self, token_ids):
+        """Run token_ids: [n] at the next n positions, writing their keys and values."""
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        self._check_ids(ids, len(ids))
+        if len(ids) == 1:
+            return self.decode(int(ids[0]))
+        biggest = PREFILL_BUCKETS[-1]
+        for first in range(0, len(ids), biggest):
+            chunk = ids[first:first + biggest].astype(np.int32)
+            n_max = next(b for b in PREFILL_BUCKETS if b >= len(chunk))
+            slot = self._ring_slot(1, self.ids_ring)
+            slot[:len(chunk)] = chunk
+            self._to_device(self.ids, slot, len(chunk))
+            self._write_state(0, self.length, len(chunk), 1 if first else 0)
+            self.graphs[n_max].launch(self.stream)
+            self.length += len(chunk)
+        self._logits_valid = True
+
+    def decode(self, token_id):
+        """Run one token at the next position (replays the decode graph)."""
+        token = int(token_id)
+        self._check_ids(np.asarray([token]), 1)
+        self._write_state(token, self.length, 1, 0)
+        self.graphs[1].launch(self.stream)
+        self.length += 1
+        self._logits_valid = True
+
+    def _finish(self):
+        """Wait for the queued work; raise if it produced non-finite logits."""
+        self._to_host(self.host_flags, self.state[FLAGS:])
+        if self.host_flags[0] & 1:
+            raise BackendError('the model produced non-finite logits')
+        return self.host_flags
+
+    def logits(self):
+        """Float32 logits [vocab] of the last token run."""
+        self._finish()
+        self._to_host(self.host_logits, self.logits_buf)
+        return self.host_logits.copy()
+
+    def argmax(self, allowed=None):
+        """Greedy next token; ``allowed``: sorted int array of permitted ids, or None."""
+        count = -1
+        if allowed is not None:
+            allowed = np.asarray(allowed, dtype=np.int32)
+            count = len(allowed)
+            if count == 0:
+                raise BackendError('argmax over an empty allowed set')
+            self.host_allowed[:count] = allowed
+            self._to_device(self.allowed, self.host_allowed, count)
+        self._launch('argmax_masked', (ARGMAX_BLOCKS,), (256,), self.state, self.logits_buf,
+                     self.allowed, _i32(count), _i32(self.config.vocab_size), self.part_v,
+                     self.part_i)
+        return int(self._finish()[1])
+
+    def attention_mass(self):
+        """Float32 [length]: attention each cached token received in the last call."""
+        self._finish()
+        if self.length:
+            self._to_host(self.host_mass, self.mass, self.length)
+        return self.host_mass[:self.length].copy()
+
+    # -- cache maintenance ---------------------------------------------------------
+    def rollback(self, length):
+        """Forget every token at or after ``length``."""
+        if not 0 <= length <= self.length:
+            raise BackendError(f'cannot roll back to {length} (length {self.length})')
+        self.length = int(length)
+
+    def compact(self, keep):
+        """Move slots ``keep`` (ascending) to 0..m-1, re-rotating keys by (new - old) position."""
+        keep = np.asarray(keep, dtype=np.int64)
+        m = len(keep)
+        if m and (keep[-1] >= self.length or np.any(np.diff(keep) <= 0) or keep[0] < 0):
+            raise BackendError('compact needs ascending slots below the cache length')
+        if m:
+            cfg = self.config
+            self.host_keep[:m] = keep
+            self._to_device(self.keep, self.host_keep, m)
+            grid = (m, cfg.num_layers)
+            self._launch('compact_gather', grid, (128,), self.keep, self.k, self.v, self.mass,
+                         self.k_tmp, self.v_tmp, self.mass_tmp, self.cos, self.sin,
+                         _i32(self.capacity), _i32(cfg.num_kv_heads), _i32(cfg.head_dim))
+            self._launch('compact_store', grid, (128,), self.k, self.v, self.mass, self.k_tmp,
+                         self.v_tmp, self.mass_tmp, _i32(self.capacity),
+                         _i32(cfg.num_kv_heads), _i32(cfg.head_dim))
+        self.length = m
+
+    # -- views for tests and tools -------------------------------------------------
+    def cache_arrays(self):
+        """Host copies of the cache's used slots: k, v [layers, length, n_kv, head_dim]."""
+        self._finish()
+        return self.k[:, :self.length].get(), self.v[:, :self.length].get()

@@ -1,0 +1,222 @@
+"""``rt-llm-bench``: the CUDA backend against the bandwidth floor and HF transformers.
+
+In one run on one GPU: measured read bandwidth; per model shape (random bf16 weights)
+the floor (weight bytes / bandwidth), our decode step at 256 and 1024 cached tokens
+(GPU time of the graph replay, median and p99, and the host-inclusive step), a 48-token
+prefill, and HF transformers with a static cache and torch.compile on the same shape;
+then the full tick (48 observation tokens + 6 constrained action tokens, host included)
+of the SmolLM2-135M shape over many ticks.
+
+    rt-llm-bench [--write] [--shapes smollm2-135m,...] [--ticks 10000] [--no-hf]
+"""
+
+import argparse
+import gc
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from rt_llm_node.bench_report import markdown_table
+from rt_llm_node.bench_report import print_table
+from rt_llm_node.bench_report import write_section
+from rt_llm_node.model import load_checkpoint
+from rt_llm_node.model.synthetic import write_random_checkpoint
+
+SHAPES = ('smollm2-135m', 'qwen2.5-0.5b', 'llama-3.2-1b')
+CONTEXTS = (256, 1024)
+PREFILL = 48
+ACTION_TOKENS = 6
+
+
+def gpu_name():
+    import cupy as cp
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    name = props['name']
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def read_bandwidth(kernels, gib=4, repeats=10):
+    """Bytes per second that read_sum reaches over a buffer far larger than L2."""
+    import cupy as cp
+    n4 = gib * (1 << 30) // 16
+    data = cp.ones(n4 * 4, np.float32)
+    out = cp.zeros(132 * 8, np.float32)
+    args = (data, np.int64(n4), out)
+    kernels.read_sum((132 * 8,), (256,), args)
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        kernels.read_sum((132 * 8,), (256,), args)
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+    del data
+    return n4 * 16 / float(np.median(times))
+
+
+def weight_bytes(checkpoint):
+    tensors = checkpoint.tensors
+    return sum(t.bits.nbytes for t in tensors.values())
+
+
+def time_graph(backend, length, repeats, call):
+    """GPU ms of ``call()`` after rolling back to ``length``, per repeat (CUDA events)."""
+    import cupy as cp
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    out = []
+    for _ in range(repeats):
+        backend.rollback(length)
+        start.record(backend.stream)
+        call()
+        stop.record(backend.stream)
+        stop.synchronize()
+        out.append(cp.cuda.get_elapsed_time(start, stop))
+    return np.array(out)
+
+
+def measure_ours(backend, vocab, repeats):
+    rng = np.random.default_rng(0)
+    res = {}
+    for ctx in CONTEXTS:
+        backend.rollback(0)
+        backend.prefill(rng.integers(0, vocab, ctx))
+        gpu = time_graph(backend, ctx, repeats, lambda: backend.decode(7))
+        host = []
+        for _ in range(repeats):
+            backend.rollback(ctx)
+            t0 = time.perf_counter()
+            backend.decode(7)
+            backend.argmax()
+            host.append((time.perf_counter() - t0) * 1e3)
+        res[ctx] = (np.median(gpu) * 1e3, np.percentile(gpu, 99) * 1e3, np.median(host) * 1e3)
+    ids = rng.integers(0, vocab, PREFILL)
+    prefill = time_graph(backend, 256, max(20, repeats // 10), lambda: backend.prefill(ids))
+    res['prefill'] = float(np.median(prefill))
+    return res
+
+
+def measure_hf(directory, repeats, context=256):
+    """HF transformers, static cache + torch.compile(mode='reduce-overhead'): decode step ms."""
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.bfloat16).cuda().eval()
+    cache = transformers.StaticCache(config=model.config, max_cache_len=context + repeats + 64)
+    step = torch.compile(model.forward, mode='reduce-overhead', fullgraph=True)
+    ids = torch.randint(0, model.config.vocab_size, (1, context), device='cuda')
+    times = []
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True,
+              cache_position=torch.arange(context, device='cuda'))
+        token = torch.tensor([[7]], device='cuda')
+        for i in range(repeats + 20):
+            pos = torch.tensor([context + i], device='cuda')
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                enable_timing=True)
+            start.record()
+            step(input_ids=token, past_key_values=cache, use_cache=True, cache_position=pos)
+            stop.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop))
+    del model, cache, step
+    torch.cuda.empty_cache()
+    times = np.array(times[20:])
+    return float(np.median(times)), float(np.percentile(times, 99))
+
+
+def full_ticks(backend, vocab, ticks, base=200):
+    """Wall ms of prefill(48) + 6 x (argmax over 24 allowed ids, decode), as the engine does."""
+    rng = np.random.default_rng(1)
+    backend.rollback(0)
+    backend.prefill(rng.integers(0, vocab, base))
+    allowed = np.sort(rng.choice(vocab, 24, replace=False))
+    obs = rng.integers(0, vocab, PREFILL)
+    out = np.zeros(ticks)
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(ticks + 100):
+            backend.rollback(base)
+            t0 = time.perf_counter()
+            backend.prefill(obs)
+            backend.attention_mass()
+            for _ in range(ACTION_TOKENS):
+                token = backend.argmax(allowed)
+                backend.decode(token)
+                backend.attention_mass()
+            if i >= 100:
+                out[i - 100] = (time.perf_counter() - t0) * 1e3
+    finally:
+        gc.enable()
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog='rt-llm-bench', description=__doc__.split('\n')[0])
+    parser.add_argument('--shapes', default=','.join(SHAPES))
+    parser.add_argument('--repeats', type=int, default=300)
+    parser.add_argument('--ticks', type=int, default=10000)
+    parser.add_argument('--no-hf', action='store_true', help='skip HF transformers')
+    parser.add_argument('--write', action='store_true', help='write BENCHMARKS.md sections')
+    args = parser.parse_args(argv)
+    from rt_llm_node.backends import cuda_available
+    if not cuda_available():
+        print('rt-llm-bench: no CUDA device (CuPy sees none)', file=sys.stderr)
+        return 2
+    from rt_llm_node.backends.cuda_backend import CudaBackend
+    from rt_llm_node.backends.cuda_kernels import KernelSet
+    bandwidth = read_bandwidth(KernelSet('F32'))
+    print(f'read bandwidth: {bandwidth / 1e12:.2f} TB/s')
+    header = ['shape', 'weights MB', 'floor us', 'ours us @256 (p99)', 'ours us @1024 (p99)',
+              'host step us @256', 'prefill 48 ms', 'HF compile us @256 (p99)', 'HF / ours']
+    rows = []
+    tick_ms = None
+    for shape in [s for s in args.shapes.split(',') if s]:
+        with tempfile.TemporaryDirectory() as tmp:
+            directory = write_random_checkpoint(tmp, shape, seed=0)
+            checkpoint = load_checkpoint(directory)
+            nbytes = weight_bytes(checkpoint)
+            backend = CudaBackend(checkpoint, max(CONTEXTS) + 64)
+            ours = measure_ours(backend, checkpoint.config.vocab_size, args.repeats)
+            if shape == 'smollm2-135m' and args.ticks:
+                tick_ms = full_ticks(backend, checkpoint.config.vocab_size, args.ticks)
+            del backend
+            hf = (None if args.no_hf else measure_hf(directory, min(args.repeats, 200)))
+        floor_us = nbytes / bandwidth * 1e6
+        row = [shape, f'{nbytes / 1e6:.0f}', f'{floor_us:.0f}',
+               f'{ours[256][0]:.0f} ({ours[256][1]:.0f})',
+               f'{ours[1024][0]:.0f} ({ours[1024][1]:.0f})', f'{ours[256][2]:.0f}',
+               f"{ours['prefill']:.2f}",
+               '-' if hf is None else f'{hf[0] * 1e3:.0f} ({hf[1] * 1e3:.0f})',
+               '-' if hf is None else f'{hf[0] * 1e3 / ours[256][0]:.2f}x']
+        rows.append(row)
+        print_table(header, [row])
+    print()
+    print_table(header, rows)
+    body = (f'Read bandwidth measured by our read_sum kernel: {bandwidth / 1e12:.2f} TB/s. '
+            'Floor = weight bytes / that bandwidth. Ours: GPU time of one decode-graph replay '
+            '(CUDA events), median (p99); host step = decode + constrained argmax as Python '
+            'calls them, wall clock. HF: transformers, bf16, StaticCache, '
+            "torch.compile(mode='reduce-overhead'), one decode step, CUDA events.\n\n"
+            + markdown_table(header, rows))
+    if tick_ms is not None:
+        pct = np.percentile(tick_ms, [50, 99, 99.9])
+        line = (f'full tick, SmolLM2-135M shape, {len(tick_ms)} ticks (prefill {PREFILL} '
+                f'at 200 cached + {ACTION_TOKENS} constrained decode steps, host included): '
+                f'p50 {pct[0]:.3f} ms, p99 {pct[1]:.3f} ms, p99.9 {pct[2]:.3f} ms, '
+                f'max {tick_ms.max():.3f} ms')
+        print(line)
+        body += '\n\n' + line
+    if args.write:
+        import platform
+        machine = f'{gpu_name()}, Python {platform.python_version()}'
+        write_section('cuda', 'CUDA backend (decode, prefill, full tick) vs HF transformers',
+                      body, machine=machine, command='rt-llm-bench --write')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

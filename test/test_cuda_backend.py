@@ -1,0 +1,171 @@
+"""The CUDA backend end to end: against the numpy backend, HF transformers on the GPU, greedy.
+
+Runs where CuPy sees a GPU (``make gpu-test``); skipped with the reason elsewhere.
+"""
+
+import numpy as np
+import pytest
+
+from rt_llm_node.backends import cuda_available
+from rt_llm_node.backends.numpy_backend import NumpyBackend
+from rt_llm_node.model import load_checkpoint
+from rt_llm_node.model.synthetic import random_weights
+from rt_llm_node.model.synthetic import shape_config
+from rt_llm_node.model.synthetic import word_tokenizer
+from rt_llm_node.model.synthetic import write_checkpoint
+from rt_llm_node.model.synthetic import write_random_checkpoint
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not cuda_available(), reason='no CUDA device (CuPy sees none)')]
+
+SHAPES = ['smollm2-135m', 'qwen2.5-0.5b', 'llama-3.2-1b']
+REL = 2e-3   # max|ours - ref| / max|ref| per step; both sides sum in fp32
+
+
+def rel_err(a, b):
+    return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
+
+
+def cuda_backend(checkpoint, capacity):
+    from rt_llm_node.backends.cuda_backend import CudaBackend
+    return CudaBackend(checkpoint, capacity)
+
+
+def run_steps(backend, prompt, steps):
+    backend.prefill(prompt)
+    logits, tokens, masses = [], [], []
+    for _ in range(steps):
+        logits.append(backend.logits())
+        masses.append(backend.attention_mass())
+        tokens.append(backend.argmax())
+        backend.decode(tokens[-1])
+    return logits, tokens, masses
+
+
+@pytest.fixture(scope='module')
+def shape_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp('shapes')
+    return {name: write_random_checkpoint(root / name, name, seed=5) for name in SHAPES}
+
+
+@pytest.mark.parametrize('shape', SHAPES)
+def test_shapes_match_numpy_backend(shape, shape_dirs):
+    checkpoint = load_checkpoint(shape_dirs[shape])
+    prompt = np.random.default_rng(1).integers(0, checkpoint.config.vocab_size, 150)
+    ours = run_steps(cuda_backend(checkpoint, 256), prompt, 4)   # 150 > one prefill chunk
+    ref = run_steps(NumpyBackend(checkpoint, 256), prompt, 4)
+    for step in range(4):
+        assert rel_err(ours[0][step], ref[0][step]) < REL, (shape, step)
+        np.testing.assert_allclose(ours[2][step], ref[2][step], rtol=1e-3, atol=1e-4)
+    assert ours[1] == ref[1]
+
+
+@pytest.mark.parametrize('shape', SHAPES)
+def test_shapes_match_transformers_on_the_gpu(shape, shape_dirs):
+    torch = pytest.importorskip('torch')
+    transformers = pytest.importorskip('transformers')
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        shape_dirs[shape], dtype=torch.float32, attn_implementation='eager').cuda().eval()
+    vocab = shape_config(shape).vocab_size
+    prompt = np.random.default_rng(2).integers(0, vocab, 40)
+    ours = run_steps(cuda_backend(load_checkpoint(shape_dirs[shape]), 128), prompt, 4)
+    ids = list(prompt)
+    with torch.no_grad():
+        for step in range(4):
+            ref = model(torch.tensor([ids], device='cuda')).logits[0, -1].double().cpu().numpy()
+            assert rel_err(ours[0][step], ref) < REL, (shape, step)
+            assert ours[1][step] == int(ref.argmax())
+            ids.append(ours[1][step])
+    del model
+    torch.cuda.empty_cache()
+
+
+def test_fp32_weights_give_identical_greedy_tokens(tmp_path):
+    config = shape_config('tiny')
+    weights = {name: w if name.endswith('norm.weight') else 10 * w   # std 0.2: varied tokens
+               for name, w in random_weights(config, seed=9).items()}
+    directory = write_checkpoint(tmp_path, config, weights, word_tokenizer(config.vocab_size),
+                                 dtype='F32')
+    checkpoint = load_checkpoint(directory)
+    prompt = np.random.default_rng(3).integers(0, config.vocab_size, 30)
+    ours = run_steps(cuda_backend(checkpoint, 128), prompt, 32)
+    ref = run_steps(NumpyBackend(checkpoint, 128), prompt, 32)
+    assert ours[1] == ref[1]
+    assert len(set(ref[1])) > 1, 'a constant greedy sequence would prove little'
+
+
+@pytest.mark.parametrize('dtype', ['BF16', 'F16'])
+def test_compaction_and_rollback_match_numpy(dtype, tmp_path):
+    config = shape_config('tiny')
+    checkpoint = load_checkpoint(write_random_checkpoint(tmp_path, config, dtype=dtype, seed=4))
+    rng = np.random.default_rng(4)
+    backends = [cuda_backend(checkpoint, 96), NumpyBackend(checkpoint, 96)]
+    prompt = rng.integers(0, config.vocab_size, 80)
+    keep = np.sort(rng.choice(80, 40, replace=False))
+    more = rng.integers(0, config.vocab_size, 20)
+    results = []
+    for backend in backends:
+        backend.prefill(prompt)
+        backend.rollback(75)
+        backend.compact(keep[keep < 75])
+        mass_after_compact = backend.attention_mass()
+        backend.prefill(more)
+        backend.decode(7)
+        results.append((backend.logits(), backend.attention_mass(), mass_after_compact,
+                        backend.length))
+    (a, ma, ca, la), (b, mb, cb, lb) = results
+    assert la == lb
+    assert rel_err(a, b) < REL
+    np.testing.assert_allclose(ma, mb, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(ca, cb, rtol=1e-3, atol=1e-4)
+
+
+def test_constrained_argmax_and_errors(tiny_checkpoint):
+    from rt_llm_node.backends import BackendError
+    from rt_llm_node.backends import CacheOverflowError
+    checkpoint = load_checkpoint(tiny_checkpoint)
+    backend = cuda_backend(checkpoint, 16)
+    backend.prefill([1, 2, 3])
+    logits = backend.logits()
+    allowed = np.array([5, 9, 100, 300])
+    assert backend.argmax(allowed) == int(allowed[np.argmax(logits[allowed])])
+    with pytest.raises(BackendError):
+        backend.decode(checkpoint.config.vocab_size)
+    with pytest.raises(CacheOverflowError):
+        backend.prefill(list(range(14)))
+    with pytest.raises(BackendError):
+        backend.compact([2, 1])
+
+
+def test_generate_cli_and_engine_on_cuda(capsys):
+    import math
+    from pathlib import Path
+    import yaml
+    from rt_llm_node.configure import configure_engine
+    from rt_llm_node.demo.messages import MessageFactory
+    from rt_llm_node.demo.world import DemoWorld
+    from rt_llm_node.engine import ModelClock
+    from rt_llm_node.generate import main
+    from rt_llm_node.params import PARAMETERS
+    assert main(['--backend', 'cuda', '--prompt', 'go to the red box', '--max-new-tokens',
+                 '8']) == 0
+    assert '[cuda]' in capsys.readouterr().err
+    values = {p.name: p.default for p in PARAMETERS}
+    config = Path(__file__).resolve().parents[1] / 'config' / 'demo.yaml'
+    values.update(yaml.safe_load(config.read_text())['rt_llm_node']['ros__parameters'])
+    values['backend'] = 'cuda'
+    clock = ModelClock()
+    engine = configure_engine(values, clock=clock, log=lambda m: None)
+    assert engine.backend.name == 'cuda'
+    world = DemoWorld(5, messages=MessageFactory(ros=False))
+    snap = {}
+    for i in range(60):
+        now = i / 30
+        clock.advance_to(now)
+        snap.update({t: (m, now) for t, m in world.observe().items()})
+        result = engine.tick(snap, now, now + 1 / 30)
+        assert result.action is not None, result.refusal
+        v, w = result.action.values['linear.x'], result.action.values['angular.z']
+        assert math.isfinite(v + w)
+        world.step(v, w)

@@ -1,0 +1,269 @@
+"""Every CUDA kernel against its numpy twin: fresh random inputs, poisoned outputs.
+
+Runs where CuPy sees a GPU (``make gpu-test``); skipped with the reason elsewhere.
+Tolerance: |gpu - ref| <= ATOL + RTOL * |ref| elementwise.
+"""
+
+import numpy as np
+import pytest
+
+from rt_llm_node.backends import cuda_available
+from rt_llm_node.backends.numpy_backend import apply_rope
+from rt_llm_node.backends.numpy_backend import attention
+from rt_llm_node.backends.numpy_backend import rmsnorm
+from rt_llm_node.backends.numpy_backend import rope_tables
+from rt_llm_node.backends.numpy_backend import silu
+from rt_llm_node.model.synthetic import encode_bits
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not cuda_available(), reason='no CUDA device (CuPy sees none)')]
+
+ATOL, RTOL = 1e-4, 1e-4
+STORAGE = {'BF16': np.uint16, 'F16': np.uint16, 'F32': np.float32}
+
+
+def close(got, ref, atol=ATOL, rtol=RTOL):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape
+    bad = np.abs(got - ref) > atol + rtol * np.abs(ref)
+    worst = np.unravel_index(np.argmax(np.abs(got - ref)), got.shape)
+    assert not bad.any(), (f'{bad.sum()} of {bad.size} off; worst '
+                           f'{np.abs(got - ref)[worst]:.3e} at {worst}')
+
+
+@pytest.fixture(scope='module', params=['BF16', 'F16', 'F32'])
+def kit(request):
+    import cupy as cp
+    from rt_llm_node.backends.cuda_kernels import KernelSet
+    return cp, KernelSet(request.param), request.param
+
+
+def weights(cp, dtype, shape, rng, scale=0.2):
+    """Random weights stored as ``dtype``: (device array, the same values in fp32)."""
+    w = (rng.standard_normal(shape) * scale).astype(np.float32)
+    raw = np.frombuffer(encode_bits(w, dtype), STORAGE[dtype]).reshape(shape)
+    if dtype == 'BF16':
+        exact = (raw.astype(np.uint32) << 16).view(np.float32)
+    elif dtype == 'F16':
+        exact = raw.view(np.float16).astype(np.float32)
+    else:
+        exact = raw.copy()
+    return cp.asarray(raw), exact
+
+
+def state(cp, start, n, token=0, mass_acc=0):
+    return cp.asarray(np.array([token, start, n, mass_acc, 0, 0, 0, 0], np.int32))
+
+
+def poisoned(cp, shape):
+    return cp.full(shape, np.nan, np.float32)
+
+
+def i32(v):
+    return np.int32(v)
+
+
+NULL = np.uint64(0)
+
+
+def test_embed_gather(kit):
+    cp, k, dtype = kit
+    rng = np.random.default_rng()
+    table, ref = weights(cp, dtype, (100, 72), rng)
+    ids = rng.integers(0, 100, 16).astype(np.int32)
+    x = poisoned(cp, (16, 72))
+    k.embed_gather((16,), (256,), (state(cp, 0, 11), cp.asarray(ids), table, x, i32(72), i32(0)))
+    close(x.get()[:11], ref[ids[:11]], 0, 0)
+    assert np.isnan(x.get()[11:]).all(), 'tokens past n must be left alone'
+    k.embed_gather((1,), (256,), (state(cp, 0, 1, token=42), cp.asarray(ids), table, x,
+                                  i32(72), i32(1)))
+    close(x.get()[0], ref[42], 0, 0)
+
+
+@pytest.mark.parametrize('n,tt,K', [(1, 1, 96), (13, 8, 96), (5, 8, 36)])
+def test_matmul_residual(kit, n, tt, K):
+    cp, k, dtype = kit
+    rng = np.random.default_rng()
+    rows = 77
+    w, wf = weights(cp, dtype, (rows, K), rng)
+    x = rng.standard_normal((16, K)).astype(np.float32)
+    out0 = rng.standard_normal((16, rows)).astype(np.float32)
+    out = cp.asarray(out0)
+    units = (rows + 1) // 2
+    grid = ((units + 3) // 4, (16 + tt - 1) // tt)
+    k.functions[f'matmul_residual_t{tt}'](grid, (128,), (
+        state(cp, 3, n), w, i32(rows), i32(K), cp.asarray(x), NULL, np.float32(1e-5), out,
+        i32(units), i32(0)))
+    ref = out0.copy()
+    ref[:n] += x[:n] @ wf.T
+    close(out.get(), ref)
+
+
+def test_matmul_store_last_token_with_rmsnorm(kit):
+    cp, k, dtype = kit
+    rng = np.random.default_rng()
+    rows, K, n = 301, 64, 9
+    w, wf = weights(cp, dtype, (rows, K), rng)
+    nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
+    x = rng.standard_normal((16, K)).astype(np.float32)
+    st = state(cp, 0, n)
+    out = poisoned(cp, (rows,))
+    units = (rows + 1) // 2
+    k.matmul_store_t1(((units + 3) // 4, 1), (128,), (
+        st, w, i32(rows), i32(K), cp.asarray(x), nw, np.float32(1e-5), out, i32(units), i32(1)))
+    close(out.get(), wf @ rmsnorm(x[n - 1:n], nwf, 1e-5)[0])
+    assert st.get()[4] == 0
+    x[n - 1, 3] = np.inf   # a non-finite logit raises the flag
+    k.matmul_store_t1(((units + 3) // 4, 1), (128,), (
+        st, w, i32(rows), i32(K), cp.asarray(x), nw, np.float32(1e-5), out, i32(units), i32(1)))
+    assert st.get()[4] & 1
+
+
+@pytest.mark.parametrize('n,tt', [(1, 1), (11, 8)])
+def test_matmul_swiglu(kit, n, tt):
+    cp, k, dtype = kit
+    rng = np.random.default_rng()
+    inter, K = 40, 64
+    w, wf = weights(cp, dtype, (2 * inter, K), rng)
+    nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
+    x = rng.standard_normal((16, K)).astype(np.float32)
+    act = poisoned(cp, (16, inter))
+    grid = ((inter + 3) // 4, (16 + tt - 1) // tt)
+    k.functions[f'matmul_swiglu_t{tt}'](grid, (128,), (
+        state(cp, 0, n), w, i32(2 * inter), i32(K), cp.asarray(x), nw, np.float32(1e-5), act,
+        i32(inter), i32(0)))
+    gu = rmsnorm(x[:n], nwf, 1e-5) @ wf.T
+    close(act.get()[:n], silu(gu[:, :inter]) * gu[:, inter:])
+
+
+@pytest.mark.parametrize('n,tt,bias', [(1, 1, True), (10, 8, False), (10, 8, True)])
+def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias):
+    cp, k, dtype = kit
+    rng = np.random.default_rng()
+    heads, kv, d, K, cap, start = 4, 2, 32, 64, 64, 7
+    rows = (heads + 2 * kv) * d
+    w, wf = weights(cp, dtype, (rows, K), rng)
+    b, bf = weights(cp, dtype, (rows,), rng)
+    nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
+    x = rng.standard_normal((16, K)).astype(np.float32)
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
+    cos, sin = rope_tables(np.arange(-cap, cap), inv_freq)
+    q = poisoned(cp, (16, heads * d))
+    kc, vc = poisoned(cp, (cap, kv, d)), poisoned(cp, (cap, kv, d))
+    units = rows // 2
+    grid = ((units + 3) // 4, (16 + tt - 1) // tt)
+    k.functions[f'matmul_qkv_rope_t{tt}'](grid, (128,), (
+        state(cp, start, n), w, i32(rows), i32(K), cp.asarray(x), nw, np.float32(1e-5),
+        i32(units), b if bias else NULL, q, kc, vc, cp.asarray(cos), cp.asarray(sin),
+        i32(heads), i32(kv), i32(d), i32(cap)))
+    qkv = rmsnorm(x[:n], nwf, 1e-5) @ wf.T + (bf if bias else 0)
+    c, s = cos[cap + start:cap + start + n], sin[cap + start:cap + start + n]
+    q_ref = apply_rope(qkv[:, :heads * d].reshape(n, heads, d), c, s).reshape(n, -1)
+    k_ref = apply_rope(qkv[:, heads * d:(heads + kv) * d].reshape(n, kv, d), c, s)
+    close(q.get()[:n], q_ref)
+    close(kc.get()[start:start + n], k_ref)
+    close(vc.get()[start:start + n], qkv[:, (heads + kv) * d:].reshape(n, kv, d))
+    assert np.isnan(kc.get()[:start]).all() and np.isnan(kc.get()[start + n:]).all()
+
+
+@pytest.mark.parametrize('start,n', [(0, 1), (150, 1), (0, 17), (70, 33)])
+def test_attention_and_mass(kit, start, n):
+    cp, k, _ = kit
+    rng = np.random.default_rng()
+    heads, kv, d, cap, n_max = 6, 2, 64, 256, 64 if n > 1 else 1
+    splits = (cap + 63) // 64
+    q = rng.standard_normal((n_max, heads * d)).astype(np.float32)
+    kc = rng.standard_normal((cap, kv, d)).astype(np.float32)
+    vc = rng.standard_normal((cap, kv, d)).astype(np.float32)
+    st = state(cp, start, n)
+    scores = poisoned(cp, (heads, n_max, cap))
+    part_ml = poisoned(cp, (heads * n_max, splits, 2))
+    part_o = poisoned(cp, (heads * n_max, splits, d))
+    out = poisoned(cp, (n_max, heads * d))
+    ml = poisoned(cp, (heads * n_max, 2))
+    old = rng.random(cap).astype(np.float32)
+    mass = cp.asarray(old)
+    dq, dk, dv = cp.asarray(q), cp.asarray(kc), cp.asarray(vc)
+    k.attn_partial((heads * n_max, splits), (128,), (
+        st, dq, dk, dv, scores, part_ml, part_o, i32(n_max), i32(heads), i32(kv), i32(d),
+        i32(cap), i32(splits), np.float32(1 / np.sqrt(d))))
+    k.attn_combine((heads * n_max,), (128,), (
+        st, part_ml, part_o, out, ml, i32(n_max), i32(heads), i32(d), i32(splits)))
+    k.attn_mass(((cap + 255) // 256,), (256,), (
+        st, scores, ml, mass, i32(n_max), i32(heads), i32(cap), i32(1),
+        np.int64(heads * n_max * cap), np.int64(heads * n_max * 2), i32(1)))
+    end = start + n
+    ref_out, ref_mass = attention(q[:n].reshape(n, heads, d), kc[:end], vc[:end], start)
+    close(out.get()[:n], ref_out.reshape(n, -1))
+    close(mass.get()[:end], ref_mass)
+    close(mass.get()[end:], old[end:], 0, 0)
+
+
+def test_attention_mass_adds_up_over_chunks(kit):
+    cp, k, _ = kit
+    rng = np.random.default_rng()
+    heads, cap, n_max = 2, 128, 16
+    scores = cp.asarray(rng.standard_normal((heads, n_max, cap)).astype(np.float32))
+    ml = cp.asarray(np.tile(np.array([0.0, 50.0], np.float32), (heads * n_max, 1)))
+    old = rng.random(cap).astype(np.float32)
+    mass = cp.asarray(old)
+    start, n = 20, 5
+    k.attn_mass((1,), (256,), (
+        state(cp, start, n, mass_acc=1), scores, ml, mass, i32(n_max), i32(heads), i32(cap),
+        i32(1), np.int64(0), np.int64(0), i32(1)))
+    s = scores.get()
+    got = mass.get()
+    t = np.arange(start + n)
+    ref = np.zeros(start + n)
+    for h in range(heads):
+        for qi in range(n):
+            vis = t <= start + qi
+            ref[vis] += np.exp(s[h, qi, t[vis]]) / 50.0
+    ref[:start] += old[:start]
+    close(got[:start + n], ref)
+
+
+@pytest.mark.parametrize('count', [-1, 1, 7, 5000])
+def test_argmax_masked(kit, count):
+    cp, k, _ = kit
+    rng = np.random.default_rng()
+    vocab = 20000
+    logits = rng.standard_normal(vocab).astype(np.float32)
+    allowed = np.sort(rng.choice(vocab, max(count, 1), replace=False)).astype(np.int32)
+    logits[allowed[-1]] = logits.max() + 1 if count != 1 else logits[allowed[-1]]
+    st = state(cp, 0, 1)
+    for _ in range(2):  # the done-counter resets itself between launches
+        k.argmax_masked((64,), (256,), (
+            st, cp.asarray(logits), cp.asarray(allowed), i32(count), i32(vocab),
+            poisoned(cp, 64), cp.zeros(64, np.int32)))
+        want = int(np.argmax(logits)) if count < 0 else int(allowed[np.argmax(logits[allowed])])
+        assert st.get()[5] == want
+    tied = np.zeros(vocab, np.float32)
+    k.argmax_masked((64,), (256,), (st, cp.asarray(tied), cp.asarray(allowed), i32(-1),
+                                    i32(vocab), poisoned(cp, 64), cp.zeros(64, np.int32)))
+    assert st.get()[5] == 0, 'ties go to the smallest id'
+
+
+def test_compact_rerotates_and_moves(kit):
+    cp, k, _ = kit
+    rng = np.random.default_rng()
+    layers, cap, kv, d, length = 3, 96, 2, 32, 80
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
+    cos, sin = rope_tables(np.arange(-cap, cap), inv_freq)
+    kk = rng.standard_normal((layers, cap, kv, d)).astype(np.float32)
+    vv = rng.standard_normal((layers, cap, kv, d)).astype(np.float32)
+    mass0 = rng.random(cap).astype(np.float32)
+    keep = np.sort(rng.choice(length, 50, replace=False)).astype(np.int32)
+    dk, dv, dm = cp.asarray(kk), cp.asarray(vv), cp.asarray(mass0)
+    kt, vt, mt = poisoned(cp, kk.shape), poisoned(cp, vv.shape), poisoned(cp, (cap,))
+    args = (cp.asarray(keep), dk, dv, dm, kt, vt, mt, cp.asarray(cos), cp.asarray(sin),
+            i32(cap), i32(kv), i32(d))
+    k.compact_gather((len(keep), layers), (128,), args)
+    k.compact_store((len(keep), layers), (128,),
+                    (dk, dv, dm, kt, vt, mt, i32(cap), i32(kv), i32(d)))
+    m = len(keep)
+    delta = cap + np.arange(m) - keep
+    for layer in range(layers):
+        close(dk.get()[layer, :m], apply_rope(kk[layer, keep], cos[delta], sin[delta]))
+        close(dv.get()[layer, :m], vv[layer, keep], 0, 0)
+    close(dm.get()[:m], mass0[keep], 0, 0)
