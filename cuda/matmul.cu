@@ -4,13 +4,17 @@
 //
 // Geometry: block = 32 * w threads (w warps, at most 8); a warp owns one unit (two output
 // rows) for a tile of TT tokens; grid = (ceil(units / w), ceil(n_max / TT)); tiles at or past
-// state[STATE_N] tokens exit. Suffix _t1 (decode, TT = 1) and _t8 (prefill, TT = 8).
+// state[STATE_N] tokens exit. Suffix _t1 (decode, TT = 1) and _t16 (prefill, TT = 16).
 // Dtypes: W, bias, norm_w: wt; x, outputs and sums: fp32; cache slots fp32.
 //
 // Epilogues (one extern "C" wrapper each):
 //   matmul_residual  units = ceil(rows / 2), rows 2u and 2u + 1: out[t, r] += y  (o, down)
 //   matmul_store     same units: out[t, r] = y; a non-finite y sets bit 0 of
 //                    state[STATE_FLAGS]; last_only runs only the call's last token (LM head)
+//   matmul_attn_residual_t1  decode only: out[r] += Wo[r] . attention output, where the
+//                    prologue merges the attention splits of every head (part_ml, part_o of
+//                    attn_partial) into shared memory and turns this block's share of the
+//                    score rows into probabilities (attn_combine's work, one launch fewer)
 //   matmul_swiglu    units = inter, rows u (gate) and inter + u (up): act[t, u] = silu(g) * up
 //   matmul_qkv_rope  units = q and k RoPE pairs (rows i and i + d/2 of a head), then v row
 //                    pairs; adds the bias, rotates q and k at position start + t with the
@@ -33,16 +37,18 @@ struct QkvArgs {
   int n_heads, n_kv, head_dim, cap;
 };
 
-// a0[t], a1[t] = rows w0, w1 dotted with xhat of token t (t < n_t); every lane gets the sums.
+// a0[t], a1[t] = rows w0, w1 dotted with xhat of token t (t < n_t), x read straight
+// through L1/L2 (x rows have stride K); every lane gets the sums.
 template <int TT>
 __device__ __forceinline__ void dot_rows(const wt* __restrict__ w0, const wt* __restrict__ w1,
-                                         const float* __restrict__ x, int K,
+                                         const float* x, int K,
                                          const wt* __restrict__ norm_w, const float* inv_rms,
                                          int n_t, float* a0, float* a1) {
   const int lane = threadIdx.x % WARP;
 #pragma unroll
   for (int t = 0; t < TT; ++t) { a0[t] = 0.f; a1[t] = 0.f; }
   if ((K & 7) == 0) {
+#pragma unroll 2
     for (int k = lane * 8; k < K; k += WARP * 8) {
       float wa[8], wb[8], nw[8];
       load8(w0 + k, wa);
@@ -190,10 +196,10 @@ __device__ void matmul_body(int* __restrict__ state, const wt* __restrict__ W, i
   }
 
 MATMUL_PLAIN(matmul_residual_t1, 1, EPI_RESIDUAL)
-MATMUL_PLAIN(matmul_residual_t8, 8, EPI_RESIDUAL)
+MATMUL_PLAIN(matmul_residual_t16, 16, EPI_RESIDUAL)
 MATMUL_PLAIN(matmul_store_t1, 1, EPI_STORE)
 MATMUL_PLAIN(matmul_swiglu_t1, 1, EPI_SWIGLU)
-MATMUL_PLAIN(matmul_swiglu_t8, 8, EPI_SWIGLU)
+MATMUL_PLAIN(matmul_swiglu_t16, 16, EPI_SWIGLU)
 
 #define MATMUL_QKV(NAME, TT)                                                                \
   extern "C" __global__ void __launch_bounds__(256)                                        \
@@ -207,4 +213,50 @@ MATMUL_PLAIN(matmul_swiglu_t8, 8, EPI_SWIGLU)
   }
 
 MATMUL_QKV(matmul_qkv_rope_t1, 1)
-MATMUL_QKV(matmul_qkv_rope_t8, 8)
+MATMUL_QKV(matmul_qkv_rope_t16, 16)
+
+extern "C" __global__ void __launch_bounds__(128)
+matmul_attn_residual_t1(const int* __restrict__ state, const wt* __restrict__ W, int rows,
+                        int K, float* __restrict__ out, int units,
+                        const float* __restrict__ part_ml, const float* __restrict__ part_o,
+                        float* __restrict__ scores, int n_heads, int d, int cap, int n_splits,
+                        int chunk) {
+  extern __shared__ float4 dyn4[];
+  float* xs = reinterpret_cast<float*>(dyn4);   // [K = n_heads * d] attention output
+  __shared__ float ml[2 * 64];                  // M, L per head
+  const int visible = state[STATE_START] + 1, used = (visible + chunk - 1) / chunk;
+  for (int h = threadIdx.x; h < n_heads; h += blockDim.x) {
+    const float* pml = part_ml + (long long)h * n_splits * 2;
+    float M = NEG_INF, L = 0.f;
+    for (int s = 0; s < used; ++s) M = fmaxf(M, pml[2 * s]);
+    for (int s = 0; s < used; ++s) L += pml[2 * s + 1] * expf(pml[2 * s] - M);
+    ml[2 * h] = M;
+    ml[2 * h + 1] = L;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < K; e += blockDim.x) {
+    const int h = e / d, i = e % d;
+    const float* pml = part_ml + (long long)h * n_splits * 2;
+    const float* po = part_o + (long long)h * n_splits * d + i;
+    float o = 0.f;
+    for (int s = 0; s < used; ++s) o = fmaf(po[(long long)s * d], expf(pml[2 * s] - ml[2 * h]), o);
+    xs[e] = o / ml[2 * h + 1];
+  }
+  for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+       e < (long long)n_heads * visible; e += (long long)gridDim.x * blockDim.x) {
+    const int h = e / visible, t = e % visible;
+    float* sc = scores + (long long)h * cap + t;
+    *sc = expf(*sc - ml[2 * h]) / ml[2 * h + 1];
+  }
+  __syncthreads();
+  const int u = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  if (u >= units) return;
+  const int r0 = 2 * u, r1 = min(2 * u + 1, rows - 1);
+  const float one = 1.f;
+  float a0[1], a1[1];
+  dot_rows<1>(W + (long long)r0 * K, W + (long long)r1 * K, xs, K, nullptr, &one, 1, a0, a1);
+  if (threadIdx.x % WARP == 0) {
+    out[r0] += a0[0];
+    if (2 * u + 1 < rows) out[r1] += a1[0];
+  }
+}

@@ -184,7 +184,12 @@ def main(argv=None):
             if shape == 'smollm2-135m' and args.ticks:
                 tick_ms = full_ticks(backend, checkpoint.config.vocab_size, args.ticks)
             del backend
-            hf = (None if args.no_hf else measure_hf(directory, min(args.repeats, 200)))
+            hf = None
+            if not args.no_hf:
+                try:
+                    hf = measure_hf(directory, min(args.repeats, 200))
+                except Exception as exc:  # report, keep our figures
+                    print(f'HF transformers failed on {shape}: {exc!r}', file=sys.stderr)
         floor_us = nbytes / bandwidth * 1e6
         row = [shape, f'{nbytes / 1e6:.0f}', f'{floor_us:.0f}',
                f'{ours[256][0]:.0f} ({ours[256][1]:.0f})',

@@ -80,17 +80,17 @@ def test_embed_gather(kit):
     close(x.get()[0], ref[42], 0, 0)
 
 
-@pytest.mark.parametrize('n,tt,K', [(1, 1, 96), (13, 8, 96), (5, 8, 36)])
+@pytest.mark.parametrize('n,tt,K', [(1, 1, 96), (13, 16, 96), (20, 16, 36), (5, 16, 600)])
 def test_matmul_residual(kit, n, tt, K):
     cp, k, dtype = kit
     rng = np.random.default_rng()
     rows = 77
     w, wf = weights(cp, dtype, (rows, K), rng)
-    x = rng.standard_normal((16, K)).astype(np.float32)
-    out0 = rng.standard_normal((16, rows)).astype(np.float32)
+    x = rng.standard_normal((32, K)).astype(np.float32)
+    out0 = rng.standard_normal((32, rows)).astype(np.float32)
     out = cp.asarray(out0)
     units = (rows + 1) // 2
-    grid = ((units + 3) // 4, (16 + tt - 1) // tt)
+    grid = ((units + 3) // 4, (32 + tt - 1) // tt)
     k.functions[f'matmul_residual_t{tt}'](grid, (128,), (
         state(cp, 3, n), w, i32(rows), i32(K), cp.asarray(x), NULL, np.float32(1e-5), out,
         i32(units), i32(0)))
@@ -105,7 +105,7 @@ def test_matmul_store_last_token_with_rmsnorm(kit):
     rows, K, n = 301, 64, 9
     w, wf = weights(cp, dtype, (rows, K), rng)
     nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
-    x = rng.standard_normal((16, K)).astype(np.float32)
+    x = rng.standard_normal((32, K)).astype(np.float32)
     st = state(cp, 0, n)
     out = poisoned(cp, (rows,))
     units = (rows + 1) // 2
@@ -119,16 +119,16 @@ def test_matmul_store_last_token_with_rmsnorm(kit):
     assert st.get()[4] & 1
 
 
-@pytest.mark.parametrize('n,tt', [(1, 1), (11, 8)])
+@pytest.mark.parametrize('n,tt', [(1, 1), (11, 16), (30, 16)])
 def test_matmul_swiglu(kit, n, tt):
     cp, k, dtype = kit
     rng = np.random.default_rng()
     inter, K = 40, 64
     w, wf = weights(cp, dtype, (2 * inter, K), rng)
     nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
-    x = rng.standard_normal((16, K)).astype(np.float32)
-    act = poisoned(cp, (16, inter))
-    grid = ((inter + 3) // 4, (16 + tt - 1) // tt)
+    x = rng.standard_normal((32, K)).astype(np.float32)
+    act = poisoned(cp, (32, inter))
+    grid = ((inter + 3) // 4, (32 + tt - 1) // tt)
     k.functions[f'matmul_swiglu_t{tt}'](grid, (128,), (
         state(cp, 0, n), w, i32(2 * inter), i32(K), cp.asarray(x), nw, np.float32(1e-5), act,
         i32(inter), i32(0)))
@@ -136,7 +136,7 @@ def test_matmul_swiglu(kit, n, tt):
     close(act.get()[:n], silu(gu[:, :inter]) * gu[:, inter:])
 
 
-@pytest.mark.parametrize('n,tt,bias', [(1, 1, True), (10, 8, False), (10, 8, True)])
+@pytest.mark.parametrize('n,tt,bias', [(1, 1, True), (10, 16, False), (20, 16, True)])
 def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias):
     cp, k, dtype = kit
     rng = np.random.default_rng()
@@ -145,13 +145,13 @@ def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias):
     w, wf = weights(cp, dtype, (rows, K), rng)
     b, bf = weights(cp, dtype, (rows,), rng)
     nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
-    x = rng.standard_normal((16, K)).astype(np.float32)
+    x = rng.standard_normal((32, K)).astype(np.float32)
     inv_freq = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
     cos, sin = rope_tables(np.arange(-cap, cap), inv_freq)
-    q = poisoned(cp, (16, heads * d))
+    q = poisoned(cp, (32, heads * d))
     kc, vc = poisoned(cp, (cap, kv, d)), poisoned(cp, (cap, kv, d))
     units = rows // 2
-    grid = ((units + 3) // 4, (16 + tt - 1) // tt)
+    grid = ((units + 3) // 4, (32 + tt - 1) // tt)
     k.functions[f'matmul_qkv_rope_t{tt}'](grid, (128,), (
         state(cp, start, n), w, i32(rows), i32(K), cp.asarray(x), nw, np.float32(1e-5),
         i32(units), b if bias else NULL, q, kc, vc, cp.asarray(cos), cp.asarray(sin),
@@ -166,12 +166,14 @@ def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias):
     assert np.isnan(kc.get()[:start]).all() and np.isnan(kc.get()[start + n:]).all()
 
 
-@pytest.mark.parametrize('start,n', [(0, 1), (150, 1), (0, 17), (70, 33)])
-def test_attention_and_mass(kit, start, n):
+@pytest.mark.parametrize('start,n,d', [(0, 1, 64), (150, 1, 64), (0, 17, 64), (70, 33, 64),
+                                       (130, 1, 128), (40, 9, 32)])
+def test_attention_and_mass(kit, start, n, d):
     cp, k, _ = kit
     rng = np.random.default_rng()
-    heads, kv, d, cap, n_max = 6, 2, 64, 256, 64 if n > 1 else 1
-    splits = (cap + 63) // 64
+    heads, kv, cap, n_max = 6, 2, 256, 64 if n > 1 else 1
+    chunk = 64 if d <= 64 else 32
+    splits = (cap + chunk - 1) // chunk
     q = rng.standard_normal((n_max, heads * d)).astype(np.float32)
     kc = rng.standard_normal((cap, kv, d)).astype(np.float32)
     vc = rng.standard_normal((cap, kv, d)).astype(np.float32)
@@ -180,18 +182,18 @@ def test_attention_and_mass(kit, start, n):
     part_ml = poisoned(cp, (heads * n_max, splits, 2))
     part_o = poisoned(cp, (heads * n_max, splits, d))
     out = poisoned(cp, (n_max, heads * d))
-    ml = poisoned(cp, (heads * n_max, 2))
     old = rng.random(cap).astype(np.float32)
     mass = cp.asarray(old)
     dq, dk, dv = cp.asarray(q), cp.asarray(kc), cp.asarray(vc)
     k.attn_partial((heads * n_max, splits), (128,), (
         st, dq, dk, dv, scores, part_ml, part_o, i32(n_max), i32(heads), i32(kv), i32(d),
-        i32(cap), i32(splits), np.float32(1 / np.sqrt(d))))
+        i32(cap), i32(splits), i32(chunk), np.float32(1 / np.sqrt(d))),
+        shared_mem=(2 * chunk * d + chunk + d) * 4)
     k.attn_combine((heads * n_max,), (128,), (
-        st, part_ml, part_o, out, ml, i32(n_max), i32(heads), i32(d), i32(splits)))
-    k.attn_mass(((cap + 255) // 256,), (256,), (
-        st, scores, ml, mass, i32(n_max), i32(heads), i32(cap), i32(1),
-        np.int64(heads * n_max * cap), np.int64(heads * n_max * 2), i32(1)))
+        st, part_ml, part_o, out, scores, i32(n_max), i32(heads), i32(d), i32(cap),
+        i32(splits), i32(chunk)))
+    k.attn_mass(((cap + 31) // 32,), (256,), (
+        st, scores, mass, i32(n_max), i32(heads * n_max), i32(cap), i32(1)))
     end = start + n
     ref_out, ref_mass = attention(q[:n].reshape(n, heads, d), kc[:end], vc[:end], start)
     close(out.get()[:n], ref_out.reshape(n, -1))
@@ -199,28 +201,60 @@ def test_attention_and_mass(kit, start, n):
     close(mass.get()[end:], old[end:], 0, 0)
 
 
-def test_attention_mass_adds_up_over_chunks(kit):
+@pytest.mark.parametrize('start,d', [(0, 64), (200, 64), (77, 32)])
+def test_matmul_attn_residual_merges_splits_then_projects(kit, start, d):
+    cp, k, dtype = kit
+    rng = np.random.default_rng()
+    heads, kv, cap, hidden, chunk = 6, 2, 256, 72, 64
+    splits = cap // chunk
+    q = rng.standard_normal((1, heads * d)).astype(np.float32)
+    kc = rng.standard_normal((cap, kv, d)).astype(np.float32)
+    vc = rng.standard_normal((cap, kv, d)).astype(np.float32)
+    st = state(cp, start, 1)
+    scores = poisoned(cp, (heads, 1, cap))
+    part_ml = poisoned(cp, (heads, splits, 2))
+    part_o = poisoned(cp, (heads, splits, d))
+    k.attn_partial((heads, splits), (128,), (
+        st, cp.asarray(q), cp.asarray(kc), cp.asarray(vc), scores, part_ml, part_o, i32(1),
+        i32(heads), i32(kv), i32(d), i32(cap), i32(splits), i32(chunk),
+        np.float32(1 / np.sqrt(d))), shared_mem=(2 * chunk * d + chunk + d) * 4)
+    wo, wof = weights(cp, dtype, (hidden, heads * d), rng)
+    x0 = rng.standard_normal(hidden).astype(np.float32)
+    x = cp.asarray(x0)
+    units = hidden // 2
+    k.matmul_attn_residual_t1(((units + 3) // 4,), (128,), (
+        st, wo, i32(hidden), i32(heads * d), x, i32(units), part_ml, part_o, scores, i32(heads),
+        i32(d), i32(cap), i32(splits), i32(chunk)), shared_mem=heads * d * 4)
+    mass = poisoned(cp, (cap,))
+    k.attn_mass(((cap + 31) // 32,), (256,), (st, scores, mass, i32(1), i32(heads), i32(cap),
+                                              i32(1)))
+    ref_out, ref_mass = attention(q.reshape(1, heads, d), kc[:start + 1], vc[:start + 1], start)
+    close(x.get(), x0 + wof @ ref_out.reshape(-1))
+    close(mass.get()[:start + 1], ref_mass)
+
+
+def test_attention_mass_adds_up_over_layers_and_chunks(kit):
     cp, k, _ = kit
     rng = np.random.default_rng()
-    heads, cap, n_max = 2, 128, 16
-    scores = cp.asarray(rng.standard_normal((heads, n_max, cap)).astype(np.float32))
-    ml = cp.asarray(np.tile(np.array([0.0, 50.0], np.float32), (heads * n_max, 1)))
+    rows, cap, n_max = 3 * 4, 128, 4   # 3 layers x (1 head x 4 queries)
+    probs = rng.random((rows, cap)).astype(np.float32)
     old = rng.random(cap).astype(np.float32)
-    mass = cp.asarray(old)
-    start, n = 20, 5
-    k.attn_mass((1,), (256,), (
-        state(cp, start, n, mass_acc=1), scores, ml, mass, i32(n_max), i32(heads), i32(cap),
-        i32(1), np.int64(0), np.int64(0), i32(1)))
-    s = scores.get()
-    got = mass.get()
-    t = np.arange(start + n)
-    ref = np.zeros(start + n)
-    for h in range(heads):
-        for qi in range(n):
-            vis = t <= start + qi
-            ref[vis] += np.exp(s[h, qi, t[vis]]) / 50.0
-    ref[:start] += old[:start]
-    close(got[:start + n], ref)
+    start, n = 20, 3
+    for first, acc in ((1, 1), (0, 0)):
+        mass = cp.asarray(old)
+        k.attn_mass(((cap + 31) // 32,), (256,), (
+            state(cp, start, n, mass_acc=acc), cp.asarray(probs), mass, i32(n_max), i32(rows),
+            i32(cap), i32(first)))
+        t = np.arange(start + n)
+        ref = np.zeros(start + n)
+        for r in range(rows):
+            qi = r % n_max
+            if qi < n:
+                ref += np.where(t <= start + qi, probs[r, :start + n], 0)
+        keep_old = (t < start) if first else np.ones_like(t, bool)
+        ref += np.where(keep_old, old[:start + n], 0)
+        close(mass.get()[:start + n], ref)
+        close(mass.get()[start + n:], old[start + n:], 0, 0)
 
 
 @pytest.mark.parametrize('count', [-1, 1, 7, 5000])

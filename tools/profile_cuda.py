@@ -67,10 +67,10 @@ def main():
     per = defaultdict(list)
     launch = backend._launch
 
-    def timed(name, grid, block, *a):
+    def timed(name, grid, block, *a, **kw):
         s, e = cp.cuda.Event(), cp.cuda.Event()
         s.record(stream)
-        launch(name, grid, block, *a)
+        launch(name, grid, block, *a, **kw)
         e.record(stream)
         per[name].append((s, e))
     backend._launch = timed

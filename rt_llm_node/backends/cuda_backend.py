@@ -16,7 +16,6 @@ from rt_llm_node.backends.cuda_kernels import KernelSet
 from rt_llm_node.backends.numpy_backend import rope_tables
 
 PREFILL_BUCKETS = (16, 32, 64, 128)
-ATT_CHUNK = 64          # keys per attention split; matches attention.cu
 ARGMAX_BLOCKS = 64
 STATE_RING = 64         # pinned upload slots for the run state
 IDS_RING = 4            # and for prefill token ids
@@ -65,8 +64,10 @@ class CudaBackend:
         if not 1 <= capacity <= cfg.max_position_embeddings:
             raise ValueError(f'kv capacity {capacity} must be in 1..{cfg.max_position_embeddings} '
                              "(the model's trained length)")
-        if cfg.head_dim % 2 or cfg.head_dim > 256 or cfg.num_heads % cfg.num_kv_heads:
-            raise BackendError(f'the CUDA kernels need an even head_dim <= 256 and whole GQA '
+        if (cfg.head_dim % 4 or cfg.head_dim > 256 or cfg.num_heads % cfg.num_kv_heads
+                or cfg.num_heads > 64):
+            raise BackendError(f'the CUDA kernels need head_dim a multiple of 4, <= 256, '
+                               'at most 64 heads and whole GQA '
                                f'groups (head_dim {cfg.head_dim}, heads {cfg.num_heads}, '
                                f'kv heads {cfg.num_kv_heads})')
         dtypes = {t.dtype for t in checkpoint.tensors.values()}
@@ -100,17 +101,20 @@ class CudaBackend:
         self.k, self.v = cp.zeros(shape, f32), cp.zeros(shape, f32)           # KV cache
         self.k_tmp, self.v_tmp = cp.zeros(shape, f32), cp.zeros(shape, f32)   # compaction
         n_max = PREFILL_BUCKETS[-1]
-        self.n_splits = (cap + ATT_CHUNK - 1) // ATT_CHUNK
+        # keys per attention split: the split's keys and values fit 32 KiB of shared memory
+        d = cfg.head_dim
+        self.chunk = 64 if d <= 64 else 32 if d <= 128 else 16
+        self.att_smem = (2 * self.chunk * d + self.chunk + d) * 4
+        self.n_splits = (cap + self.chunk - 1) // self.chunk
         self.state = cp.zeros(8, np.int32)
         self.ids = cp.zeros(n_max, np.int32)                                  # [n_max]
         self.x = cp.zeros((n_max, cfg.hidden_size), f32)                      # residual stream
         self.q = cp.zeros((n_max, cfg.q_size), f32)
         self.attn_out = cp.zeros((n_max, cfg.q_size), f32)
         self.act = cp.zeros((n_max, cfg.intermediate_size), f32)
-        self.scores = cp.zeros((cfg.num_heads, n_max, cap), f32)             # prefill, per layer
-        self.ml = cp.zeros((cfg.num_heads * n_max, 2), f32)
-        self.scores_dec = cp.zeros((cfg.num_layers, cfg.num_heads, cap), f32)  # decode, all layers
-        self.ml_dec = cp.zeros((cfg.num_layers, cfg.num_heads, 2), f32)
+        # attention scores, then probabilities: prefill reuses one layer's, decode keeps all
+        self.scores = cp.zeros((cfg.num_heads, n_max, cap), f32)
+        self.scores_dec = cp.zeros((cfg.num_layers, cfg.num_heads, cap), f32)
         self.part_ml = cp.zeros((cfg.num_heads * n_max, self.n_splits, 2), f32)
         self.part_o = cp.zeros((cfg.num_heads * n_max, self.n_splits, cfg.head_dim), f32)
         self.mass, self.mass_tmp = cp.zeros(cap, f32), cp.zeros(cap, f32)
@@ -161,16 +165,16 @@ class CudaBackend:
         self.rings[which] = index + 1
         return ring[index]
 
-    def _launch(self, name, grid, block, *args):
-        self.kernels.functions[name](grid, block, args, stream=self.stream)
+    def _launch(self, name, grid, block, *args, shared=0):
+        self.kernels.functions[name](grid, block, args, shared_mem=shared, stream=self.stream)
 
     def _enqueue_forward(self, n_max):
         """Every kernel of one forward over up to n_max tokens (state says how many)."""
         cfg, cap = self.config, self.capacity
         decode = n_max == 1
-        tt = 1 if decode else 8
+        tt = 1 if decode else 16
         tiles = (n_max + tt - 1) // tt
-        sfx = '_t1' if decode else '_t8'
+        sfx = '_t1' if decode else '_t16'
         hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         eps = np.float32(cfg.rms_norm_eps)
         warps = 4
@@ -190,19 +194,26 @@ class CudaBackend:
                          self.q, kc, vc, self.cos, self.sin, _i32(cfg.num_heads),
                          _i32(cfg.num_kv_heads), _i32(d), _i32(cap))
             scores = self.scores_dec[i] if decode else self.scores
-            ml = self.ml_dec[i] if decode else self.ml
             self._launch('attn_partial', (cfg.num_heads * n_max, self.n_splits), (128,),
                          self.state, self.q, kc, vc, scores, self.part_ml, self.part_o,
                          _i32(n_max), _i32(cfg.num_heads), _i32(cfg.num_kv_heads), _i32(d),
-                         _i32(cap), _i32(self.n_splits), np.float32(1.0 / np.sqrt(d)))
-            self._launch('attn_combine', (cfg.num_heads * n_max,), (128,), self.state,
-                         self.part_ml, self.part_o, self.attn_out, ml, _i32(n_max),
-                         _i32(cfg.num_heads), _i32(d), _i32(self.n_splits))
-            if not decode:
-                self._enqueue_mass(n_max, self.scores, self.ml, 1, first=i == 0)
-            self._launch('matmul_residual' + sfx, mm_grid((hid + 1) // 2), block, self.state,
-                         layer.wo, _i32(hid), _i32(cfg.q_size), self.attn_out, NULL, eps,
-                         self.x, _i32((hid + 1) // 2), _i32(0))
+                         _i32(cap), _i32(self.n_splits), _i32(self.chunk),
+                         np.float32(1.0 / np.sqrt(d)), shared=self.att_smem)
+            if decode:   # merge the splits inside the o_proj kernel
+                self._launch('matmul_attn_residual_t1', mm_grid((hid + 1) // 2), block,
+                             self.state, layer.wo, _i32(hid), _i32(cfg.q_size), self.x,
+                             _i32((hid + 1) // 2), self.part_ml, self.part_o, scores,
+                             _i32(cfg.num_heads), _i32(d), _i32(cap), _i32(self.n_splits),
+                             _i32(self.chunk), shared=cfg.q_size * 4)
+            else:
+                self._launch('attn_combine', (cfg.num_heads * n_max,), (128,), self.state,
+                             self.part_ml, self.part_o, self.attn_out, scores, _i32(n_max),
+                             _i32(cfg.num_heads), _i32(d), _i32(cap), _i32(self.n_splits),
+                             _i32(self.chunk))
+                self._enqueue_mass(self.scores, cfg.num_heads * n_max, n_max, first=i == 0)
+                self._launch('matmul_residual' + sfx, mm_grid((hid + 1) // 2), block,
+                             self.state, layer.wo, _i32(hid), _i32(cfg.q_size), self.attn_out,
+                             NULL, eps, self.x, _i32((hid + 1) // 2), _i32(0))
             self._launch('matmul_swiglu' + sfx, mm_grid(inter), block, self.state,
                          layer.wgate_up, _i32(2 * inter), _i32(hid), self.x, layer.mlp_norm,
                          eps, self.act, _i32(inter), _i32(0))
@@ -210,19 +221,16 @@ class CudaBackend:
                          layer.wdown, _i32(hid), _i32(inter), self.act, NULL, eps, self.x,
                          _i32((hid + 1) // 2), _i32(0))
         if decode:
-            self._enqueue_mass(1, self.scores_dec, self.ml_dec, cfg.num_layers, first=True)
+            self._enqueue_mass(self.scores_dec, cfg.num_layers * cfg.num_heads, 1, first=True)
         vocab_units = (cfg.vocab_size + 1) // 2
         self._launch('matmul_store_t1', ((vocab_units + warps - 1) // warps, 1), block,
                      self.state, self.lm_head, _i32(cfg.vocab_size), _i32(hid), self.x,
                      self.final_norm, eps, self.logits_buf, _i32(vocab_units), _i32(1))
 
-    def _enqueue_mass(self, n_max, scores, ml, n_layers, first):
-        cfg = self.config
-        scores_stride = cfg.num_heads * n_max * self.capacity
-        ml_stride = cfg.num_heads * n_max * 2
-        self._launch('attn_mass', ((self.capacity + 255) // 256,), (256,), self.state, scores,
-                     ml, self.mass, _i32(n_max), _i32(cfg.num_heads), _i32(self.capacity),
-                     _i32(n_layers), np.int64(scores_stride), np.int64(ml_stride),
+    def _enqueue_mass(self, probs, n_rows, n_max, first):
+        """mass[t] (+)= the probabilities of ``n_rows`` rows (stride capacity) at key t."""
+        self._launch('attn_mass', ((self.capacity + 31) // 32,), (256,), self.state, probs,
+                     self.mass, _i32(n_max), _i32(n_rows), _i32(self.capacity),
                      _i32(1 if first else 0))
 
     def _capture(self, n_max):

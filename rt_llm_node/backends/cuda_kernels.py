@@ -16,9 +16,9 @@ COMMON = 'common.cuh'
 # Every kernel the backend launches; get_function on each forces the module to load.
 KERNELS = (
     'embed_gather',
-    'matmul_residual_t1', 'matmul_residual_t8', 'matmul_store_t1',
-    'matmul_swiglu_t1', 'matmul_swiglu_t8', 'matmul_qkv_rope_t1', 'matmul_qkv_rope_t8',
-    'attn_partial', 'attn_combine', 'attn_mass',
+    'matmul_residual_t1', 'matmul_residual_t16', 'matmul_store_t1',
+    'matmul_swiglu_t1', 'matmul_swiglu_t16', 'matmul_qkv_rope_t1', 'matmul_qkv_rope_t16',
+    'matmul_attn_residual_t1', 'attn_partial', 'attn_combine', 'attn_mass',
     'argmax_masked',
     'compact_gather', 'compact_store',
     'read_sum',
