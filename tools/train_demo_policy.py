@@ -60,8 +60,9 @@ def build_sample(episode, system, end, budget, rng):
             instr = (t, found[0][2])
             break
     p_drop_obs = rng.choice([0.0, 0.5, 0.8, 0.95, 1.0])
-    # mostly no past actions: the model must read the observation, not copy itself
-    p_drop_act = 1.0 if rng.random() < 0.8 else rng.choice([0.0, 0.3, 0.7])
+    # often no past actions: the label is a function of the newest observation (the
+    # expert reads the turn rate on /odom), so the model must read it, not copy itself
+    p_drop_act = 1.0 if rng.random() < 0.5 else rng.choice([0.0, 0.3, 0.7])
     pieces = []          # reversed chronological list of (ids, is_target_mask)
     used = len(system) + (len(instr[1]) if instr else 0)
     for t in range(end, -1, -1):

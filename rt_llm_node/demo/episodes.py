@@ -19,6 +19,7 @@ from tokenizers import trainers
 from rt_llm_node.codec import ObservationCodec
 from rt_llm_node.codec import scan_sectors
 from rt_llm_node.demo.expert import expert_command
+from rt_llm_node.demo.expert import observed_turn_rate
 from rt_llm_node.demo.messages import MessageFactory
 from rt_llm_node.demo.task import action_grammar
 from rt_llm_node.demo.task import INPUTS
@@ -48,7 +49,7 @@ def episode_texts(seed, noise=0.0):
     """Plain text lines of an expert episode (for training the tokenizer)."""
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
     codec = ObservationCodec(None, INPUTS)
-    lines, instruction, last_w = [SYSTEM_PROMPT], '', 0.0
+    lines, instruction = [SYSTEM_PROMPT], ''
     rng = np.random.default_rng(seed)
     while not world.done:
         msgs = world.observe()
@@ -58,10 +59,10 @@ def episode_texts(seed, noise=0.0):
         if '/instruction' in msgs:
             instruction = msgs['/instruction'].data
         v, w = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
-                              msgs['/detections'].data, last_w)
+                              msgs['/detections'].data,
+                              observed_turn_rate(msgs['/odom']))
         lines.append(f'act v{v:+.1f} w{w:+.2f}')
         world.step(v + noise * rng.normal(), w + noise * rng.normal())
-        last_w = w
     return lines
 
 
@@ -91,7 +92,7 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None):
     grammar = action_grammar(tokenizer)
     rng = np.random.default_rng(seed if noise_seed is None else noise_seed)
     episode = Episode(seed)
-    instruction, last_w = '', 0.0
+    instruction = ''
     while not world.done:
         msgs = world.observe()
         segments = [(spec.kind, spec.topic, codec.encode(spec.topic, msgs[spec.topic]))
@@ -99,14 +100,14 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None):
         if '/instruction' in msgs:
             instruction = msgs['/instruction'].data
         v, w = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
-                              msgs['/detections'].data, last_w)
+                              msgs['/detections'].data,
+                              observed_turn_rate(msgs['/odom']))
         values = {'linear.x': v, 'angular.z': w}
         action_ids = tokenizer.encode(grammar.render(values)).ids
         episode.ticks.append(TickTokens(segments, action_ids, len(grammar.prefix_ids)))
         qv = grammar.fields[0].quantize(v)
         qw = grammar.fields[1].quantize(w)
         world.step(qv + noise[0] * rng.normal(), qw + noise[1] * rng.normal())
-        last_w = qw
     episode.results = list(world.results)
     return episode
 

@@ -23,6 +23,7 @@ from rt_llm_node.backends.numpy_backend import NumpyBackend
 from rt_llm_node.codec import scan_sectors
 from rt_llm_node.demo.episodes import SCAN_SECTORS
 from rt_llm_node.demo.expert import expert_command
+from rt_llm_node.demo.expert import observed_turn_rate
 from rt_llm_node.demo.messages import MessageFactory
 from rt_llm_node.demo.task import action_grammar
 from rt_llm_node.demo.task import INPUTS
@@ -57,7 +58,7 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None):
     engine.start()
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
     dt = world.config.dt
-    snapshot, instruction, last_w = {}, '', 0.0
+    snapshot, instruction = {}, ''
     agree = refusals = 0
     while not world.done:
         now = world.tick * dt
@@ -68,7 +69,8 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None):
         if '/instruction' in msgs:
             instruction = msgs['/instruction'].data
         ev, ew = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
-                                msgs['/detections'].data, last_w)
+                                msgs['/detections'].data,
+                                observed_turn_rate(msgs['/odom']))
         result = engine.tick(snapshot, now, now + dt)
         if result.action is None:
             refusals += 1
@@ -78,7 +80,6 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None):
             w = result.action.values['angular.z']
             agree += (v == grammar.fields[0].quantize(ev) and w == grammar.fields[1].quantize(ew))
         world.step(v, w)
-        last_w = w
     return {'results': world.results, 'ticks': world.tick, 'agree': agree,
             'refusals': refusals}
 
@@ -86,7 +87,7 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None):
 def run_expert_episode(seed):
     """The expert alone on ``seed`` (its commands quantized like the model's)."""
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
-    instruction, last_w = '', 0.0
+    instruction = ''
     from rt_llm_node.codec import ActionField
     from rt_llm_node.demo.task import TWIST_FIELDS
     fv, fw = (ActionField(f['name'], f['key'], f['min'], f['max'], f['step'])
@@ -96,10 +97,10 @@ def run_expert_episode(seed):
         if '/instruction' in msgs:
             instruction = msgs['/instruction'].data
         v, w = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
-                              msgs['/detections'].data, last_w)
+                              msgs['/detections'].data,
+                              observed_turn_rate(msgs['/odom']))
         v, w = fv.quantize(v), fw.quantize(w)
         world.step(v, w)
-        last_w = w
     return {'results': world.results, 'ticks': world.tick}
 
 

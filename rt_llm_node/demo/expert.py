@@ -31,12 +31,19 @@ def _clip(value, limit):
     return max(-limit, min(limit, value))
 
 
+def observed_turn_rate(odometry):
+    """The robot's turn rate as the /odom line renders it (rad/s, one decimal)."""
+    return round(float(odometry.twist.twist.angular.z), 1)
+
+
 def expert_command(instruction, sectors, detections_text, last_w=0.0):
     """(v, w) toward the goal in ``instruction``: attraction to it, repulsion from the scan.
 
     ``sectors``: scan minima, sector 0 straight ahead, counter-clockwise;
-    ``last_w``: the previous command's turn rate (in the model's context too),
-    which breaks the tie when a pillar stands dead ahead.
+    ``last_w``: the turn rate the current /odom line shows (``observed_turn_rate``),
+    which keeps a turn going and breaks the tie when a pillar stands dead ahead. It
+    is part of this tick's observation, so the command is a function of what the
+    model sees in its newest observation segments alone.
     """
     n = len(sectors)
     width = 2.0 * math.pi / n
