@@ -34,15 +34,17 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) tools/bench_numpy.py --write
+	$(PY) tools/bench_replay.py --write
 
 soak: $(STAMP)
 	$(PY) tools/soak.py --tokens 1000000 --write
 
+# On a GPU machine whose python3 has CuPy (+ torch and transformers for the HF comparisons).
 gpu-test:
-	python3 -m pytest -q -ra -m gpu test
+	PYTHONPATH=. python3 -m pytest -q -ra -m gpu test
 
 gpu-bench:
-	python3 -m rt_llm_node.bench --write
+	PYTHONPATH=. python3 -m rt_llm_node.bench --write
 
 clean:
 	rm -rf $(VENV) build install log *.egg-info .pytest_cache

@@ -57,6 +57,8 @@ setup(
             'rt-llm-node = rt_llm_node.node:main',
             'rt-llm-demo = rt_llm_node.demo.run:main',
             'rt-llm-demo-world = rt_llm_node.demo.world_node:main',
+            'rt-llm-demo-record = rt_llm_node.demo.recorder:main',
+            'rt-llm-replay = rt_llm_node.replay:main',
         ],
     },
 )

@@ -54,8 +54,11 @@ def action_grammar(values, tokenizer):
     return StringGrammar(tokenizer, values['action_max_tokens'], values['action_stop_text'])
 
 
-def configure_engine(values, clock=None, log=print):
-    """Validate, load the model, allocate the backend, warm up, calibrate; return the engine."""
+def configure_engine(values, clock=None, log=print, cost_model=None):
+    """Validate, load the model, allocate the backend, warm up, calibrate; return the engine.
+
+    ``cost_model``: use this CostModel instead of calibrating (deterministic replays).
+    """
     errors = validate(values)
     if errors:
         raise ConfigurationError('; '.join(errors))
@@ -74,9 +77,13 @@ def configure_engine(values, clock=None, log=print):
     log(f'backend {backend.name}: KV cache of {backend.capacity} tokens allocated')
     grammar = action_grammar(values, checkpoint.tokenizer)
     specs = input_specs(values)
-    log('warming up and calibrating the cost model on this device')
-    model = calibrate(backend, cfg.vocab_size, repeats=values['calibration_repeats'],
-                      log=log)
+    if cost_model is None:
+        log('warming up and calibrating the cost model on this device')
+        model = calibrate(backend, cfg.vocab_size, repeats=values['calibration_repeats'],
+                          log=log)
+    else:
+        log('using the given cost model (no calibration)')
+        model = cost_model
     log(f'cost model: prefill {model.prefill}, decode {model.decode}, '
         f'compact {model.compact}')
     admission = Admission(model, margin_ms=values['deadline_margin_ms'],

@@ -1,0 +1,97 @@
+"""``rt-llm-demo-record``: drive the demo world with the expert and write a rosbag2.
+
+The bags are the replay tests' fixtures and a quick way to get a realistic input
+stream without a robot: /scan, /odom and /detections every world tick (30 Hz),
+/instruction once per goal, stamped on a fixed epoch so that recordings of one seed
+are identical. No ROS install is needed (the rosbags library writes the bag).
+
+    rt-llm-demo-record out/demo_bag --seconds 60 [--seed 1000000] [--storage sqlite3]
+"""
+
+import argparse
+from pathlib import Path
+import shutil
+import sys
+from types import SimpleNamespace
+
+from rt_llm_node.codec import scan_sectors
+from rt_llm_node.demo.episodes import SCAN_SECTORS
+from rt_llm_node.demo.expert import expert_command
+from rt_llm_node.demo.expert import observed_turn_rate
+from rt_llm_node.demo.messages import MessageFactory
+from rt_llm_node.demo.world import DemoWorld
+
+EPOCH_NS = 1_700_000_000 * 1_000_000_000
+TYPES = {
+    '/instruction': 'std_msgs/msg/String',
+    '/scan': 'sensor_msgs/msg/LaserScan',
+    '/odom': 'nav_msgs/msg/Odometry',
+    '/detections': 'std_msgs/msg/String',
+}
+FRAMES = {'/scan': 'base_scan', '/odom': 'odom'}
+SENSOR_DELAY_NS = 4_000_000   # messages are logged a little after the world tick
+
+
+def record_demo_bag(path, seconds=10.0, seed=1_000_000, storage='mcap'):
+    """Write a bag of ``seconds`` of the expert driving the world; returns its path.
+
+    When an episode ends (three goals) the world of the next seed continues the stream.
+    """
+    from rosbags.rosbag2 import StoragePlugin
+    from rosbags.rosbag2 import Writer
+    from rosbags.typesys import get_typestore
+    from rosbags.typesys import Stores
+    from rt_llm_node.replay import to_store_message
+    path = Path(path)
+    if path.exists():
+        shutil.rmtree(path)
+    store = get_typestore(Stores.LATEST)
+    plugin = {'mcap': StoragePlugin.MCAP, 'sqlite3': StoragePlugin.SQLITE3}[storage]
+    world = DemoWorld(seed, messages=MessageFactory(ros=False))
+    writer = Writer(path, version=9, storage_plugin=plugin)
+    writer.open()
+    try:
+        connections = {topic: writer.add_connection(topic, msgtype, typestore=store)
+                       for topic, msgtype in TYPES.items()}
+        instruction = ''
+        for tick in range(int(round(seconds / world.config.dt))):
+            if world.done:  # episode over (3 goals): the next seed takes over, same timeline
+                seed += 1
+                world = DemoWorld(seed, messages=MessageFactory(ros=False))
+            stamp_ns = EPOCH_NS + int(round(tick * world.config.dt * 1e9))
+            msgs = world.observe()
+            for topic, msg in msgs.items():
+                header = SimpleNamespace(stamp=SimpleNamespace(
+                    sec=stamp_ns // 1_000_000_000, nanosec=stamp_ns % 1_000_000_000),
+                    frame_id=FRAMES.get(topic, ''))
+                msg.header = header
+                if topic == '/odom':
+                    msg.child_frame_id = 'base_link'
+                data = store.serialize_cdr(to_store_message(msg, TYPES[topic], store),
+                                           TYPES[topic])
+                writer.write(connections[topic], stamp_ns + SENSOR_DELAY_NS, data)
+            if '/instruction' in msgs:
+                instruction = msgs['/instruction'].data
+            v, w = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
+                                  msgs['/detections'].data, observed_turn_rate(msgs['/odom']))
+            world.step(v, w)
+    finally:
+        writer.close()
+    return path
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog='rt-llm-demo-record',
+                                     description=__doc__.split('\n')[0])
+    parser.add_argument('out', help='bag directory to create (replaced if it exists)')
+    parser.add_argument('--seconds', type=float, default=60.0)
+    parser.add_argument('--seed', type=int, default=1_000_000)
+    parser.add_argument('--storage', choices=('mcap', 'sqlite3'), default='mcap')
+    args = parser.parse_args(argv)
+    path = record_demo_bag(args.out, args.seconds, args.seed, args.storage)
+    print(f'wrote {path} ({args.storage}, {args.seconds:g} s, seed {args.seed})')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""rt-llm-replay on real rosbag2 files written by the demo recorder (rosbags, MCAP and sqlite3)."""
+
+import json
+from pathlib import Path
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip('rosbags', reason='rosbags reads and writes the bags')
+
+from rosbags.rosbag2 import Reader  # noqa: E402
+from rosbags.rosbag2 import StoragePlugin  # noqa: E402
+from rosbags.rosbag2 import Writer  # noqa: E402
+from rosbags.typesys import get_types_from_msg  # noqa: E402
+from rosbags.typesys import get_typestore  # noqa: E402
+from rosbags.typesys import Stores  # noqa: E402
+
+from rt_llm_node.demo.recorder import record_demo_bag  # noqa: E402
+from rt_llm_node.replay import main  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_PARAMS = str(ROOT / 'config' / 'demo.yaml')
+SECONDS = 3.0
+
+
+@pytest.fixture(scope='module')
+def bags(tmp_path_factory):
+    root = tmp_path_factory.mktemp('bags')
+    return {storage: record_demo_bag(root / storage, SECONDS, seed=1_000_003, storage=storage)
+            for storage in ('mcap', 'sqlite3')}
+
+
+def run(args, capsys):
+    code = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_model_clock_replays_are_byte_identical(bags, tmp_path, capsys):
+    outs = []
+    for name in ('a', 'b'):
+        code, _, err = run([bags['mcap'], '--params', DEMO_PARAMS, '--out', tmp_path / name],
+                           capsys)
+        assert code == 0, err
+        outs.append((tmp_path / name / 'actions.jsonl').read_bytes())
+    assert outs[0] == outs[1]
+    lines = [json.loads(line) for line in outs[0].decode().splitlines()]
+    assert len(lines) == int(SECONDS * 30) - 1 or len(lines) == int(SECONDS * 30)
+    assert all(line['decision'] in ('action', 'refusal') for line in lines)
+    summary = json.loads((tmp_path / 'a' / 'summary.json').read_text())
+    assert summary['ticks'] == len(lines)
+    assert summary['actions'] + summary['refusals'] == summary['ticks']
+    assert (tmp_path / 'a' / 'timeline.png').stat().st_size > 10000
+
+
+def test_output_bag_holds_inputs_actions_refusals_and_records(bags, tmp_path, capsys):
+    code, _, err = run([bags['mcap'], '--params', DEMO_PARAMS, '--out', tmp_path], capsys)
+    assert code == 0, err
+    store = get_typestore(Stores.LATEST)
+    counts, twists = {}, []
+    with Reader(tmp_path / 'replay') as reader:
+        for connection, _, raw in reader.messages():
+            counts[connection.topic] = counts.get(connection.topic, 0) + 1
+            if connection.topic == '/cmd_vel':
+                twists.append(store.deserialize_cdr(raw, connection.msgtype))
+    lines = (tmp_path / 'actions.jsonl').read_text().splitlines()
+    assert counts['/scan'] >= len(lines) - 1 and counts['/rt_llm_node/tick_record'] == len(lines)
+    assert len(twists) == len(lines)  # an action, or the stop sent after a refusal
+    first = json.loads(lines[0])
+    if first['decision'] == 'action':
+        assert twists[0].angular.z == pytest.approx(first['values']['angular.z'])
+    assert all(np.isfinite(t.linear.x) and -0.2 <= t.linear.x <= 0.8 for t in twists)
+
+
+def test_sqlite3_bags_replay_too(bags, tmp_path, capsys):
+    code, out, err = run([bags['sqlite3'], '--params', DEMO_PARAMS, '--out', tmp_path,
+                          '--start', '1', '--end', '2.5'], capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / 'summary.json').read_text())['ticks'] == 46
+
+
+def test_expect_passes_on_the_same_inputs_and_fails_on_a_changed_schema(
+        bags, tmp_path, capsys):
+    golden = tmp_path / 'golden'
+    assert run([bags['mcap'], '--params', DEMO_PARAMS, '--out', golden], capsys)[0] == 0
+    code, out, _ = run([bags['mcap'], '--params', DEMO_PARAMS, '--out', tmp_path / 'same',
+                        '--expect', golden], capsys)
+    assert code == 0 and 'same decisions' in out
+    changed = tmp_path / 'changed.yaml'
+    changed.write_text(Path(DEMO_PARAMS).read_text().replace(
+        'action_max: [0.8, 1.5]', 'action_max: [0.8, 0.5]'))
+    code, out, _ = run([bags['mcap'], '--params', changed, '--out', tmp_path / 'new',
+                        '--expect', golden], capsys)
+    assert code == 1
+    assert 'differences against' in out and 'action values' in out and 'tick ' in out
+
+
+def test_a_changed_eviction_policy_fails_expect(bags, tmp_path, capsys):
+    small = tmp_path / 'small.yaml'
+    small.write_text(Path(DEMO_PARAMS).read_text().replace('kv_capacity_tokens: 256',
+                                                           'kv_capacity_tokens: 128'))
+    golden = tmp_path / 'golden'
+    assert run([bags['mcap'], '--params', small, '--out', golden], capsys)[0] == 0
+    other = tmp_path / 'recency.yaml'
+    other.write_text(small.read_text().replace('eviction_policy: meaning',
+                                               'eviction_policy: recency'))
+    code, out, _ = run([bags['mcap'], '--params', other, '--out', tmp_path / 'new',
+                        '--expect', golden], capsys)
+    assert code == 1, 'evicting by age instead of meaning changed no decision'
+    assert 'differences against' in out
+
+
+def test_truncated_mcap_is_a_clear_error(bags, tmp_path, capsys):
+    import shutil
+    broken = tmp_path / 'broken'
+    shutil.copytree(bags['mcap'], broken)
+    mcap = next(broken.glob('*.mcap'))
+    mcap.write_bytes(mcap.read_bytes()[:mcap.stat().st_size // 2])
+    code, _, err = run([broken, '--params', DEMO_PARAMS, '--out', tmp_path / 'o'], capsys)
+    assert code == 2 and 'rt-llm-replay: error' in err and 'Traceback' not in err
+
+
+def test_corrupt_sqlite3_is_a_clear_error(bags, tmp_path, capsys):
+    import shutil
+    broken = tmp_path / 'broken'
+    shutil.copytree(bags['sqlite3'], broken)
+    db = next(broken.glob('*.db3'))
+    db.write_bytes(b'this is not sqlite' * 100)
+    code, _, err = run([broken, '--params', DEMO_PARAMS, '--out', tmp_path / 'o'], capsys)
+    assert code == 2 and 'rt-llm-replay: error' in err
+
+
+def test_missing_bag_and_missing_topics_are_clear_errors(bags, tmp_path, capsys):
+    code, _, err = run([tmp_path / 'nope', '--out', tmp_path / 'o'], capsys)
+    assert code == 2 and 'no such bag' in err
+    code, _, err = run([bags['mcap'], '--params', DEMO_PARAMS, '--out', tmp_path / 'o',
+                        '--topics', '/scan:=/front_scan'], capsys)
+    assert code == 2 and '/front_scan (for input /scan) is not in the bag' in err
+
+
+def write_bag_with_extra_topic(path, source, version, storage, custom_def, with_definition):
+    """Copy ``source`` and add /note of a custom type that the default typestore lacks."""
+    store = get_typestore(Stores.LATEST)
+    store.register(get_types_from_msg(custom_def, 'rt_test_msgs/msg/Note'))
+    with Reader(source) as reader, Writer(path, version=version,
+                                          storage_plugin=storage) as writer:
+        conns = {c.id: writer.add_connection(c.topic, c.msgtype, typestore=store)
+                 for c in reader.connections}
+        extra = {} if with_definition else {'msgdef': '', 'rihs01': 'RIHS01_' + '0' * 64}
+        note = writer.add_connection('/note', 'rt_test_msgs/msg/Note', typestore=store, **extra)
+        for connection, stamp, raw in reader.messages():
+            writer.write(conns[connection.id], stamp, raw)
+            if connection.topic == '/odom':
+                msg = store.types['rt_test_msgs/msg/Note'](text='hello', level=3)
+                writer.write(note, stamp, store.serialize_cdr(msg, 'rt_test_msgs/msg/Note'))
+    return path
+
+
+def test_mcap_definitions_teach_the_typestore_new_types(bags, tmp_path, capsys):
+    bag = write_bag_with_extra_topic(tmp_path / 'bag', bags['mcap'], 9, StoragePlugin.MCAP,
+                                     'string text\nint32 level\n', True)
+    code, _, err = run([bag, '--params', DEMO_PARAMS, '--out', tmp_path / 'o'], capsys)
+    assert code == 0, err
+    assert 'rt_test_msgs/msg/Note registered from the bag' in err
+    with Reader(tmp_path / 'o' / 'replay') as reader:
+        assert '/note' in reader.topics
+
+
+def test_unknown_types_without_definition_are_skipped_with_a_warning(bags, tmp_path, capsys):
+    bag = write_bag_with_extra_topic(tmp_path / 'bag', bags['sqlite3'], 8,
+                                     StoragePlugin.SQLITE3, 'string text\nint32 level\n',
+                                     False)
+    code, _, err = run([bag, '--params', DEMO_PARAMS, '--out', tmp_path / 'o'], capsys)
+    assert code == 0, err
+    assert 'skipping /note: unknown message type rt_test_msgs/msg/Note' in err
+    code, _, err = run([bag, '--params', DEMO_PARAMS, '--out', tmp_path / 'o2',
+                        '--topics', '/detections:=/note'], capsys)
+    assert code == 2 and '/note has type rt_test_msgs/msg/Note' in err
+
+
+def test_undecodable_messages_are_skipped_not_fatal(bags, tmp_path, capsys):
+    store = get_typestore(Stores.LATEST)
+    bag = tmp_path / 'bag'
+    with Reader(bags['mcap']) as reader, Writer(bag, version=9,
+                                                storage_plugin=StoragePlugin.MCAP) as writer:
+        conns = {c.id: writer.add_connection(c.topic, c.msgtype, typestore=store)
+                 for c in reader.connections}
+        for i, (connection, stamp, raw) in enumerate(reader.messages()):
+            if connection.topic == '/scan' and i % 7 == 0:
+                raw = raw[:12]   # cut short: not a LaserScan any more
+            writer.write(conns[connection.id], stamp, raw)
+    code, _, err = run([bag, '--params', DEMO_PARAMS, '--out', tmp_path / 'o'], capsys)
+    assert code == 0, err
+    assert '/scan: undecodable message skipped' in err
+    assert json.loads((tmp_path / 'o' / 'summary.json').read_text())['skipped_messages']['/scan']
+
+
+def test_bad_params_and_cost_model_are_clear_errors(bags, tmp_path, capsys):
+    bad = tmp_path / 'bad.yaml'
+    bad.write_text('rt_llm_node:\n  ros__parameters:\n    rate_hz: -5.0\n')
+    code, _, err = run([bags['mcap'], '--params', bad, '--out', tmp_path / 'o'], capsys)
+    assert code == 2 and 'rate_hz' in err
+    typo = tmp_path / 'typo.yaml'
+    typo.write_text('rt_llm_node:\n  ros__parameters:\n    rate_hzz: 30.0\n')
+    code, _, err = run([bags['mcap'], '--params', typo, '--out', tmp_path / 'o'], capsys)
+    assert code == 2 and 'unknown parameters rate_hzz' in err
+    cost = tmp_path / 'cost_model.json'
+    cost.write_text('{"prefill": 3}')
+    code, _, err = run([bags['mcap'], '--params', DEMO_PARAMS, '--out', tmp_path / 'o',
+                        '--cost-model', cost], capsys)
+    assert code == 2 and 'not a cost model' in err
+
+
+def test_live_mode_publishes_to_a_real_subscriber(bags):
+    rclpy = pytest.importorskip('rclpy', reason='rclpy is needed for --live')
+    from rclpy.qos import qos_profile_sensor_data
+    from sensor_msgs.msg import LaserScan
+    from std_msgs.msg import String
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    node = rclpy.create_node('replay_listener', context=context)
+    got = {'scan': 0, 'instruction': []}
+    node.create_subscription(LaserScan, '/scan',
+                             lambda m: got.__setitem__('scan', got['scan'] + 1),
+                             qos_profile_sensor_data)
+    node.create_subscription(String, '/instruction',
+                             lambda m: got['instruction'].append(m.data), 10)
+    executor = rclpy.executors.SingleThreadedExecutor(context=context)
+    executor.add_node(node)
+    try:
+        proc = subprocess.Popen([sys.executable, '-m', 'rt_llm_node.replay', str(bags['mcap']),
+                                 '--live', '--delay', '2'], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        while proc.poll() is None:
+            executor.spin_once(timeout_sec=0.05)
+        for _ in range(20):
+            executor.spin_once(timeout_sec=0.05)
+        out, err = proc.communicate()
+        assert proc.returncode == 0, err
+        assert 'published' in out
+        assert got['instruction'] and got['instruction'][0].startswith('go to the ')
+        assert got['scan'] >= 0.8 * SECONDS * 30, got   # best effort over loopback
+    finally:
+        executor.shutdown()
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
