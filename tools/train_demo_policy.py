@@ -60,9 +60,9 @@ def build_sample(episode, system, end, budget, rng):
             instr = (t, found[0][2])
             break
     p_drop_obs = rng.choice([0.0, 0.5, 0.8, 0.95, 1.0])
-    # often no past actions: the label is a function of the newest observation (the
-    # expert reads the turn rate on /odom), so the model must read it, not copy itself
-    p_drop_act = 1.0 if rng.random() < 0.5 else rng.choice([0.0, 0.3, 0.7])
+    # past actions sometimes dropped: the label is a function of the newest observation
+    # (the expert reads the turn rate on /odom), never of the past actions
+    p_drop_act = 1.0 if rng.random() < 0.3 else rng.choice([0.0, 0.3, 0.7])
     pieces = []          # reversed chronological list of (ids, is_target_mask)
     used = len(system) + (len(instr[1]) if instr else 0)
     for t in range(end, -1, -1):
@@ -75,11 +75,15 @@ def build_sample(episode, system, end, budget, rng):
                 continue
             chunk += ids
             mask += [0] * len(ids)
-        keep_action = t == end or rng.random() >= p_drop_act
-        if keep_action:
+        if t == end:  # the label: the expert's command for this tick's observation
             a = tick.action_ids
             chunk += a
             mask += [0] * tick.n_prefix + [1] * (len(a) - tick.n_prefix)
+        elif rng.random() >= p_drop_act:
+            # earlier ticks show what the robot executed (DART noise included), as the
+            # cache shows the policy's own executed actions: copying them is not the label
+            chunk += tick.executed_ids
+            mask += [0] * len(tick.executed_ids)
         if used + len(chunk) > budget:
             break
         used += len(chunk)

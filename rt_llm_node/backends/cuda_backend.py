@@ -8,6 +8,8 @@ start position and length live in a small device ``state`` array, so a tick repl
 graphs and allocates nothing on the device. No cuBLAS, no torch.
 """
 
+import functools
+
 import numpy as np
 
 from rt_llm_node.backends import BackendError
@@ -24,6 +26,25 @@ TOKEN, START, N, MASS_ACC, FLAGS, RESULT, COUNTER = range(7)
 
 
 NULL = np.uint64(0)  # a null device pointer argument
+
+
+def _device_errors():
+    """The exception types of a failing CUDA call (driver, runtime, out of memory)."""
+    from cupy.cuda.memory import OutOfMemoryError
+    from cupy_backends.cuda.api.driver import CUDADriverError
+    from cupy_backends.cuda.api.runtime import CUDARuntimeError
+    return (CUDADriverError, CUDARuntimeError, OutOfMemoryError)
+
+
+def reports_device_errors(method):
+    """Turn a CUDA fault inside ``method`` into a BackendError (the engine refuses on it)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except _device_errors() as exc:
+            raise BackendError(f'CUDA error in {method.__name__}: {exc}') from exc
+    return wrapper
 
 
 def _i32(value):
@@ -277,6 +298,7 @@ class CudaBackend:
         if ids.min() < 0 or ids.max() >= self.config.vocab_size:
             raise BackendError(f'token id out of range 0..{self.config.vocab_size - 1}')
 
+    @reports_device_errors
     def prefill(self, token_ids):
         """Run token_ids: [n] at the next n positions, writing their keys and values."""
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
@@ -295,6 +317,7 @@ class CudaBackend:
             self.length += len(chunk)
         self._logits_valid = True
 
+    @reports_device_errors
     def decode(self, token_id):
         """Run one token at the next position (replays the decode graph)."""
         token = int(token_id)
@@ -311,12 +334,14 @@ class CudaBackend:
             raise BackendError('the model produced non-finite logits')
         return self.host_flags
 
+    @reports_device_errors
     def logits(self):
         """Float32 logits [vocab] of the last token run."""
         self._finish()
         self._to_host(self.host_logits, self.logits_buf)
         return self.host_logits.copy()
 
+    @reports_device_errors
     def argmax(self, allowed=None):
         """Greedy next token; ``allowed``: sorted int array of permitted ids, or None."""
         count = -1
@@ -332,6 +357,7 @@ class CudaBackend:
                      self.part_i)
         return int(self._finish()[1])
 
+    @reports_device_errors
     def attention_mass(self):
         """Float32 [length]: attention each cached token received in the last call."""
         self._finish()
@@ -346,6 +372,7 @@ class CudaBackend:
             raise BackendError(f'cannot roll back to {length} (length {self.length})')
         self.length = int(length)
 
+    @reports_device_errors
     def compact(self, keep):
         """Move slots ``keep`` (ascending) to 0..m-1, re-rotating keys by (new - old) position."""
         keep = np.asarray(keep, dtype=np.int64)

@@ -34,8 +34,9 @@ class TickTokens:
     """One tick: input segments [(kind, topic, ids)] and the action's ids (prefix..newline)."""
 
     segments: list
-    action_ids: list
+    action_ids: list         # the expert's (clean) command: the training label
     n_prefix: int            # the action's first n_prefix ids are prefilled, not predicted
+    executed_ids: list = None  # the command the robot executed (with DART noise), as rendered
 
 
 @dataclass
@@ -107,7 +108,14 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None):
         episode.ticks.append(TickTokens(segments, action_ids, len(grammar.prefix_ids)))
         qv = grammar.fields[0].quantize(v)
         qw = grammar.fields[1].quantize(w)
-        world.step(qv + noise[0] * rng.normal(), qw + noise[1] * rng.normal())
+        ev, ew = qv + noise[0] * rng.normal(), qw + noise[1] * rng.normal()
+        if noise[0] or noise[1]:  # what a policy that chose the executed command would render
+            ev, ew = grammar.fields[0].quantize(ev), grammar.fields[1].quantize(ew)
+            episode.ticks[-1].executed_ids = tokenizer.encode(grammar.render(
+                {'linear.x': ev, 'angular.z': ew})).ids
+        else:
+            episode.ticks[-1].executed_ids = action_ids
+        world.step(ev, ew)
     episode.results = list(world.results)
     return episode
 
