@@ -33,7 +33,25 @@ def apply_rope(x, cos, sin):
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    out = np.empty(x.shape, np.float32)
+    np.multiply(x1, c, out=out[..., :half])
+    out[..., :half] -= x2 * s
+    np.multiply(x2, c, out=out[..., half:])
+    out[..., half:] += x1 * s
+    return out
+
+
+_CAUSAL_MASKS = {}
+
+
+def causal_mask(n):
+    """[n, n] float32: 0 on and below the diagonal, -inf above (cached per n)."""
+    mask = _CAUSAL_MASKS.get(n)
+    if mask is None:
+        mask = np.triu(np.full((n, n), -np.inf, np.float32), 1)
+        if len(_CAUSAL_MASKS) < 256:
+            _CAUSAL_MASKS[n] = mask
+    return mask
 
 
 def attention(q, k, v, start):
@@ -47,22 +65,25 @@ def attention(q, k, v, start):
     n, n_heads, d = q.shape
     t, n_kv, _ = k.shape
     group = n_heads // n_kv
-    # head h reads kv head h // group (HF repeat_kv order); contiguous operands keep
-    # numpy's batched matmul on BLAS
-    qg = np.ascontiguousarray(q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3))
-    qg = qg.reshape(n_kv, group * n, d)                                # [kv, g*n, d]
-    kt = np.ascontiguousarray(k.transpose(1, 2, 0))                    # [kv, d, T]
-    scores = np.matmul(qg, kt).reshape(n_kv, group, n, t)             # [kv, g, n, T]
-    scores *= np.float32(1.0 / np.sqrt(d))
-    if n > 1:  # causal: only the new block needs a mask, older keys are all visible
-        scores[..., start:] += np.triu(np.full((n, n), -np.inf, np.float32), 1)
-    scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores, out=scores)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    vt = np.ascontiguousarray(v.transpose(1, 0, 2))                    # [kv, T, d]
-    out = np.matmul(probs.reshape(n_kv, group * n, t), vt)            # [kv, g*n, d]
-    out = out.reshape(n_kv, group, n, d).transpose(2, 0, 1, 3).reshape(n, n_heads, d)
-    return out, probs.sum(axis=(0, 1, 2))
+    scale = np.float32(1.0 / np.sqrt(d))
+    mask = causal_mask(n) if n > 1 else None
+    out = np.empty((n, n_heads, d), np.float32)
+    mass = np.zeros(t, np.float32)
+    for h in range(n_kv):
+        # heads h*group .. (h+1)*group-1 read kv head h (HF repeat_kv order); 2-D
+        # products on strided views go straight to BLAS
+        qh = q[:, h * group:(h + 1) * group].transpose(1, 0, 2).reshape(group * n, d)
+        scores = qh @ k[:, h].T                                         # [g*n, T]
+        scores *= scale
+        if mask is not None:  # only the new block needs a mask, older keys are all visible
+            scores.reshape(group, n, t)[:, :, start:] += mask
+        scores -= scores.max(axis=1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=1, keepdims=True)
+        mass += scores.sum(axis=0)
+        out[:, h * group:(h + 1) * group] = (scores @ v[:, h]).reshape(group, n, d).transpose(
+            1, 0, 2)
+    return out, mass
 
 
 class LayerWeights:
@@ -147,11 +168,12 @@ class NumpyBackend:
             out, layer_mass = attention(apply_rope(q, cos, sin), self.k[i, :end],
                                         self.v[i, :end], start)
             mass += layer_mass
-            x = x + out.reshape(n, cfg.q_size) @ layer.wo.T
+            x += out.reshape(n, cfg.q_size) @ layer.wo.T
             h = rmsnorm(x, layer.mlp_norm, cfg.rms_norm_eps)
             gate_up = h @ layer.wgate_up.T                                  # [n, 2*inter]
-            gate, up = np.split(gate_up, 2, axis=-1)
-            x = x + (silu(gate) * up) @ layer.wdown.T
+            act = silu(gate_up[:, :cfg.intermediate_size])
+            act *= gate_up[:, cfg.intermediate_size:]
+            x += act @ layer.wdown.T
         last = rmsnorm(x[-1:], self.final_norm, cfg.rms_norm_eps)[0]        # [hidden]
         logits = self.lm_head @ last                                        # [vocab]
         if not np.all(np.isfinite(logits)):
