@@ -274,7 +274,7 @@ class RtLlmNode(LifecycleNode):
                 continue
             ros_start = self.get_clock().now() - Duration(seconds=now - start)
             result = engine.tick(self._buffer.snapshot(), start, deadline)
-            self._publish_result(result, ros_start, start)
+            self._publish_result(result, ros_start)
             rec = result.record
             consecutive_errors = consecutive_errors + 1 if rec.reason == 'backend_error' else 0
             with self._stats_lock:
@@ -299,7 +299,7 @@ class RtLlmNode(LifecycleNode):
         sys.setswitchinterval(switch_interval)
         gc.enable()
 
-    def _publish_result(self, result, ros_start, start):
+    def _publish_result(self, result, ros_start):
         if result.action is not None:
             self._last_action = result.action
             self._action_pub.publish(to_message(result.action, self._values['action_type'],
@@ -307,7 +307,9 @@ class RtLlmNode(LifecycleNode):
             return
         r = result.refusal
         stamp = ros_start.to_msg()
-        deadline_ros = ros_start + Duration(seconds=r.deadline - start)
+        # the tick's deadline is the end of its period; the engine stopped work
+        # deadline_margin_ms before it (r.deadline) to leave that time for publishing
+        deadline_ros = ros_start + Duration(seconds=1.0 / self._values['rate_hz'])
         status = DiagnosticStatus(level=DiagnosticStatus.WARN,
                                   name=self.get_fully_qualified_name(), message=r.reason,
                                   hardware_id='rt_llm_node')

@@ -321,7 +321,7 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
             else:
                 published = None
                 writer.write(refusal_conn, done_ns, store.serialize_cdr(
-                    refusal_message(result.refusal, tick_ns, done_ns, period, margin, store),
+                    refusal_message(result.refusal, tick_ns, done_ns, period, store),
                     'diagnostic_msgs/msg/DiagnosticArray'))
                 mode = values['on_refusal']
                 if mode != 'none':
@@ -355,9 +355,9 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
     return summary
 
 
-def refusal_message(refusal, tick_ns, done_ns, period, margin, store):
+def refusal_message(refusal, tick_ns, done_ns, period, store):
     """The ~/refusal DiagnosticArray the node publishes, as a rosbags message."""
-    deadline_ns = tick_ns + int(round((period - margin) * 1e9))
+    deadline_ns = tick_ns + int(round(period * 1e9))   # the end of the tick's period
     keys = [('tick', str(refusal.tick)), ('reason', refusal.reason),
             ('predicted_ms', f'{refusal.predicted_ms:.3f}'),
             ('available_ms', f'{refusal.available_ms:.3f}'),

@@ -153,18 +153,18 @@ def test_too_short_a_period_refuses_with_deadline_before_the_deadline(executor, 
     deadline_refusals = [r for r in record['refusals'] if r[2] == 'deadline']
     assert len(deadline_refusals) > 80
     assert stats.get('late', 0) == 0
-    # Python on a non-real-time kernel, 3 processes on 2 shared cores: the OS may
-    # preempt the control thread between decision and publish, or the recorder before it
-    # reads. Measured here: 0-15% of refusals published or received up to ~10 ms late.
-    # A known gap (see the closing note); held to 25% so a gross regression still fails.
+    # deadline_stamp is the end of the tick's period; the engine stops deadline_margin_ms
+    # (here 12 ms) earlier to leave time for publishing. Python on a non-real-time kernel,
+    # 3 processes on 2 shared cores: the OS may still preempt the control thread between
+    # decision and publish, or the recorder before it reads; both are counted and printed.
     late_published = [(tick, reason, (published - deadline) / 1e6) for _, deadline, reason, tick,
                       published in record['refusals'] if published > deadline]
-    assert len(late_published) <= 0.25 * len(record['refusals']), late_published[:5]
     late = [(tick, (received - deadline) / 1e6) for received, deadline, _, tick, _
             in record['refusals'] if received > deadline]
-    assert len(late) <= 0.25 * len(record['refusals']), f'{len(late)} arrived late: {late[:5]}'
     print(f'refusals: {len(record["refusals"])}, published late {len(late_published)}, '
           f'arrived late {len(late)}, worst {max([d for _, d in late], default=0):.1f} ms')
+    assert not late_published, late_published[:5]
+    assert len(late) <= 0.02 * len(record['refusals']), f'{len(late)} arrived late: {late[:5]}'
     assert len(record['actions']) == 1, 'only the stop sent on deactivate'
 
 
