@@ -30,6 +30,9 @@ REFUSAL_REASONS = ('deadline', 'stale_input', 'not_ready', 'overrun_abort', 'bac
                    'input_error')
 
 
+DECODE_WINDOW = 150   # ticks (5 s at 30 Hz) over which the longest action is remembered
+
+
 class WallClock:
     """Monotonic host time; work takes what it takes."""
 
@@ -138,10 +141,18 @@ class TickEngine:
         self.clock = clock or WallClock()
         self.index = 0
         self.rendered = {}            # topic -> receive stamp of the last message in the cache
-        # decode calls per action: the worst of the recent ticks (typical until observed);
-        # a longer action than predicted is caught by the watchdog between steps
-        self.recent_decodes = deque([max(0, grammar.typical_decode_tokens() - 1)], maxlen=300)
+        # decode calls per action: the worst over the last DECODE_WINDOW ticks, admitted or
+        # not, so that one rare long action cannot keep every later tick refused (typical
+        # when none is recent); a longer action than predicted is caught by the watchdog
+        self.typical_decodes = max(0, grammar.typical_decode_tokens() - 1)
+        self.recent_decodes = deque()  # (tick index, decode calls) of admitted ticks
         self.ready = False
+
+    def expected_decodes(self, index):
+        """Decode calls to plan for at tick ``index``: the worst of the recent window."""
+        while self.recent_decodes and self.recent_decodes[0][0] <= index - DECODE_WINDOW:
+            self.recent_decodes.popleft()
+        return max([n for _, n in self.recent_decodes], default=self.typical_decodes)
 
     def start(self):
         """Prefill the system prompt (pinned) and get ready for ticks."""
@@ -210,7 +221,7 @@ class TickEngine:
         prefix = list(self.grammar.prefix_ids)
         parts.append((prefix, ACTION, '', stamp))
         n_prefill = self.context.pending_tokens + sum(len(p[0]) for p in parts)
-        n_decode = max(self.recent_decodes)      # the last chosen token is deferred
+        n_decode = self.expected_decodes(index)  # the last chosen token is deferred
         t1 = clock.now()
         record.render_ms = (t1 - t0) * 1e3
         try:
@@ -280,7 +291,7 @@ class TickEngine:
             self.rendered[topic] = part_stamp
         self.admission.observe(n_prefill, length, record.n_decode, kept,
                                (t4 - t1) * 1e3)
-        self.recent_decodes.append(record.n_decode)
+        self.recent_decodes.append((index, record.n_decode))
         self.context.tick()
         record.decision = 'action'
         record.cache_length = self.context.length

@@ -70,7 +70,7 @@ def test_watchdog_aborts_and_rolls_back(checkpoint):
     engine, clock = make_engine(checkpoint, CostModel(prefill=(1.0, 0.0, 0.0),
                                                       decode=(20.0, 0.0)))
     engine.recent_decodes.clear()
-    engine.recent_decodes.append(0)  # admission thinks no decode step is needed
+    engine.typical_decodes = 0  # admission thinks no decode step is needed
     world = DemoWorld(7, messages=MessageFactory(ros=False))
     length, pending = engine.context.length, engine.context.pending
     result = engine.tick(snapshot(world, 0.0), 0.0, 1 / 30)
@@ -106,3 +106,22 @@ def test_not_started_engine_refuses_not_ready(checkpoint):
                         action_grammar(checkpoint.tokenizer), Admission(CostModel()),
                         clock=clock)
     assert engine.tick({}, 0.0, 0.03).refusal.reason == 'not_ready'
+
+
+def test_one_long_action_does_not_keep_later_ticks_refused(checkpoint):
+    # decode steps of 5 ms: 7 of them (a rare 9-token action) cannot fit in 33 ms, 2 can
+    from rt_llm_node.engine import DECODE_WINDOW
+    engine, clock = make_engine(checkpoint, CostModel(prefill=(2.0, 0.0, 0.0),
+                                                      decode=(5.0, 0.0)))
+    engine.recent_decodes.append((engine.index, 7))   # just seen: a long action
+    world = DemoWorld(8, messages=MessageFactory(ros=False))
+    decisions, snap = [], {}
+    for i in range(DECODE_WINDOW + 20):
+        now = i / 30
+        clock.advance_to(now)
+        snap.update(snapshot(world, now))
+        result = engine.tick(snap, now, now + 1 / 30)
+        decisions.append(result.refusal.reason if result.refusal else 'action')
+        world.step(0.0, 0.0)
+    assert decisions[0] == 'deadline'
+    assert 'action' in decisions[DECODE_WINDOW:], 'the long action was never forgotten'
