@@ -126,6 +126,8 @@ def main(argv=None):
         stats, refusals, latencies = node.stats()
     finally:
         node._stop_loop()
+        for each in (node, goals):   # no callback may be scheduled on a node being destroyed
+            executor.remove_node(each)
         executor.shutdown()
         spinner.join(timeout=5.0)
         node.destroy_node()
