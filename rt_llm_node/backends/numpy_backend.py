@@ -65,24 +65,26 @@ def attention(q, k, v, start):
     n, n_heads, d = q.shape
     t, n_kv, _ = k.shape
     group = n_heads // n_kv
-    scale = np.float32(1.0 / np.sqrt(d))
-    mask = causal_mask(n) if n > 1 else None
+    rows = group * n
+    qs = q * np.float32(1.0 / np.sqrt(d))                               # scale folded into q
+    # scores: [kv, g*n, T]; heads h*group .. (h+1)*group-1 read kv head h (HF repeat_kv
+    # order); 2-D products on strided views go straight to BLAS
+    scores = np.empty((n_kv, rows, t), np.float32)
+    for h in range(n_kv):
+        qh = qs[:, h * group:(h + 1) * group].transpose(1, 0, 2).reshape(rows, d)
+        np.matmul(qh, k[:, h].T, out=scores[h])
+    if n > 1:  # causal: only the new block needs a mask, older keys are all visible
+        scores.reshape(n_kv, group, n, t)[..., start:] += causal_mask(n)
+    scores -= scores.max(axis=2, keepdims=True)
+    np.exp(scores, out=scores)                                          # unnormalized
+    inv = np.float32(1.0) / scores.sum(axis=2)                          # [kv, g*n]
     out = np.empty((n, n_heads, d), np.float32)
     mass = np.zeros(t, np.float32)
     for h in range(n_kv):
-        # heads h*group .. (h+1)*group-1 read kv head h (HF repeat_kv order); 2-D
-        # products on strided views go straight to BLAS
-        qh = q[:, h * group:(h + 1) * group].transpose(1, 0, 2).reshape(group * n, d)
-        scores = qh @ k[:, h].T                                         # [g*n, T]
-        scores *= scale
-        if mask is not None:  # only the new block needs a mask, older keys are all visible
-            scores.reshape(group, n, t)[:, :, start:] += mask
-        scores -= scores.max(axis=1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(axis=1, keepdims=True)
-        mass += scores.sum(axis=0)
-        out[:, h * group:(h + 1) * group] = (scores @ v[:, h]).reshape(group, n, d).transpose(
-            1, 0, 2)
+        oh = scores[h] @ v[:, h]                                        # [g*n, d]
+        oh *= inv[h][:, None]
+        out[:, h * group:(h + 1) * group] = oh.reshape(group, n, d).transpose(1, 0, 2)
+        mass += inv[h] @ scores[h]                                      # softmax rows summed
     return out, mass
 
 
