@@ -470,6 +470,32 @@ def _brief(line):
     return f"action {line.get('text')!r}"
 
 
+def choose_cost_model(args, values):
+    """--cost-model, else (model clock) the golden's, else the one shipped beside the model.
+
+    None means: calibrate on this machine, which makes admission decisions near the
+    deadline depend on this machine's timing noise (a warning says so).
+    """
+    if args.cost_model:
+        return read_cost_model(args.cost_model)
+    if args.clock != 'model':
+        return None
+    candidates = []
+    if args.expect:  # decide admission exactly as the golden run did
+        candidates.append(Path(args.expect) / 'cost_model.json')
+    from rt_llm_node.model.embedded import default_model_path
+    candidates.append(Path(values['model_path'] or default_model_path()) / 'cost_model.json')
+    for path in candidates:
+        if path.exists():
+            print(f'rt-llm-replay: cost model from {path}', file=sys.stderr)
+            return read_cost_model(path)
+    print('rt-llm-replay: warning: no cost model given: calibrating on this machine, so '
+          'decisions near the deadline may differ between runs; pass --cost-model '
+          '(e.g. the cost_model.json this run writes) for reproducible replays',
+          file=sys.stderr)
+    return None
+
+
 def read_cost_model(path):
     """A CostModel from a cost_model.json (as replay writes it)."""
     path = Path(path)
@@ -576,12 +602,7 @@ def main(argv=None):
             live(args.bag, remaps, args.publish_clock, args.rate, args.delay)
             return 0
         values = load_params(args.params)
-        cost_model = None
-        if args.cost_model:
-            cost_model = read_cost_model(args.cost_model)
-        elif args.expect and args.clock == 'model':  # decide admission as the golden did
-            golden = Path(args.expect) / 'cost_model.json'
-            cost_model = read_cost_model(golden) if golden.exists() else None
+        cost_model = choose_cost_model(args, values)
         replay(args.bag, values, args.out, args.clock, cost_model, args.start, args.end,
                remaps)
         if args.expect:

@@ -11,7 +11,9 @@ from rt_llm_node.bench_report import markdown_table
 from rt_llm_node.bench_report import print_table
 from rt_llm_node.bench_report import write_section
 from rt_llm_node.demo.recorder import record_demo_bag
+from rt_llm_node.model.embedded import default_model_path
 from rt_llm_node.replay import load_params
+from rt_llm_node.replay import read_cost_model
 from rt_llm_node.replay import replay
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,11 +25,12 @@ def main():
     parser.add_argument('--write', action='store_true')
     args = parser.parse_args()
     values = load_params(ROOT / 'config' / 'demo.yaml')
+    cost_model = read_cost_model(Path(default_model_path()) / 'cost_model.json')
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for storage in ('mcap', 'sqlite3'):
             bag = record_demo_bag(Path(tmp) / storage, args.seconds, storage=storage)
-            s = replay(bag, values, Path(tmp) / f'out_{storage}', 'model',
+            s = replay(bag, values, Path(tmp) / f'out_{storage}', 'model', cost_model,
                        log=lambda text: None)
             per_tick = s['wall_seconds'] / s['ticks'] * 1e3
             rows.append([storage, f"{s['bag_seconds']:.1f}", s['ticks'],
@@ -39,8 +42,9 @@ def main():
     if args.write:
         write_section('replay', 'Offline replay speed (numpy backend, shipped model)',
                       'A demo bag recorded by rt-llm-demo-record, replayed with '
-                      '`--clock model` and config/demo.yaml (engine, bag reading and writing, '
-                      'summary and PNG included).\n\n' + markdown_table(header, rows))
+                      '`--clock model`, config/demo.yaml and the cost model shipped beside the '
+                      'model (engine, bag reading and writing, summary and PNG included; '
+                      'calibration excluded).\n\n' + markdown_table(header, rows))
 
 
 if __name__ == '__main__':
