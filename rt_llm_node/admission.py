@@ -17,6 +17,7 @@ spike expires). A safety margin in milliseconds is added on top.
 
 from collections import deque
 from dataclasses import dataclass
+import json
 import time
 
 import numpy as np
@@ -29,6 +30,11 @@ class CostModel:
     prefill: tuple = (0.0, 0.0, 0.0)   # a0, a1 (per token), a2 (per token x cached token)
     decode: tuple = (0.0, 0.0)         # b0, b1 (per cached token)
     compact: tuple = (0.0, 0.0)        # c0, c1 (per kept token)
+
+    def to_json(self):
+        """The coefficients as JSON text (what rt-llm-replay --cost-model reads)."""
+        return json.dumps({'prefill': list(self.prefill), 'decode': list(self.decode),
+                           'compact': list(self.compact)}, indent=2) + '\n'
 
     def prefill_ms(self, n, cache_length):
         if n <= 0:

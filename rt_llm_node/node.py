@@ -157,6 +157,13 @@ class RtLlmNode(LifecycleNode):
             self._engine = None
             return TransitionCallbackReturn.FAILURE
         v = self._values
+        if v['cost_model_path']:  # the robot's own calibration, for replays of its bags
+            try:
+                with open(v['cost_model_path'], 'w', encoding='utf-8') as f:
+                    f.write(self._engine.admission.model.to_json())
+                self.get_logger().info(f"cost model written to {v['cost_model_path']}")
+            except OSError as exc:
+                self.get_logger().warning(f'cost model not written: {exc}')
         period = 1.0 / v['rate_hz']
         action_qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
                                 deadline=Duration(seconds=period))

@@ -63,6 +63,8 @@ PARAMETERS = (
     Param('admission_window_ticks', 60, 'ticks over which the worst measured/predicted '
           'ratio is kept', 1, 100000),
     Param('calibration_repeats', 5, 'timings per calibration grid point', 2, 50),
+    Param('cost_model_path', '', 'configure writes the calibrated cost model here (JSON, '
+          'for rt-llm-replay --cost-model); empty: not written'),
     Param('backend_error_limit', 5, 'consecutive backend errors before ErrorProcessing',
           1, 1000),
 )

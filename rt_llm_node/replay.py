@@ -341,9 +341,7 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
     wall_s = time.perf_counter() - wall_started
     (out / 'actions.jsonl').write_text('\n'.join(lines) + '\n', encoding='utf-8')
     model = engine.admission.model
-    (out / 'cost_model.json').write_text(json.dumps(
-        {'prefill': list(model.prefill), 'decode': list(model.decode),
-         'compact': list(model.compact)}, indent=2) + '\n', encoding='utf-8')
+    (out / 'cost_model.json').write_text(model.to_json(), encoding='utf-8')
     summary = summarize(records, (t_stop - t_begin) / 1e9, wall_s, clock_mode)
     summary['skipped_messages'] = dict(bad_messages)
     (out / 'summary.json').write_text(json.dumps(summary, indent=2) + '\n', encoding='utf-8')

@@ -107,10 +107,14 @@ def reasons(recorder):
     return [m.status[0].message for _, m in recorder.refusals]
 
 
-def test_publishes_actions_at_the_rate(rig):
+def test_publishes_actions_at_the_rate(rig, tmp_path):
     world, recorder, make = rig
-    node = make(rate_hz=10.0, deadline_margin_ms=5.0)
+    cost_file = tmp_path / 'robot_cost_model.json'
+    node = make(rate_hz=10.0, deadline_margin_ms=5.0, cost_model_path=str(cost_file))
     start(node)
+    from rt_llm_node.replay import read_cost_model
+    cost = read_cost_model(cost_file)   # the node's calibration, as replay reads it
+    assert cost.decode[0] > 0 and cost.prefill_ms(48, 100) > cost.decode_ms(100)
     time.sleep(4.0)
     node.trigger_deactivate()
     stats, refusals, _ = node.stats()
