@@ -30,6 +30,7 @@ from rt_llm_node.demo.episodes import expert_episode  # noqa: E402
 from rt_llm_node.demo.episodes import success_rate  # noqa: E402
 from rt_llm_node.demo.episodes import system_ids  # noqa: E402
 from rt_llm_node.demo.episodes import train_tokenizer  # noqa: E402
+from rt_llm_node.demo.task import action_words  # noqa: E402
 
 MODEL = {'vocab_size': 768, 'hidden_size': 192, 'intermediate_size': 512,
          'num_hidden_layers': 4, 'num_attention_heads': 6, 'num_key_value_heads': 2,
@@ -122,7 +123,7 @@ def main():
     seeds = list(range(args.seed * 100000, args.seed * 100000 + args.episodes))
     with ProcessPoolExecutor(args.workers) as pool:
         texts = [line for lines in pool.map(_texts, seeds[:200]) for line in lines]
-        tokenizer = train_tokenizer(texts, MODEL['vocab_size'])
+        tokenizer = train_tokenizer(texts, MODEL['vocab_size'], whole_words=action_words())
         tokenizer_json = tokenizer.to_str()
         jobs = [(s, tokenizer_json, i % 4 != 0) for i, s in enumerate(seeds)]
         episodes = list(pool.map(_episode, jobs, chunksize=8))

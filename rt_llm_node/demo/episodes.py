@@ -67,8 +67,12 @@ def episode_texts(seed, noise=0.0):
     return lines
 
 
-def train_tokenizer(texts, vocab_size=768):
-    """Byte-level BPE over whitespace-led words (' word'), so words tokenize independently."""
+def train_tokenizer(texts, vocab_size=768, whole_words=(), repeats=3000):
+    """Byte-level BPE over whitespace-led words (' word'), so words tokenize independently.
+
+    ``whole_words`` (e.g. every action word) are shown ``repeats`` times more, so that each
+    becomes one token: an action then takes one decode step per field.
+    """
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(r' ?[^\s]+|\s'), behavior='isolated'),
@@ -78,6 +82,7 @@ def train_tokenizer(texts, vocab_size=768):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=['<|endoftext|>'], show_progress=False)
+    texts = list(texts) + [''.join(whole_words)] * (repeats if whole_words else 0)
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
 

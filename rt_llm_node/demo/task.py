@@ -4,6 +4,7 @@ The same definitions render the training data, drive the evaluation and fill
 ``config/demo.yaml``; a test checks that the YAML and this module agree.
 """
 
+from rt_llm_node.codec import ActionField
 from rt_llm_node.codec import InputSpec
 from rt_llm_node.codec import twist_grammar
 
@@ -28,3 +29,10 @@ TWIST_FIELDS = (
 def action_grammar(tokenizer):
     """The demo's Twist grammar for ``tokenizer``."""
     return twist_grammar(tokenizer, TWIST_FIELDS)
+
+
+def action_words():
+    """Every word an action can contain (' v+0.3', ' w-1.25', ...), as rendered."""
+    fields = [ActionField(f['name'], f['key'], f['min'], f['max'], f['step'])
+              for f in TWIST_FIELDS]
+    return [' ' + field.text(value) for field in fields for value in field.values]
