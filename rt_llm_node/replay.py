@@ -282,7 +282,8 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
     refusal_conn = writer.add_connection(REFUSAL_TOPIC, 'diagnostic_msgs/msg/DiagnosticArray',
                                          typestore=store)
     record_conn = writer.add_connection(RECORD_TOPIC, 'std_msgs/msg/String', typestore=store)
-    messages = reader.messages(start=t_begin - int(10 * 1e9), stop=t_stop + 1)
+    # from the bag's start: an instruction sent long before --start is still in force
+    messages = reader.messages(stop=t_stop + 1)
     pending = next(messages, None)
     snapshot, lines, records = {}, [], []
     last_action = None

@@ -255,3 +255,26 @@ def test_wall_clock_replay_runs_and_reports_real_latency(bags, tmp_path, capsys)
     summary = json.loads((tmp_path / 'summary.json').read_text())
     assert summary['clock'] == 'wall' and summary['ticks'] == 46
     assert summary['latency_ms']['p50'] > 0.1   # measured, not predicted
+
+
+def test_a_late_start_still_knows_the_instruction_sent_at_the_beginning(tmp_path, capsys):
+    source = record_demo_bag(tmp_path / 'long', 14.0, seed=1_000_005)
+    store = get_typestore(Stores.LATEST)
+    bag = tmp_path / 'one_instruction'   # only the first goal's instruction, at t = 0
+    with Reader(source) as reader, Writer(bag, version=9,
+                                          storage_plugin=StoragePlugin.MCAP) as writer:
+        conns = {c.id: writer.add_connection(c.topic, c.msgtype, typestore=store)
+                 for c in reader.connections}
+        seen = 0
+        for connection, stamp, raw in reader.messages():
+            if connection.topic == '/instruction':
+                seen += 1
+                if seen > 1:
+                    continue
+            writer.write(conns[connection.id], stamp, raw)
+    code, _, err = run([bag, '--params', DEMO_PARAMS, '--out', tmp_path / 'o',
+                        '--start', '12.5', '--end', '13.5'], capsys)
+    assert code == 0, err
+    summary = json.loads((tmp_path / 'o' / 'summary.json').read_text())
+    assert summary['ticks'] == 31
+    assert 'stale_input' not in summary['refusals_by_reason'], summary
