@@ -8,9 +8,8 @@ import time
 from rt_llm_node.admission import Admission
 from rt_llm_node.admission import calibrate
 from rt_llm_node.backends import make_backend
-from rt_llm_node.codec import ActionField
-from rt_llm_node.codec import FieldGrammar
 from rt_llm_node.codec import InputSpec
+from rt_llm_node.codec import joint_trajectory_grammar
 from rt_llm_node.codec import StringGrammar
 from rt_llm_node.codec import twist_grammar
 from rt_llm_node.engine import TickEngine
@@ -47,10 +46,10 @@ def action_grammar(values, tokenizer):
                                               values['action_step'])]
         return twist_grammar(tokenizer, fields)
     if kind == 'trajectory_msgs/msg/JointTrajectory':
-        fields = [ActionField(n, f'j{i}', lo, hi, st) for i, (n, lo, hi, st) in enumerate(
-            zip(values['action_fields'], values['action_min'], values['action_max'],
-                values['action_step']))]
-        return FieldGrammar(tokenizer, 'joint_trajectory', fields)
+        joints = [{'name': n, 'min': lo, 'max': hi, 'step': st}
+                  for n, lo, hi, st in zip(values['action_fields'], values['action_min'],
+                                           values['action_max'], values['action_step'])]
+        return joint_trajectory_grammar(tokenizer, joints)
     return StringGrammar(tokenizer, values['action_max_tokens'], values['action_stop_text'])
 
 

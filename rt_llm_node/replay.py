@@ -188,12 +188,12 @@ def input_connections(reader, values, remaps, store, warn):
     if problems:
         raise ReplayError('the bag does not provide the configured inputs: '
                           + '; '.join(problems))
+    inputs = {c.topic for c in chosen.values()}
     for connection in reader.connections:
-        if connection.topic not in {c.topic for c in chosen.values()}:
-            if connection.msgtype not in store.types and not register_definition(
-                    connection, store, warn):
-                warn(f'skipping {connection.topic}: unknown message type '
-                     f'{connection.msgtype} and no definition in the bag')
+        if connection.topic not in inputs and connection.msgtype not in store.types and \
+                not register_definition(connection, store, warn):
+            warn(f'skipping {connection.topic}: unknown message type '
+                 f'{connection.msgtype} and no definition in the bag')
     return chosen
 
 
@@ -407,7 +407,9 @@ def plot_timeline(records, period_ms, margin_ms, path, warn):
                                   gridspec_kw={'height_ratios': [3, 1]})
     ax.plot(t, [r.total_ms for r in records], lw=0.8, label='tick latency (ms)')
     ax.plot(t, [r.predicted_ms for r in records], lw=0.6, alpha=0.7, label='predicted (ms)')
-    ax.axhline(period_ms - margin_ms, color='red', ls='--', lw=1, label='deadline')
+    ax.axhline(period_ms, color='red', ls='--', lw=1, label='tick deadline')
+    ax.axhline(period_ms - margin_ms, color='orange', ls=':', lw=1,
+               label='engine budget (deadline - margin)')
     reasons = sorted({r.reason for r in records if r.decision == 'refusal'})
     for i, reason in enumerate(reasons):
         xs = [tt for tt, r in zip(t, records) if r.decision == 'refusal' and r.reason == reason]

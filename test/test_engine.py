@@ -125,3 +125,32 @@ def test_one_long_action_does_not_keep_later_ticks_refused(checkpoint):
         world.step(0.0, 0.0)
     assert decisions[0] == 'deadline'
     assert 'action' in decisions[DECODE_WINDOW:], 'the long action was never forgotten'
+
+
+def test_joint_trajectory_actions_are_parsed_and_clamped():
+    from pathlib import Path
+    import yaml
+    from rt_llm_node.configure import configure_engine
+    from rt_llm_node.params import PARAMETERS
+    values = {p.name: p.default for p in PARAMETERS}
+    config = Path(__file__).resolve().parents[1] / 'config' / 'demo.yaml'
+    values.update(yaml.safe_load(config.read_text())['rt_llm_node']['ros__parameters'])
+    values.update(backend='numpy', calibration_repeats=2,
+                  action_type='trajectory_msgs/msg/JointTrajectory',
+                  action_fields=['shoulder', 'elbow'], action_min=[-1.0, 0.0],
+                  action_max=[1.0, 2.0], action_step=[0.5, 0.25])
+    clock = ModelClock()
+    engine = configure_engine(values, clock=clock, log=lambda text: None,
+                              cost_model=CostModel())
+    assert [f.key for f in engine.grammar.fields] == ['j0', 'j1']
+    world = DemoWorld(9, messages=MessageFactory(ros=False))
+    snap = {}
+    for i in range(20):
+        now = i / 30
+        clock.advance_to(now)
+        snap.update(snapshot(world, now))
+        result = engine.tick(snap, now, now + 1 / 30)
+        assert result.action is not None, result.refusal
+        shoulder, elbow = result.action.values['shoulder'], result.action.values['elbow']
+        assert -1.0 <= shoulder <= 1.0 and shoulder % 0.5 == 0
+        assert 0.0 <= elbow <= 2.0 and elbow % 0.25 == 0

@@ -391,9 +391,3 @@ class CudaBackend:
                          self.v_tmp, self.mass_tmp, _i32(self.capacity),
                          _i32(cfg.num_kv_heads), _i32(cfg.head_dim))
         self.length = m
-
-    # -- views for tests and tools -------------------------------------------------
-    def cache_arrays(self):
-        """Host copies of the cache's used slots: k, v [layers, length, n_kv, head_dim]."""
-        self._finish()
-        return self.k[:, :self.length].get(), self.v[:, :self.length].get()
