@@ -200,9 +200,11 @@ class TickEngine:
         clock = self.clock
         t0 = clock.now()
 
-        def refuse(reason, predicted=0.0, detail=''):
+        def refuse(reason, predicted=0.0, detail='', available=None):
             record.decision, record.reason = 'refusal', reason
-            record.available_ms = max(0.0, (deadline - t0) * 1e3)
+            # the time admission compared with, or what was left at the tick's start
+            record.available_ms = max(0.0, (deadline - t0) * 1e3 if available is None
+                                      else available)
             record.predicted_ms = predicted
             record.cache_length = self.context.length
             record.total_ms = (clock.now() - t0) * 1e3
@@ -236,7 +238,7 @@ class TickEngine:
         record.predicted_ms, record.available_ms = predicted, available
         record.n_prefill = n_prefill
         if not self.admission.admit(predicted, available):
-            return refuse('deadline', predicted)
+            return refuse('deadline', predicted, available=available)
         model = self.admission.model
         scale = self.admission.scale
         mark = None
