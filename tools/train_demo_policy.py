@@ -4,12 +4,13 @@ Offline tooling (torch + transformers), run on the GPU machine:
 
     python tools/train_demo_policy.py --out rt_llm_node/demo/model
 
-Steps: expert episodes on training seeds (DART noise on three in four) ->
-a byte-level BPE tokenizer trained on their text -> token streams rendered
-exactly as the node renders them -> training contexts that, like the bounded
-cache, randomly drop old observation segments and re-base positions -> a small
-Llama trained on the action tokens -> config.json + model.safetensors +
-tokenizer.json + training.json (command, seed, data size, steps, final loss).
+Steps: expert episodes on training seeds (DART noise and held random commands
+on three in four) -> a byte-level BPE tokenizer trained on their text -> token
+streams rendered exactly as the node renders them -> training contexts that,
+like the bounded cache, randomly drop old observation segments and re-base
+positions -> a small Llama trained on the action tokens of every complete tick
+in the context -> config.json + model.safetensors + tokenizer.json +
+training.json (command, seed, data size, steps, final loss).
 """
 
 import argparse
@@ -30,9 +31,9 @@ from rt_llm_node.demo.episodes import expert_episode  # noqa: E402
 from rt_llm_node.demo.episodes import success_rate  # noqa: E402
 from rt_llm_node.demo.episodes import system_ids  # noqa: E402
 from rt_llm_node.demo.episodes import train_tokenizer  # noqa: E402
-from rt_llm_node.demo.task import action_words  # noqa: E402
+from rt_llm_node.demo.task import whole_words  # noqa: E402
 
-MODEL = {'vocab_size': 768, 'hidden_size': 192, 'intermediate_size': 512,
+MODEL = {'vocab_size': 1280, 'hidden_size': 192, 'intermediate_size': 512,
          'num_hidden_layers': 4, 'num_attention_heads': 6, 'num_key_value_heads': 2,
          'head_dim': 32, 'max_position_embeddings': 1024, 'rms_norm_eps': 1e-5,
          'rope_theta': 10000.0, 'tie_word_embeddings': True}
@@ -46,12 +47,20 @@ def _texts(seed):
 def _episode(job):
     seed, tokenizer_json, noisy = job
     tokenizer = Tokenizer.from_str(tokenizer_json)
-    noise = (0.2, 0.6) if noisy else (0.0, 0.0)
-    return expert_episode(seed, tokenizer, noise=noise)
+    if noisy:
+        return expert_episode(seed, tokenizer, noise=(0.2, 0.6), hold_rate=0.02)
+    return expert_episode(seed, tokenizer)
 
 
 def build_sample(episode, system, end, budget, rng):
-    """Token ids and loss mask of one context ending at tick ``end``."""
+    """Token ids and labels (-100: no loss) of one context ending at tick ``end``.
+
+    Every tick of the context whose observation segments are all present is
+    supervised, not only the last: its action position shows what the robot
+    executed (DART noise, held random commands) while its label is the expert's
+    clean command for that observation, so copying the shown history is never the
+    label and each context teaches a dozen decisions instead of one.
+    """
     ticks = episode.ticks
     # the instruction in force at ``end``
     instr = None
@@ -60,60 +69,66 @@ def build_sample(episode, system, end, budget, rng):
         if found:
             instr = (t, found[0][2])
             break
-    p_drop_obs = rng.choice([0.0, 0.5, 0.8, 0.95, 1.0])
-    # past actions sometimes dropped: the label is a function of the newest observation
-    # (the expert reads the turn rate on /odom), never of the past actions
-    p_drop_act = 1.0 if rng.random() < 0.3 else rng.choice([0.0, 0.3, 0.7])
-    pieces = []          # reversed chronological list of (ids, is_target_mask)
+    p_drop_obs = rng.choice([0.0, 0.0, 0.5, 0.8, 1.0])
+    p_drop_act = 1.0 if rng.random() < 0.2 else rng.choice([0.0, 0.3, 0.7])
+    pieces = []          # reversed chronological list of (tick, ids, labels)
     used = len(system) + (len(instr[1]) if instr else 0)
     for t in range(end, -1, -1):
         tick = ticks[t]
-        chunk, mask = [], []
+        chunk, labels = [], []
+        complete = instr is not None and t >= instr[0]
         for kind, _, ids in tick.segments:
             if kind == 'instruction':
                 continue
             if t != end and rng.random() < p_drop_obs:
+                complete = False
                 continue
             chunk += ids
-            mask += [0] * len(ids)
-        if t == end:  # the label: the expert's command for this tick's observation
+            labels += [-100] * len(ids)
+        n = tick.n_prefix
+        if t == end:  # the newest tick: the expert's command is also what the context shows
             a = tick.action_ids
             chunk += a
-            mask += [0] * tick.n_prefix + [1] * (len(a) - tick.n_prefix)
+            labels += [-100] * n + a[n:]
         elif rng.random() >= p_drop_act:
-            # earlier ticks show what the robot executed (DART noise included), as the
-            # cache shows the policy's own executed actions: copying them is not the label
-            chunk += tick.executed_ids
-            mask += [0] * len(tick.executed_ids)
+            shown = tick.executed_ids
+            chunk += shown
+            if complete and len(shown) == len(tick.action_ids):
+                labels += [-100] * n + tick.action_ids[n:]
+            else:
+                labels += [-100] * len(shown)
         if used + len(chunk) > budget:
             break
         used += len(chunk)
-        pieces.append((t, chunk, mask))
+        pieces.append((t, chunk, labels))
     pieces.reverse()
-    ids, mask = list(system), [0] * len(system)
+    ids, out = list(system), [-100] * len(system)
     placed = False
-    for t, chunk, m in pieces:
+    for t, chunk, labels in pieces:
         if instr and not placed and t >= instr[0]:
             ids += instr[1]
-            mask += [0] * len(instr[1])
+            out += [-100] * len(instr[1])
             placed = True
         ids += chunk
-        mask += m
+        out += labels
     if instr and not placed:
         ids += instr[1]
-        mask += [0] * len(instr[1])
-    return ids, mask
+        out += [-100] * len(instr[1])
+    return ids, out
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--out', default='rt_llm_node/demo/model')
     parser.add_argument('--episodes', type=int, default=1600)
-    parser.add_argument('--steps', type=int, default=3000)
+    parser.add_argument('--steps', type=int, default=5500)
     parser.add_argument('--batch', type=int, default=64)
     parser.add_argument('--lr', type=float, default=2e-3)
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--workers', type=int, default=os.cpu_count())
+    parser.add_argument('--max-minutes', type=float, default=None,
+                        help='stop early and export what was learned once this much wall time '
+                             'has passed (a run under a hard time limit still yields a model)')
     args = parser.parse_args()
     import torch
     import transformers
@@ -123,7 +138,7 @@ def main():
     seeds = list(range(args.seed * 100000, args.seed * 100000 + args.episodes))
     with ProcessPoolExecutor(args.workers) as pool:
         texts = [line for lines in pool.map(_texts, seeds[:200]) for line in lines]
-        tokenizer = train_tokenizer(texts, MODEL['vocab_size'], whole_words=action_words())
+        tokenizer = train_tokenizer(texts, MODEL['vocab_size'], whole_words=whole_words())
         tokenizer_json = tokenizer.to_str()
         jobs = [(s, tokenizer_json, i % 4 != 0) for i, s in enumerate(seeds)]
         episodes = list(pool.map(_episode, jobs, chunksize=8))
@@ -148,7 +163,7 @@ def main():
     losses = []
     tokens_seen = 0
     for step in range(args.steps):
-        batch_ids, batch_mask = [], []
+        batch_ids, batch_labels = [], []
         budget = int(rng.choice(BUDGETS))
         for _ in range(args.batch):
             episode = episodes[rng.integers(len(episodes))]
@@ -157,21 +172,19 @@ def main():
                 end = min(len(episode.ticks) - 1, start + int(rng.integers(30)))
             else:
                 end = int(rng.integers(len(episode.ticks)))
-            ids, mask = build_sample(episode, system, end, budget, rng)
-            if not any(mask):  # the newest tick alone outgrew the budget: give it room
-                ids, mask = build_sample(episode, system, end, max(BUDGETS), rng)
+            ids, labels = build_sample(episode, system, end, budget, rng)
+            if all(x == -100 for x in labels):  # the newest tick alone outgrew the budget
+                ids, labels = build_sample(episode, system, end, max(BUDGETS), rng)
             batch_ids.append(ids)
-            batch_mask.append(mask)
+            batch_labels.append(labels)
         width = max(len(i) for i in batch_ids)
         ids = torch.zeros(len(batch_ids), width, dtype=torch.long)
         labels = torch.full((len(batch_ids), width), -100, dtype=torch.long)
         attention = torch.zeros(len(batch_ids), width, dtype=torch.long)
-        for b, (i, m) in enumerate(zip(batch_ids, batch_mask)):
+        for b, (i, lab) in enumerate(zip(batch_ids, batch_labels)):
             ids[b, :len(i)] = torch.tensor(i)
             attention[b, :len(i)] = 1
-            target = torch.tensor(i)
-            target[torch.tensor(m) == 0] = -100
-            labels[b, :len(i)] = target
+            labels[b, :len(i)] = torch.tensor(lab)
             tokens_seen += len(i)
         ids, labels, attention = ids.to(device), labels.to(device), attention.to(device)
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == 'cuda'):
@@ -182,9 +195,16 @@ def main():
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
-        if step % 200 == 0 or step == args.steps - 1 or not np.isfinite(losses[-1]):
+        out_of_time = (args.max_minutes is not None
+                       and time.time() - started > 60.0 * args.max_minutes)
+        if (step % 200 == 0 or step == args.steps - 1 or out_of_time
+                or not np.isfinite(losses[-1])):
             print(f'step {step} budget {budget} loss {np.mean(losses[-50:]):.4f} '
                   f'{time.time() - started:.0f} s', flush=True)
+        if out_of_time:
+            print(f'--max-minutes {args.max_minutes} reached: exporting after {step + 1} steps',
+                  flush=True)
+            break
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = model.to('cpu').to(torch.bfloat16)
@@ -196,7 +216,8 @@ def main():
     record = {
         'command': 'python tools/train_demo_policy.py ' + ' '.join(sys.argv[1:]),
         'seed': args.seed, 'train_seeds': [seeds[0], seeds[-1]], 'episodes': len(episodes),
-        'ticks': n_ticks, 'tokens_seen': tokens_seen, 'steps': args.steps,
+        'ticks': n_ticks, 'tokens_seen': tokens_seen, 'steps': len(losses),
+        'steps_planned': args.steps,
         'batch': args.batch, 'lr': args.lr, 'parameters': n_params,
         'final_loss': float(np.mean(losses[-100:])), 'wall_s': round(time.time() - started, 1),
         'device': torch.cuda.get_device_name() if device == 'cuda' else 'cpu',

@@ -87,11 +87,15 @@ def train_tokenizer(texts, vocab_size=768, whole_words=(), repeats=3000):
     return tokenizer
 
 
-def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None):
+def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate=0.0):
     """Run the expert in the world; record each tick's tokens (label: the clean expert action).
 
     ``noise``: std of Gaussian noise (v, w) added to the executed command, so the
-    data covers recoveries from the expert's own path (DART).
+    data covers recoveries from the expert's own path (DART). ``hold_rate``: per
+    tick, the chance that the robot starts executing a random command for 5 to 20
+    ticks while the labels stay the expert's: the turn rate on /odom and the past
+    actions then say nothing about the label, so a learner cannot succeed by copying
+    them (the copycat failure of imitation learning).
     """
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
     codec = ObservationCodec(tokenizer, INPUTS)
@@ -99,6 +103,7 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None):
     rng = np.random.default_rng(seed if noise_seed is None else noise_seed)
     episode = Episode(seed)
     instruction = ''
+    hold_left, hold = 0, (0.0, 0.0)
     while not world.done:
         msgs = world.observe()
         segments = [(spec.kind, spec.topic, codec.encode(spec.topic, msgs[spec.topic]))
@@ -114,7 +119,14 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None):
         qv = grammar.fields[0].quantize(v)
         qw = grammar.fields[1].quantize(w)
         ev, ew = qv + noise[0] * rng.normal(), qw + noise[1] * rng.normal()
-        if noise[0] or noise[1]:  # what a policy that chose the executed command would render
+        if hold_left == 0 and hold_rate and rng.random() < hold_rate:
+            hold_left = int(rng.integers(5, 21))
+            hold = (float(rng.choice(grammar.fields[0].values)),
+                    float(rng.choice(grammar.fields[1].values)))
+        if hold_left:
+            hold_left -= 1
+            ev, ew = hold
+        if noise[0] or noise[1] or hold_rate:  # what a policy that chose it would render
             ev, ew = grammar.fields[0].quantize(ev), grammar.fields[1].quantize(ew)
             episode.ticks[-1].executed_ids = tokenizer.encode(grammar.render(
                 {'linear.x': ev, 'angular.z': ew})).ids

@@ -36,3 +36,17 @@ def action_words():
     fields = [ActionField(f['name'], f['key'], f['min'], f['max'], f['step'])
               for f in TWIST_FIELDS]
     return [' ' + field.text(value) for field in fields for value in field.values]
+
+
+def detection_words():
+    """Every bearing word a detection can contain (' -62deg', ' 94deg'), as rendered."""
+    return [f' {b}deg' for b in range(-180, 181)]
+
+
+def whole_words():
+    """Words the demo tokenizer keeps whole.
+
+    Each action word (one decode step per field) and each bearing (one token for the
+    number the policy steers by, alike for either sign).
+    """
+    return action_words() + detection_words()
