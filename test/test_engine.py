@@ -66,9 +66,10 @@ def test_deadline_refusal_leaves_the_cache_untouched(checkpoint):
 
 
 def test_watchdog_aborts_and_rolls_back(checkpoint):
-    # prefill is cheap, each decode step 20 ms: the action cannot finish in 33 ms
+    # prefill is cheap, each decode step 40 ms: an action of one decode step or more
+    # (the demo's takes one: its second field is deferred) cannot finish in 33 ms
     engine, clock = make_engine(checkpoint, CostModel(prefill=(1.0, 0.0, 0.0),
-                                                      decode=(20.0, 0.0)))
+                                                      decode=(40.0, 0.0)))
     engine.recent_decodes.clear()
     engine.typical_decodes = 0  # admission thinks no decode step is needed
     world = DemoWorld(7, messages=MessageFactory(ros=False))
