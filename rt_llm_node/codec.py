@@ -473,3 +473,27 @@ def fallback_values(grammar, mode: str, last: Optional[Action]):
     if grammar.kind == 'string':
         return Action('string', {}, text='')
     return Action(grammar.kind, {f.name: float(f.quantize(0.0)) for f in grammar.fields})
+
+
+def action_message(action, action_type, period_s, make):
+    """The Action as a message of ``action_type``, built by ``make(type_name, **fields)``.
+
+    The node passes rclpy's message classes, replay plain namespaces: one mapping from
+    grammar fields to message fields for both. A JointTrajectory has one point, due one
+    tick period from now.
+    """
+    if action_type == 'geometry_msgs/msg/Twist':
+        groups = {'linear': {}, 'angular': {}}
+        for name, value in action.values.items():
+            group, axis = name.split('.')
+            groups[group][axis] = float(value)
+        return make(action_type, **{group: make('geometry_msgs/msg/Vector3', **axes)
+                                    for group, axes in groups.items()})
+    if action_type == 'std_msgs/msg/String':
+        return make(action_type, data=action.text)
+    period_ns = int(round(period_s * 1e9))
+    due = make('builtin_interfaces/msg/Duration', sec=period_ns // 1_000_000_000,
+               nanosec=period_ns % 1_000_000_000)
+    point = make('trajectory_msgs/msg/JointTrajectoryPoint',
+                 positions=[float(v) for v in action.values.values()], time_from_start=due)
+    return make(action_type, joint_names=list(action.values), points=[point])

@@ -15,10 +15,12 @@ import threading
 import time
 from typing import Optional
 
+from builtin_interfaces.msg import Duration as DurationMsg
 from diagnostic_msgs.msg import DiagnosticArray
 from diagnostic_msgs.msg import DiagnosticStatus
 from diagnostic_msgs.msg import KeyValue
 from geometry_msgs.msg import Twist
+from geometry_msgs.msg import Vector3
 from nav_msgs.msg import Odometry
 from rcl_interfaces.msg import FloatingPointRange
 from rcl_interfaces.msg import IntegerRange
@@ -45,6 +47,7 @@ try:  # Jazzy and later
 except ImportError:  # Humble
     from rclpy.qos_event import PublisherEventCallbacks
 
+from rt_llm_node.codec import action_message
 from rt_llm_node.codec import fallback_values
 from rt_llm_node.configure import configure_engine
 from rt_llm_node.engine import InputBuffer
@@ -76,23 +79,18 @@ def _descriptor(p):
     return d
 
 
+_ACTION_CLASSES = {
+    'geometry_msgs/msg/Twist': Twist, 'geometry_msgs/msg/Vector3': Vector3,
+    'std_msgs/msg/String': String, 'trajectory_msgs/msg/JointTrajectory': JointTrajectory,
+    'trajectory_msgs/msg/JointTrajectoryPoint': JointTrajectoryPoint,
+    'builtin_interfaces/msg/Duration': DurationMsg,
+}
+
+
 def to_message(action, action_type, period_s):
     """The ROS message of an Action (values already clamped by the grammar)."""
-    if action_type == 'geometry_msgs/msg/Twist':
-        msg = Twist()
-        for name, value in action.values.items():
-            group, axis = name.split('.')
-            setattr(getattr(msg, group), axis, float(value))
-        return msg
-    if action_type == 'std_msgs/msg/String':
-        return String(data=action.text)
-    msg = JointTrajectory()
-    msg.joint_names = list(action.values)
-    point = JointTrajectoryPoint()
-    point.positions = [float(v) for v in action.values.values()]
-    point.time_from_start = Duration(seconds=period_s).to_msg()
-    msg.points = [point]
-    return msg
+    return action_message(action, action_type, period_s,
+                          lambda name, **fields: _ACTION_CLASSES[name](**fields))
 
 
 class RtLlmNode(LifecycleNode):

@@ -33,6 +33,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from rt_llm_node.admission import CostModel
+from rt_llm_node.codec import action_message
 from rt_llm_node.codec import fallback_values
 from rt_llm_node.codec import normalize_type
 from rt_llm_node.engine import ModelClock
@@ -132,18 +133,8 @@ def _stamp(ns):
 
 def action_namespace(action, action_type, period_s):
     """The action message as plain fields (the node builds the same with rclpy classes)."""
-    if action_type == 'geometry_msgs/msg/Twist':
-        msg = SimpleNamespace(linear=SimpleNamespace(), angular=SimpleNamespace())
-        for name, value in action.values.items():
-            group, axis = name.split('.')
-            setattr(getattr(msg, group), axis, float(value))
-        return msg
-    if action_type == 'std_msgs/msg/String':
-        return SimpleNamespace(data=action.text)
-    period_ns = int(round(period_s * 1e9))
-    point = SimpleNamespace(positions=[float(v) for v in action.values.values()],
-                            time_from_start=_stamp(period_ns))
-    return SimpleNamespace(joint_names=list(action.values), points=[point])
+    return action_message(action, action_type, period_s,
+                          lambda name, **fields: SimpleNamespace(**fields))
 
 
 # -- reading the bag ---------------------------------------------------------------------

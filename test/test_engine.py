@@ -38,15 +38,20 @@ def snapshot(world, now):
     return {topic: (msg, now) for topic, msg in world.observe().items()}
 
 
-def test_actions_parse_clamp_and_stay_finite_over_many_ticks(checkpoint):
-    engine, clock = make_engine(checkpoint, capacity=128)
-    world = DemoWorld(5, messages=MessageFactory(ros=False))
+def run_ticks(engine, clock, world, n):
+    """Yield the results of ``n`` 30 Hz ticks on ``world``'s messages (the caller steps it)."""
     snap = {}
-    for i in range(120):
+    for i in range(n):
         now = i / 30
         clock.advance_to(now)
         snap.update(snapshot(world, now))
-        result = engine.tick(snap, now, now + 1 / 30)
+        yield engine.tick(snap, now, now + 1 / 30)
+
+
+def test_actions_parse_clamp_and_stay_finite_over_many_ticks(checkpoint):
+    engine, clock = make_engine(checkpoint, capacity=128)
+    world = DemoWorld(5, messages=MessageFactory(ros=False))
+    for result in run_ticks(engine, clock, world, 120):
         assert result.action is not None, result.refusal
         v, w = result.action.values['linear.x'], result.action.values['angular.z']
         assert -0.2 <= v <= 0.8 and -1.5 <= w <= 1.5 and math.isfinite(v + w)
@@ -116,12 +121,8 @@ def test_one_long_action_does_not_keep_later_ticks_refused(checkpoint):
                                                       decode=(5.0, 0.0)))
     engine.recent_decodes.append((engine.index, 7))   # just seen: a long action
     world = DemoWorld(8, messages=MessageFactory(ros=False))
-    decisions, snap = [], {}
-    for i in range(DECODE_WINDOW + 20):
-        now = i / 30
-        clock.advance_to(now)
-        snap.update(snapshot(world, now))
-        result = engine.tick(snap, now, now + 1 / 30)
+    decisions = []
+    for result in run_ticks(engine, clock, world, DECODE_WINDOW + 20):
         decisions.append(result.refusal.reason if result.refusal else 'action')
         world.step(0.0, 0.0)
     assert decisions[0] == 'deadline'
@@ -145,12 +146,7 @@ def test_joint_trajectory_actions_are_parsed_and_clamped():
                               cost_model=CostModel())
     assert [f.key for f in engine.grammar.fields] == ['j0', 'j1']
     world = DemoWorld(9, messages=MessageFactory(ros=False))
-    snap = {}
-    for i in range(20):
-        now = i / 30
-        clock.advance_to(now)
-        snap.update(snapshot(world, now))
-        result = engine.tick(snap, now, now + 1 / 30)
+    for result in run_ticks(engine, clock, world, 20):
         assert result.action is not None, result.refusal
         shoulder, elbow = result.action.values['shoulder'], result.action.values['elbow']
         assert -1.0 <= shoulder <= 1.0 and shoulder % 0.5 == 0
