@@ -10,12 +10,26 @@
 //                 exp-weighted sum of values.
 //   attn_combine  grid (n_heads * n_max), block 128: merges the splits into out
 //                 [n_max, n_heads * d] and turns the row's scores into probabilities.
+//   attn_decode   one query (decode): grid (n_heads, ceil(cap / chunk)), block 128, chunk
+//                 <= 64, d <= 256, at most ATT_MAX_SPLITS splits. No staging: each thread
+//                 first loads its key's row and its (key group, float4 column) share of the
+//                 values into registers, all at once; then scores, softmax, values. The last
+//                 split of a head to finish (a counter per head, reset by that block)
+//                 merges every split into out [n_heads * d] and writes the head's softmax
+//                 max and sum to row_ml [n_heads, 2]; its scores stay raw (attn_mass
+//                 normalizes them): attn_combine's work without its launch.
 //   attn_mass     grid ceil(cap / 32), block 256: for key t < start + n, adds the
 //                 probabilities of every row (layers x heads x queries, stride cap) to
 //                 mass[t]; with `first` set and state[STATE_MASS_ACC] 0 (a call's first
-//                 chunk), old values are dropped.
+//                 chunk), old values are dropped. With row_ml (decode) the rows hold raw
+//                 scores and the probability is exp(score - M_row) / L_row.
 // Dtypes: q, cache, scores, partials, mass: fp32. head_dim d: a multiple of 4, <= 256.
 #include "common.cuh"
+
+#define ATT_MAX_SPLITS 1024
+#define ATT_KPRE 16   // float4s of a key row loaded ahead: all of it for d <= 64
+#define ATT_VPRE 8    // keys per value thread loaded ahead: all of them for the backend's
+                      // chunk (64, 32, 16 keys for d <= 64, 128, 256)
 
 extern "C" __global__ void __launch_bounds__(128)
 attn_partial(const int* __restrict__ state, const float* __restrict__ q,
@@ -76,6 +90,159 @@ attn_partial(const int* __restrict__ state, const float* __restrict__ q,
   }
 }
 
+// Merge the splits of one decode row: out[i] = sum_s exp(m_s - M) o_s[i] / L; row_ml = (M, L).
+// Reads through L2 (ld_cg): the partials come from other blocks of the same launch.
+__device__ __forceinline__ void combine_decode(const float* part_ml, const float* part_o,
+                                               float* out, float* row_ml, int used, int d) {
+  __shared__ float wm[ATT_MAX_SPLITS], wl[ATT_MAX_SPLITS];
+  __shared__ float ml[2];
+  for (int s = threadIdx.x; s < used; s += blockDim.x) {
+    wm[s] = ld_cg(part_ml + 2 * s);
+    wl[s] = ld_cg(part_ml + 2 * s + 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float M = NEG_INF, L = 0.f;
+    for (int s = 0; s < used; ++s) M = fmaxf(M, wm[s]);
+    for (int s = 0; s < used; ++s) L += wl[s] * expf(wm[s] - M);
+    ml[0] = M;
+    ml[1] = L;
+    row_ml[0] = M;
+    row_ml[1] = L;
+  }
+  __syncthreads();
+  const float M = ml[0], L = ml[1];
+  for (int s = threadIdx.x; s < used; s += blockDim.x) wm[s] = expf(wm[s] - M) / L;
+  __syncthreads();
+  for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    float o = 0.f;
+#pragma unroll 4
+    for (int s = 0; s < used; ++s) o = fmaf(ld_cg(part_o + (long long)s * d + i), wm[s], o);
+    out[i] = o;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+attn_decode(const int* __restrict__ state, const float* __restrict__ q,
+            const float* __restrict__ k_cache, const float* __restrict__ v_cache,
+            float* __restrict__ scores, float* part_ml, float* part_o, float* __restrict__ out,
+            float* __restrict__ row_ml, int* counters, int n_heads, int n_kv, int d, int cap,
+            int n_splits, int chunk, float scale) {
+  __shared__ float4 qs4[64];     // [d / 4]
+  __shared__ float p[64];        // [chunk]
+  __shared__ float4 acc4[128];   // [groups, d / 4]
+  __shared__ float scratch[WARP];
+  __shared__ int is_last;
+  const int h = blockIdx.x, s = blockIdx.y, visible = state[STATE_START] + 1;
+  const int k0 = s * chunk, k1 = min(k0 + chunk, visible);
+  if (k0 >= k1) return;  // only the splits that hold keys take part (and count)
+  const int hk = h / (n_heads / n_kv), count = k1 - k0, d4 = d / 4;
+  const int groups = blockDim.x / d4, g = threadIdx.x / d4, c = threadIdx.x % d4;
+  const int j = threadIdx.x;   // this thread's key (count <= chunk <= blockDim)
+  const float4* kc4 = reinterpret_cast<const float4*>(k_cache);
+  const float4* vc4 = reinterpret_cast<const float4*>(v_cache);
+  // every load of the split goes out before anything waits: this thread's key row (its first
+  // ATT_KPRE float4s) and its value column (ATT_VPRE keys)
+  const float4* kr = kc4 + ((long long)(k0 + j) * n_kv + hk) * d4;
+  float4 kpre[ATT_KPRE], vpre[ATT_VPRE];
+  if (j < count) {
+#pragma unroll
+    for (int b = 0; b < ATT_KPRE; ++b)
+      if (b < d4) kpre[b] = kr[b];
+  }
+  if (g < groups) {
+#pragma unroll
+    for (int b = 0; b < ATT_VPRE; ++b) {
+      const int jj = g + b * groups;
+      if (jj < count) vpre[b] = vc4[((long long)(k0 + jj) * n_kv + hk) * d4 + c];
+    }
+  }
+  for (int e = threadIdx.x; e < d4; e += blockDim.x)
+    qs4[e] = reinterpret_cast<const float4*>(q)[h * d4 + e];
+  __syncthreads();
+  float* sc = scores + (long long)h * cap;
+  float a = NEG_INF;
+  if (j < count) {
+    float acc = 0.f;
+#pragma unroll
+    for (int b = 0; b < ATT_KPRE; ++b) {
+      if (b < d4) {
+        const float4 qv = qs4[b];
+        acc = fmaf(kpre[b].x, qv.x, acc);
+        acc = fmaf(kpre[b].y, qv.y, acc);
+        acc = fmaf(kpre[b].z, qv.z, acc);
+        acc = fmaf(kpre[b].w, qv.w, acc);
+      }
+    }
+#pragma unroll 8
+    for (int e = ATT_KPRE; e < d4; ++e) {
+      const float4 kv = kr[e], qv = qs4[e];
+      acc = fmaf(kv.x, qv.x, acc);
+      acc = fmaf(kv.y, qv.y, acc);
+      acc = fmaf(kv.z, qv.z, acc);
+      acc = fmaf(kv.w, qv.w, acc);
+    }
+    a = acc * scale;
+    p[j] = a;
+    sc[k0 + j] = a;   // raw score: attn_mass turns it into a probability with row_ml
+  }
+  const float m = block_max(a, scratch);
+  float e_sum = 0.f;
+  if (j < count) {
+    const float e = expf(a - m);
+    p[j] = e;
+    e_sum = e;
+  }
+  const float l = block_sum(e_sum, scratch);   // its barriers also publish p
+  if (g < groups) {
+    float4 o;
+    o.x = o.y = o.z = o.w = 0.f;
+#pragma unroll
+    for (int b = 0; b < ATT_VPRE; ++b) {
+      const int jj = g + b * groups;
+      if (jj < count) {
+        const float pj = p[jj];
+        o.x = fmaf(pj, vpre[b].x, o.x);
+        o.y = fmaf(pj, vpre[b].y, o.y);
+        o.z = fmaf(pj, vpre[b].z, o.z);
+        o.w = fmaf(pj, vpre[b].w, o.w);
+      }
+    }
+    for (int jj = g + ATT_VPRE * groups; jj < count; jj += groups) {
+      const float4 vv = vc4[((long long)(k0 + jj) * n_kv + hk) * d4 + c];
+      const float pj = p[jj];
+      o.x = fmaf(pj, vv.x, o.x);
+      o.y = fmaf(pj, vv.y, o.y);
+      o.z = fmaf(pj, vv.z, o.z);
+      o.w = fmaf(pj, vv.w, o.w);
+    }
+    acc4[g * d4 + c] = o;
+  }
+  __syncthreads();
+  const float* acc = reinterpret_cast<const float*>(acc4);
+  float* po = part_o + ((long long)h * n_splits + s) * d;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    float o = 0.f;
+    for (int gg = 0; gg < groups; ++gg) o += acc[gg * d + i];
+    po[i] = o;
+  }
+  if (threadIdx.x == 0) {
+    part_ml[((long long)h * n_splits + s) * 2] = m;
+    part_ml[((long long)h * n_splits + s) * 2 + 1] = l;
+  }
+  // publish this split, then the last one of the head to arrive merges them all
+  __threadfence();
+  __syncthreads();
+  const int used = (visible + chunk - 1) / chunk;
+  if (threadIdx.x == 0) is_last = atomicAdd(counters + h, 1) == used - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  if (threadIdx.x == 0) counters[h] = 0;
+  combine_decode(part_ml + (long long)h * n_splits * 2, part_o + (long long)h * n_splits * d,
+                 out + (long long)h * d, row_ml + 2 * h, used, d);
+}
+
 extern "C" __global__ void __launch_bounds__(128)
 attn_combine(const int* __restrict__ state, const float* __restrict__ part_ml,
              const float* __restrict__ part_o, float* __restrict__ out,
@@ -102,7 +269,8 @@ attn_combine(const int* __restrict__ state, const float* __restrict__ part_ml,
 
 extern "C" __global__ void __launch_bounds__(256)
 attn_mass(const int* __restrict__ state, const float* __restrict__ probs,
-          float* __restrict__ mass, int n_max, int n_rows, int cap, int first) {
+          const float* __restrict__ row_ml, float* __restrict__ mass, int n_max, int n_rows,
+          int cap, int first) {
   __shared__ float part[8][WARP];
   const int n = state[STATE_N], start = state[STATE_START], end = start + n;
   if (blockIdx.x * WARP >= end) return;
@@ -113,7 +281,10 @@ attn_mass(const int* __restrict__ state, const float* __restrict__ probs,
 #pragma unroll 4
     for (int r = warp; r < n_rows; r += 8) {
       const int qi = r % n_max;
-      if (qi < n && t <= start + qi) acc += probs[(long long)r * cap + t];
+      if (qi < n && t <= start + qi) {
+        const float v = probs[(long long)r * cap + t];
+        acc += row_ml ? expf(v - row_ml[2 * r]) / row_ml[2 * r + 1] : v;
+      }
     }
   }
   part[warp][lane] = acc;

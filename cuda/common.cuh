@@ -37,16 +37,31 @@ __device__ __forceinline__ float w2f(wt w) {
 #endif
 }
 
-// Eight consecutive weights from p (16-byte aligned) as fp32.
-__device__ __forceinline__ void load8(const wt* p, float* o) {
+// Eight consecutive weights from p (16-byte aligned), raw: loaded now, converted later, so
+// that a kernel can have many loads in flight before it needs the values.
 #if defined(RT_WEIGHT_F32)
-  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
-  const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-  o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
-  o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+struct w8raw { float4 a, b; };
 #else
-  const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
-  const unsigned u[4] = {v.x, v.y, v.z, v.w};
+struct w8raw { uint4 a; };
+#endif
+
+__device__ __forceinline__ w8raw load_w8(const wt* p) {
+  w8raw r;
+#if defined(RT_WEIGHT_F32)
+  r.a = __ldg(reinterpret_cast<const float4*>(p));
+  r.b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+#else
+  r.a = __ldg(reinterpret_cast<const uint4*>(p));
+#endif
+  return r;
+}
+
+__device__ __forceinline__ void w8_floats(const w8raw& r, float* o) {
+#if defined(RT_WEIGHT_F32)
+  o[0] = r.a.x; o[1] = r.a.y; o[2] = r.a.z; o[3] = r.a.w;
+  o[4] = r.b.x; o[5] = r.b.y; o[6] = r.b.z; o[7] = r.b.w;
+#else
+  const unsigned u[4] = {r.a.x, r.a.y, r.a.z, r.a.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     o[2 * i] = bits_to_float((unsigned short)(u[i] & 0xffffu));
@@ -55,12 +70,22 @@ __device__ __forceinline__ void load8(const wt* p, float* o) {
 #endif
 }
 
+// Eight consecutive weights from p (16-byte aligned) as fp32.
+__device__ __forceinline__ void load8(const wt* p, float* o) { w8_floats(load_w8(p), o); }
+
 // Eight consecutive fp32 activations from p (16-byte aligned).
 __device__ __forceinline__ void load8f(const float* p, float* o) {
   const float4 a = *reinterpret_cast<const float4*>(p);
   const float4 b = *(reinterpret_cast<const float4*>(p) + 1);
   o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
   o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+}
+
+// A load that bypasses L1: for data other blocks of the same launch wrote.
+__device__ __forceinline__ float ld_cg(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -4,17 +4,16 @@
 //
 // Geometry: block = 32 * w threads (w warps, at most 8); a warp owns one unit (two output
 // rows) for a tile of TT tokens; grid = (ceil(units / w), ceil(n_max / TT)); tiles at or past
-// state[STATE_N] tokens exit. Suffix _t1 (decode, TT = 1) and _t16 (prefill, TT = 16).
+// state[STATE_N] tokens exit. Suffix _t16 (prefill, TT = 16) and _t1 (one token: decode, and
+// the LM head's last token). The _t1 kernels issue a warp's first MV_BATCH 16-byte weight
+// loads per row and lane before the norm's block reduction, so the weights stream in while
+// the block waits on it (nothing but the weights is needed to start).
 // Dtypes: W, bias, norm_w: wt; x, outputs and sums: fp32; cache slots fp32.
 //
 // Epilogues (one extern "C" wrapper each):
 //   matmul_residual  units = ceil(rows / 2), rows 2u and 2u + 1: out[t, r] += y  (o, down)
 //   matmul_store     same units: out[t, r] = y; a non-finite y sets bit 0 of
 //                    state[STATE_FLAGS]; last_only runs only the call's last token (LM head)
-//   matmul_attn_residual_t1  decode only: out[r] += Wo[r] . attention output, where the
-//                    prologue merges the attention splits of every head (part_ml, part_o of
-//                    attn_partial) into shared memory and turns this block's share of the
-//                    score rows into probabilities (attn_combine's work, one launch fewer)
 //   matmul_swiglu    units = inter, rows u (gate) and inter + u (up): act[t, u] = silu(g) * up
 //   matmul_qkv_rope  units = q and k RoPE pairs (rows i and i + d/2 of a head), then v row
 //                    pairs; adds the bias, rotates q and k at position start + t with the
@@ -114,6 +113,64 @@ __device__ __forceinline__ void qkv_rows(int u, const QkvArgs& a, int* r0, int* 
   }
 }
 
+// Row pair (r0, r1) of unit u for token tok: y0, y1 through the epilogue EPI;
+// qkv: (c, s) are the rotation's cos and sin when have_cs, else read here.
+template <int EPI>
+__device__ __forceinline__ void epilogue(int* state, int tok, int u, int rows, int r0, int r1,
+                                         int kind, float y0, float y1, float* out,
+                                         int last_only, int start, const QkvArgs& qa,
+                                         bool have_cs = false, float c = 0.f, float s = 0.f) {
+  if (EPI == EPI_RESIDUAL) {
+    out[(long long)tok * rows + r0] += y0;
+    if (2 * u + 1 < rows) out[(long long)tok * rows + r1] += y1;
+  } else if (EPI == EPI_STORE) {
+    const long long base = last_only ? 0 : (long long)tok * rows;
+    out[base + r0] = y0;
+    if (2 * u + 1 < rows) out[base + r1] = y1;
+    if (!isfinite(y0) || !isfinite(y1)) atomicOr(state + STATE_FLAGS, 1);
+  } else if (EPI == EPI_SWIGLU) {
+    out[(long long)tok * (rows / 2) + u] = y0 / (1.f + expf(-y0)) * y1;
+  } else {
+    if (qa.bias) { y0 += w2f(qa.bias[r0]); y1 += w2f(qa.bias[r1]); }
+    const int d = qa.head_dim, half = d / 2, pos = start + tok;
+    const int q_size = qa.n_heads * d, kv_size = qa.n_kv * d;
+    if (kind < 2) {
+      if (!have_cs) {
+        const int i = (kind == 0 ? r0 : r0 - q_size) % d;
+        c = qa.cos_t[(long long)(qa.cap + pos) * half + i];
+        s = qa.sin_t[(long long)(qa.cap + pos) * half + i];
+      }
+      const float o0 = y0 * c - y1 * s, o1 = y1 * c + y0 * s;
+      if (kind == 0) {
+        qa.q_out[(long long)tok * q_size + r0] = o0;
+        qa.q_out[(long long)tok * q_size + r1] = o1;
+      } else {
+        float* slot = qa.k_cache + (long long)pos * kv_size;
+        slot[r0 - q_size] = o0;
+        slot[r1 - q_size] = o1;
+      }
+    } else {
+      float* slot = qa.v_cache + (long long)pos * kv_size;
+      slot[r0 - q_size - kv_size] = y0;
+      slot[r1 - q_size - kv_size] = y1;
+    }
+  }
+}
+
+// The output rows of unit u for epilogue EPI.
+template <int EPI>
+__device__ __forceinline__ void unit_rows(int u, int rows, const QkvArgs& qa, int* r0, int* r1,
+                                          int* kind) {
+  *kind = 0;
+  if (EPI == EPI_SWIGLU) {
+    *r0 = u; *r1 = rows / 2 + u;
+  } else if (EPI == EPI_QKV_ROPE) {
+    qkv_rows(u, qa, r0, r1, kind);
+  } else {
+    *r0 = 2 * u; *r1 = min(2 * u + 1, rows - 1);
+  }
+}
+
 template <int TT, int EPI>
 __device__ void matmul_body(int* __restrict__ state, const wt* __restrict__ W, int rows, int K,
                             const float* __restrict__ x, const wt* __restrict__ norm_w, float eps,
@@ -136,72 +193,128 @@ __device__ void matmul_body(int* __restrict__ state, const wt* __restrict__ W, i
   const int lane = threadIdx.x % WARP;
   const int u = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
   if (u >= units) return;
-  int r0, r1, kind = 0;
-  if (EPI == EPI_SWIGLU) {
-    r0 = u; r1 = rows / 2 + u;
-  } else if (EPI == EPI_QKV_ROPE) {
-    qkv_rows(u, qa, &r0, &r1, &kind);
-  } else {
-    r0 = 2 * u; r1 = min(2 * u + 1, rows - 1);
-  }
+  int r0, r1, kind;
+  unit_rows<EPI>(u, rows, qa, &r0, &r1, &kind);
   float a0[TT], a1[TT];
   dot_rows<TT>(W + (long long)r0 * K, W + (long long)r1 * K, xt, K, norm_w, inv_rms, n_t, a0, a1);
 #pragma unroll
   for (int t = 0; t < TT; ++t) {
     if (lane != t || t >= n_t) continue;
-    const int tok = t0 + t;
-    float y0 = a0[t], y1 = a1[t];
-    if (EPI == EPI_RESIDUAL) {
-      out[(long long)tok * rows + r0] += y0;
-      if (2 * u + 1 < rows) out[(long long)tok * rows + r1] += y1;
-    } else if (EPI == EPI_STORE) {
-      const long long base = last_only ? 0 : (long long)tok * rows;
-      out[base + r0] = y0;
-      if (2 * u + 1 < rows) out[base + r1] = y1;
-      if (!isfinite(y0) || !isfinite(y1)) atomicOr(state + STATE_FLAGS, 1);
-    } else if (EPI == EPI_SWIGLU) {
-      out[(long long)tok * (rows / 2) + u] = y0 / (1.f + expf(-y0)) * y1;
-    } else {
-      if (qa.bias) { y0 += w2f(qa.bias[r0]); y1 += w2f(qa.bias[r1]); }
-      const int d = qa.head_dim, half = d / 2, pos = start + tok;
-      const int q_size = qa.n_heads * d, kv_size = qa.n_kv * d;
-      if (kind < 2) {
-        const int i = (kind == 0 ? r0 : r0 - q_size) % d;
-        const float c = qa.cos_t[(long long)(qa.cap + pos) * half + i];
-        const float s = qa.sin_t[(long long)(qa.cap + pos) * half + i];
-        const float o0 = y0 * c - y1 * s, o1 = y1 * c + y0 * s;
-        if (kind == 0) {
-          qa.q_out[(long long)tok * q_size + r0] = o0;
-          qa.q_out[(long long)tok * q_size + r1] = o1;
-        } else {
-          float* slot = qa.k_cache + (long long)pos * kv_size;
-          slot[r0 - q_size] = o0;
-          slot[r1 - q_size] = o1;
-        }
-      } else {
-        float* slot = qa.v_cache + (long long)pos * kv_size;
-        slot[r0 - q_size - kv_size] = y0;
-        slot[r1 - q_size - kv_size] = y1;
-      }
-    }
+    epilogue<EPI>(state, t0 + t, u, rows, r0, r1, kind, a0[t], a1[t], out, last_only, start, qa);
   }
 }
 
-#define MATMUL_PLAIN(NAME, TT, EPI)                                                        \
+#if defined(RT_WEIGHT_F32)
+#define MV_BATCH 4   // 32-byte chunks: 16 registers each for a row pair
+#else
+#define MV_BATCH 8   // 16-byte chunks
+#endif
+
+// One token (decode, or the last token for the LM head): the weights' first batch is
+// loaded before the norm, the rest batch by batch, every load of a batch issued first.
+template <int EPI>
+__device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, int rows, int K,
+                            const float* __restrict__ x, const wt* __restrict__ norm_w,
+                            float eps, float* __restrict__ out, int units, int last_only,
+                            QkvArgs qa) {
+  __shared__ float scratch[WARP];
+  const int n = state[STATE_N], start = state[STATE_START];
+  const int tok = last_only ? n - 1 : blockIdx.y;   // grid.y: one block row per token
+  if (tok >= n) return;  // the whole block leaves together
+  const float* xt = x + (long long)tok * K;
+  const int lane = threadIdx.x % WARP;
+  const int u = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  const bool active = u < units, vec = (K & 7) == 0;
+  int r0 = 0, r1 = 0, kind = 0;
+  if (active) unit_rows<EPI>(u, rows, qa, &r0, &r1, &kind);
+  const wt* w0 = W + (long long)r0 * K;
+  const wt* w1 = W + (long long)r1 * K;
+  w8raw wa[MV_BATCH], wb[MV_BATCH];
+  if (active && vec) {
+#pragma unroll
+    for (int b = 0; b < MV_BATCH; ++b) {
+      const int k = (lane + b * WARP) * 8;
+      if (k < K) { wa[b] = load_w8(w0 + k); wb[b] = load_w8(w1 + k); }
+    }
+  }
+  float rc = 0.f, rs = 0.f;   // qkv: this pair's rotation, loaded early too
+  if (EPI == EPI_QKV_ROPE && active && kind < 2 && lane == 0) {
+    const int half = qa.head_dim / 2, q_size = qa.n_heads * qa.head_dim;
+    const int i = (kind == 0 ? r0 : r0 - q_size) % qa.head_dim;
+    const long long at = (long long)(qa.cap + start + tok) * half + i;
+    rc = qa.cos_t[at];
+    rs = qa.sin_t[at];
+  }
+  float inv_rms = 1.f;
+  if (norm_w) {
+    float ss = 0.f;
+    for (int k = threadIdx.x; k < K; k += blockDim.x) ss = fmaf(xt[k], xt[k], ss);
+    ss = block_sum(ss, scratch);
+    inv_rms = 1.f / sqrtf(ss / K + eps);
+  }
+  if (!active) return;
+  float a0 = 0.f, a1 = 0.f;
+  if (vec) {
+    for (int base = 0; base < K; base += MV_BATCH * WARP * 8) {
+      if (base) {
+#pragma unroll
+        for (int b = 0; b < MV_BATCH; ++b) {
+          const int k = base + (lane + b * WARP) * 8;
+          if (k < K) { wa[b] = load_w8(w0 + k); wb[b] = load_w8(w1 + k); }
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < MV_BATCH; ++b) {
+        const int k = base + (lane + b * WARP) * 8;
+        if (k < K) {
+          float fa[8], fb[8], xv[8], nw[8];
+          w8_floats(wa[b], fa);
+          w8_floats(wb[b], fb);
+          load8f(xt + k, xv);
+          if (norm_w) {
+            load8(norm_w + k, nw);
+          } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) nw[j] = 1.f;
+          }
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float xn = xv[j] * inv_rms * nw[j];
+            a0 = fmaf(fa[j], xn, a0);
+            a1 = fmaf(fb[j], xn, a1);
+          }
+        }
+      }
+    }
+  } else {  // rows not 16-byte aligned: scalar loads
+    for (int k = lane; k < K; k += WARP) {
+      const float nw = norm_w ? w2f(norm_w[k]) : 1.f;
+      const float xn = xt[k] * inv_rms * nw;
+      a0 = fmaf(w2f(w0[k]), xn, a0);
+      a1 = fmaf(w2f(w1[k]), xn, a1);
+    }
+  }
+  a0 = warp_sum(a0);
+  a1 = warp_sum(a1);
+  if (lane == 0)
+    epilogue<EPI>(state, tok, u, rows, r0, r1, kind, a0, a1, out, last_only, start, qa, true, rc, rs);
+}
+
+#define MATMUL_PLAIN(NAME, BODY)                                                            \
   extern "C" __global__ void __launch_bounds__(256)                                        \
   NAME(int* state, const wt* W, int rows, int K, const float* x, const wt* norm_w,          \
        float eps, float* out, int units, int last_only) {                                   \
     QkvArgs none = {};                                                                      \
-    matmul_body<TT, EPI>(state, W, rows, K, x, norm_w, eps, out, units, last_only, none);   \
+    BODY(state, W, rows, K, x, norm_w, eps, out, units, last_only, none);                   \
   }
 
-MATMUL_PLAIN(matmul_residual_t1, 1, EPI_RESIDUAL)
-MATMUL_PLAIN(matmul_residual_t16, 16, EPI_RESIDUAL)
-MATMUL_PLAIN(matmul_store_t1, 1, EPI_STORE)
-MATMUL_PLAIN(matmul_swiglu_t1, 1, EPI_SWIGLU)
-MATMUL_PLAIN(matmul_swiglu_t16, 16, EPI_SWIGLU)
+MATMUL_PLAIN(matmul_residual_t1, matvec_body<EPI_RESIDUAL>)
+MATMUL_PLAIN(matmul_residual_t16, (matmul_body<16, EPI_RESIDUAL>))
+MATMUL_PLAIN(matmul_store_t1, matvec_body<EPI_STORE>)
+MATMUL_PLAIN(matmul_swiglu_t1, matvec_body<EPI_SWIGLU>)
+MATMUL_PLAIN(matmul_swiglu_t16, (matmul_body<16, EPI_SWIGLU>))
 
-#define MATMUL_QKV(NAME, TT)                                                                \
+#define MATMUL_QKV(NAME, BODY)                                                              \
   extern "C" __global__ void __launch_bounds__(256)                                        \
   NAME(int* state, const wt* W, int rows, int K, const float* x, const wt* norm_w,          \
        float eps, int units, const wt* bias, float* q_out, float* k_cache, float* v_cache,  \
@@ -209,54 +322,8 @@ MATMUL_PLAIN(matmul_swiglu_t16, 16, EPI_SWIGLU)
        int cap) {                                                                           \
     QkvArgs qa = {bias, q_out, k_cache, v_cache, cos_t, sin_t, n_heads, n_kv, head_dim,     \
                   cap};                                                                     \
-    matmul_body<TT, EPI_QKV_ROPE>(state, W, rows, K, x, norm_w, eps, nullptr, units, 0, qa); \
+    BODY(state, W, rows, K, x, norm_w, eps, nullptr, units, 0, qa);                         \
   }
 
-MATMUL_QKV(matmul_qkv_rope_t1, 1)
-MATMUL_QKV(matmul_qkv_rope_t16, 16)
-
-extern "C" __global__ void __launch_bounds__(128)
-matmul_attn_residual_t1(const int* __restrict__ state, const wt* __restrict__ W, int rows,
-                        int K, float* __restrict__ out, int units,
-                        const float* __restrict__ part_ml, const float* __restrict__ part_o,
-                        float* __restrict__ scores, int n_heads, int d, int cap, int n_splits,
-                        int chunk) {
-  extern __shared__ float4 dyn4[];
-  float* xs = reinterpret_cast<float*>(dyn4);   // [K = n_heads * d] attention output
-  __shared__ float ml[2 * 64];                  // M, L per head
-  const int visible = state[STATE_START] + 1, used = (visible + chunk - 1) / chunk;
-  for (int h = threadIdx.x; h < n_heads; h += blockDim.x) {
-    const float* pml = part_ml + (long long)h * n_splits * 2;
-    float M = NEG_INF, L = 0.f;
-    for (int s = 0; s < used; ++s) M = fmaxf(M, pml[2 * s]);
-    for (int s = 0; s < used; ++s) L += pml[2 * s + 1] * expf(pml[2 * s] - M);
-    ml[2 * h] = M;
-    ml[2 * h + 1] = L;
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < K; e += blockDim.x) {
-    const int h = e / d, i = e % d;
-    const float* pml = part_ml + (long long)h * n_splits * 2;
-    const float* po = part_o + (long long)h * n_splits * d + i;
-    float o = 0.f;
-    for (int s = 0; s < used; ++s) o = fmaf(po[(long long)s * d], expf(pml[2 * s] - ml[2 * h]), o);
-    xs[e] = o / ml[2 * h + 1];
-  }
-  for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-       e < (long long)n_heads * visible; e += (long long)gridDim.x * blockDim.x) {
-    const int h = e / visible, t = e % visible;
-    float* sc = scores + (long long)h * cap + t;
-    *sc = expf(*sc - ml[2 * h]) / ml[2 * h + 1];
-  }
-  __syncthreads();
-  const int u = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-  if (u >= units) return;
-  const int r0 = 2 * u, r1 = min(2 * u + 1, rows - 1);
-  const float one = 1.f;
-  float a0[1], a1[1];
-  dot_rows<1>(W + (long long)r0 * K, W + (long long)r1 * K, xs, K, nullptr, &one, 1, a0, a1);
-  if (threadIdx.x % WARP == 0) {
-    out[r0] += a0[0];
-    if (2 * u + 1 < rows) out[r1] += a1[0];
-  }
-}
+MATMUL_QKV(matmul_qkv_rope_t1, matvec_body<EPI_QKV_ROPE>)
+MATMUL_QKV(matmul_qkv_rope_t16, (matmul_body<16, EPI_QKV_ROPE>))

@@ -193,7 +193,7 @@ def test_attention_and_mass(kit, start, n, d):
         st, part_ml, part_o, out, scores, i32(n_max), i32(heads), i32(d), i32(cap),
         i32(splits), i32(chunk)))
     k.attn_mass(((cap + 31) // 32,), (256,), (
-        st, scores, mass, i32(n_max), i32(heads * n_max), i32(cap), i32(1)))
+        st, scores, NULL, mass, i32(n_max), i32(heads * n_max), i32(cap), i32(1)))
     end = start + n
     ref_out, ref_mass = attention(q[:n].reshape(n, heads, d), kc[:end], vc[:end], start)
     close(out.get()[:n], ref_out.reshape(n, -1))
@@ -201,36 +201,37 @@ def test_attention_and_mass(kit, start, n, d):
     close(mass.get()[end:], old[end:], 0, 0)
 
 
-@pytest.mark.parametrize('start,d', [(0, 64), (200, 64), (77, 32)])
-def test_matmul_attn_residual_merges_splits_then_projects(kit, start, d):
-    cp, k, dtype = kit
+@pytest.mark.parametrize('start,d,kv', [(0, 64, 2), (200, 64, 2), (77, 32, 6), (130, 128, 1),
+                                        (250, 256, 3)])
+def test_attn_decode_merges_splits_in_the_last_block(kit, start, d, kv):
+    cp, k, _ = kit
     rng = np.random.default_rng()
-    heads, kv, cap, hidden, chunk = 6, 2, 256, 72, 64
+    heads, cap = 6, 256
+    chunk = 64 if d <= 64 else 32 if d <= 128 else 16
     splits = cap // chunk
-    q = rng.standard_normal((1, heads * d)).astype(np.float32)
     kc = rng.standard_normal((cap, kv, d)).astype(np.float32)
     vc = rng.standard_normal((cap, kv, d)).astype(np.float32)
-    st = state(cp, start, 1)
-    scores = poisoned(cp, (heads, 1, cap))
-    part_ml = poisoned(cp, (heads, splits, 2))
-    part_o = poisoned(cp, (heads, splits, d))
-    k.attn_partial((heads, splits), (128,), (
-        st, cp.asarray(q), cp.asarray(kc), cp.asarray(vc), scores, part_ml, part_o, i32(1),
-        i32(heads), i32(kv), i32(d), i32(cap), i32(splits), i32(chunk),
-        np.float32(1 / np.sqrt(d))), shared_mem=(2 * chunk * d + chunk + d) * 4)
-    wo, wof = weights(cp, dtype, (hidden, heads * d), rng)
-    x0 = rng.standard_normal(hidden).astype(np.float32)
-    x = cp.asarray(x0)
-    units = hidden // 2
-    k.matmul_attn_residual_t1(((units + 3) // 4,), (128,), (
-        st, wo, i32(hidden), i32(heads * d), x, i32(units), part_ml, part_o, scores, i32(heads),
-        i32(d), i32(cap), i32(splits), i32(chunk)), shared_mem=heads * d * 4)
-    mass = poisoned(cp, (cap,))
-    k.attn_mass(((cap + 31) // 32,), (256,), (st, scores, mass, i32(1), i32(heads), i32(cap),
-                                              i32(1)))
-    ref_out, ref_mass = attention(q.reshape(1, heads, d), kc[:start + 1], vc[:start + 1], start)
-    close(x.get(), x0 + wof @ ref_out.reshape(-1))
-    close(mass.get()[:start + 1], ref_mass)
+    counters = cp.zeros(heads, np.int32)
+    for _ in range(2):   # twice: the last block of each head must have reset its counter
+        q = rng.standard_normal((1, heads * d)).astype(np.float32)
+        st = state(cp, start, 1)
+        scores = poisoned(cp, (heads, cap))
+        part_ml = poisoned(cp, (heads, splits, 2))
+        part_o = poisoned(cp, (heads, splits, d))
+        out = poisoned(cp, (heads * d,))
+        row_ml = poisoned(cp, (heads, 2))
+        k.attn_decode((heads, splits), (128,), (
+            st, cp.asarray(q), cp.asarray(kc), cp.asarray(vc), scores, part_ml, part_o, out,
+            row_ml, counters, i32(heads), i32(kv), i32(d), i32(cap), i32(splits), i32(chunk),
+            np.float32(1 / np.sqrt(d))))
+        mass = poisoned(cp, (cap,))
+        k.attn_mass(((cap + 31) // 32,), (256,), (st, scores, row_ml, mass, i32(1), i32(heads),
+                                                  i32(cap), i32(1)))
+        ref_out, ref_mass = attention(q.reshape(1, heads, d), kc[:start + 1], vc[:start + 1],
+                                      start)
+        close(out.get(), ref_out.reshape(-1))
+        close(mass.get()[:start + 1], ref_mass)
+        assert (counters.get() == 0).all()
 
 
 def test_attention_mass_adds_up_over_layers_and_chunks(kit):
@@ -243,7 +244,8 @@ def test_attention_mass_adds_up_over_layers_and_chunks(kit):
     for first, acc in ((1, 1), (0, 0)):
         mass = cp.asarray(old)
         k.attn_mass(((cap + 31) // 32,), (256,), (
-            state(cp, start, n, mass_acc=acc), cp.asarray(probs), mass, i32(n_max), i32(rows),
+            state(cp, start, n, mass_acc=acc), cp.asarray(probs), NULL, mass, i32(n_max),
+            i32(rows),
             i32(cap), i32(first)))
         t = np.arange(start + n)
         ref = np.zeros(start + n)

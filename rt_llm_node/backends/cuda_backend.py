@@ -127,6 +127,10 @@ class CudaBackend:
         self.chunk = 64 if d <= 64 else 32 if d <= 128 else 16
         self.att_smem = (2 * self.chunk * d + self.chunk + d) * 4
         self.n_splits = (cap + self.chunk - 1) // self.chunk
+        if self.n_splits > 1024:    # attention's merge keeps one weight per split in shared memory
+            raise BackendError(f'kv capacity {cap} needs {self.n_splits} attention splits '
+                               f'of {self.chunk}; the kernels take at most 1024')
+        self.counters = cp.zeros(cfg.num_heads, np.int32)   # attn_decode: splits done per head
         self.state = cp.zeros(8, np.int32)
         self.ids = cp.zeros(n_max, np.int32)                                  # [n_max]
         self.x = cp.zeros((n_max, cfg.hidden_size), f32)                      # residual stream
@@ -135,7 +139,8 @@ class CudaBackend:
         self.act = cp.zeros((n_max, cfg.intermediate_size), f32)
         # attention scores, then probabilities: prefill reuses one layer's, decode keeps all
         self.scores = cp.zeros((cfg.num_heads, n_max, cap), f32)
-        self.scores_dec = cp.zeros((cfg.num_layers, cfg.num_heads, cap), f32)
+        self.scores_dec = cp.zeros((cfg.num_layers, cfg.num_heads, cap), f32)  # raw scores
+        self.ml_dec = cp.zeros((cfg.num_layers, cfg.num_heads, 2), f32)  # their softmax M, L
         self.part_ml = cp.zeros((cfg.num_heads * n_max, self.n_splits, 2), f32)
         self.part_o = cp.zeros((cfg.num_heads * n_max, self.n_splits, cfg.head_dim), f32)
         self.mass, self.mass_tmp = cp.zeros(cap, f32), cp.zeros(cap, f32)
@@ -214,27 +219,28 @@ class CudaBackend:
                          _i32(qkv_units), layer.bqkv if layer.bqkv is not None else NULL,
                          self.q, kc, vc, self.cos, self.sin, _i32(cfg.num_heads),
                          _i32(cfg.num_kv_heads), _i32(d), _i32(cap))
-            scores = self.scores_dec[i] if decode else self.scores
-            self._launch('attn_partial', (cfg.num_heads * n_max, self.n_splits), (128,),
-                         self.state, self.q, kc, vc, scores, self.part_ml, self.part_o,
-                         _i32(n_max), _i32(cfg.num_heads), _i32(cfg.num_kv_heads), _i32(d),
-                         _i32(cap), _i32(self.n_splits), _i32(self.chunk),
-                         np.float32(1.0 / np.sqrt(d)), shared=self.att_smem)
-            if decode:   # merge the splits inside the o_proj kernel
-                self._launch('matmul_attn_residual_t1', mm_grid((hid + 1) // 2), block,
-                             self.state, layer.wo, _i32(hid), _i32(cfg.q_size), self.x,
-                             _i32((hid + 1) // 2), self.part_ml, self.part_o, scores,
-                             _i32(cfg.num_heads), _i32(d), _i32(cap), _i32(self.n_splits),
-                             _i32(self.chunk), shared=cfg.q_size * 4)
+            scale = np.float32(1.0 / np.sqrt(d))
+            if decode:   # the last split of each head merges them (no attn_combine)
+                self._launch('attn_decode', (cfg.num_heads, self.n_splits), (128,),
+                             self.state, self.q, kc, vc, self.scores_dec[i], self.part_ml,
+                             self.part_o, self.attn_out, self.ml_dec[i], self.counters,
+                             _i32(cfg.num_heads),
+                             _i32(cfg.num_kv_heads), _i32(d), _i32(cap), _i32(self.n_splits),
+                             _i32(self.chunk), scale)
             else:
+                self._launch('attn_partial', (cfg.num_heads * n_max, self.n_splits), (128,),
+                             self.state, self.q, kc, vc, self.scores, self.part_ml,
+                             self.part_o, _i32(n_max), _i32(cfg.num_heads),
+                             _i32(cfg.num_kv_heads), _i32(d), _i32(cap), _i32(self.n_splits),
+                             _i32(self.chunk), scale, shared=self.att_smem)
                 self._launch('attn_combine', (cfg.num_heads * n_max,), (128,), self.state,
-                             self.part_ml, self.part_o, self.attn_out, scores, _i32(n_max),
-                             _i32(cfg.num_heads), _i32(d), _i32(cap), _i32(self.n_splits),
-                             _i32(self.chunk))
+                             self.part_ml, self.part_o, self.attn_out, self.scores,
+                             _i32(n_max), _i32(cfg.num_heads), _i32(d), _i32(cap),
+                             _i32(self.n_splits), _i32(self.chunk))
                 self._enqueue_mass(self.scores, cfg.num_heads * n_max, n_max, first=i == 0)
-                self._launch('matmul_residual' + sfx, mm_grid((hid + 1) // 2), block,
-                             self.state, layer.wo, _i32(hid), _i32(cfg.q_size), self.attn_out,
-                             NULL, eps, self.x, _i32((hid + 1) // 2), _i32(0))
+            self._launch('matmul_residual' + sfx, mm_grid((hid + 1) // 2), block,
+                         self.state, layer.wo, _i32(hid), _i32(cfg.q_size), self.attn_out,
+                         NULL, eps, self.x, _i32((hid + 1) // 2), _i32(0))
             self._launch('matmul_swiglu' + sfx, mm_grid(inter), block, self.state,
                          layer.wgate_up, _i32(2 * inter), _i32(hid), self.x, layer.mlp_norm,
                          eps, self.act, _i32(inter), _i32(0))
@@ -242,17 +248,20 @@ class CudaBackend:
                          layer.wdown, _i32(hid), _i32(inter), self.act, NULL, eps, self.x,
                          _i32((hid + 1) // 2), _i32(0))
         if decode:
-            self._enqueue_mass(self.scores_dec, cfg.num_layers * cfg.num_heads, 1, first=True)
+            self._enqueue_mass(self.scores_dec, cfg.num_layers * cfg.num_heads, 1, first=True,
+                               row_ml=self.ml_dec)
         vocab_units = (cfg.vocab_size + 1) // 2
         self._launch('matmul_store_t1', ((vocab_units + warps - 1) // warps, 1), block,
                      self.state, self.lm_head, _i32(cfg.vocab_size), _i32(hid), self.x,
                      self.final_norm, eps, self.logits_buf, _i32(vocab_units), _i32(1))
 
-    def _enqueue_mass(self, probs, n_rows, n_max, first):
-        """mass[t] (+)= the probabilities of ``n_rows`` rows (stride capacity) at key t."""
+    def _enqueue_mass(self, probs, n_rows, n_max, first, row_ml=None):
+        """mass[t] (+)= the probabilities of ``n_rows`` rows (stride capacity) at key t.
+
+        With ``row_ml`` the rows hold raw scores and their softmax max and sum."""
         self._launch('attn_mass', ((self.capacity + 31) // 32,), (256,), self.state, probs,
-                     self.mass, _i32(n_max), _i32(n_rows), _i32(self.capacity),
-                     _i32(1 if first else 0))
+                     NULL if row_ml is None else row_ml, self.mass, _i32(n_max), _i32(n_rows),
+                     _i32(self.capacity), _i32(1 if first else 0))
 
     def _capture(self, n_max):
         stream = self.stream
