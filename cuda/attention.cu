@@ -49,11 +49,27 @@ attn_partial(const int* __restrict__ state, const float* __restrict__ q,
   const int k0 = s * chunk, k1 = min(k0 + chunk, start + qi + 1);
   if (k0 >= k1) return;  // attn_combine reads only the splits that hold keys
   const int hk = h / (n_heads / n_kv), count = k1 - k0, d4 = d / 4;
-  for (int e = threadIdx.x; e < count * d4; e += blockDim.x) {
-    const int j = e / d4, c = e % d4;
-    const long long src = ((long long)(k0 + j) * n_kv + hk) * d4 + c;
-    smem4[j * d4 + c] = reinterpret_cast<const float4*>(k_cache)[src];
-    smem4[chunk * d4 + j * d4 + c] = reinterpret_cast<const float4*>(v_cache)[src];
+  // stage keys and values: four float4s of each per thread in flight before any is stored
+  const int total = count * d4;
+  for (int base = threadIdx.x; base < total; base += 4 * blockDim.x) {
+    float4 tk[4], tv[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int e = base + u * blockDim.x;
+      if (e < total) {
+        const long long src = ((long long)(k0 + e / d4) * n_kv + hk) * d4 + e % d4;
+        tk[u] = reinterpret_cast<const float4*>(k_cache)[src];
+        tv[u] = reinterpret_cast<const float4*>(v_cache)[src];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int e = base + u * blockDim.x;
+      if (e < total) {
+        smem4[e] = tk[u];                // row e / d4, column e % d4
+        smem4[chunk * d4 + e] = tv[u];
+      }
+    }
   }
   for (int i = threadIdx.x; i < d; i += blockDim.x) qs[i] = q[(long long)qi * n_heads * d + h * d + i];
   __syncthreads();

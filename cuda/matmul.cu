@@ -176,21 +176,21 @@ __device__ void matmul_body(int* __restrict__ state, const wt* __restrict__ W, i
                             const float* __restrict__ x, const wt* __restrict__ norm_w, float eps,
                             float* __restrict__ out, int units, int last_only, QkvArgs qa) {
   __shared__ float inv_rms[TT];
-  __shared__ float scratch[WARP];
   const int n = state[STATE_N], start = state[STATE_START];
   const int t0 = last_only ? n - 1 : blockIdx.y * TT;
   const int n_t = last_only ? 1 : min(TT, n - t0);
   if (n_t <= 0) return;  // the whole block leaves together
   const float* xt = x + (long long)t0 * K;
-  for (int t = 0; t < TT; ++t) {
+  const int lane = threadIdx.x % WARP;
+  // 1 / rms of each token: a warp per token, one barrier for the whole tile
+  for (int t = threadIdx.x / WARP; t < TT; t += blockDim.x / WARP) {
     float ss = 0.f;
     if (norm_w && t < n_t)
-      for (int k = threadIdx.x; k < K; k += blockDim.x) ss += xt[(long long)t * K + k] * xt[(long long)t * K + k];
-    ss = block_sum(ss, scratch);
-    if (threadIdx.x == 0) inv_rms[t] = norm_w ? 1.f / sqrtf(ss / K + eps) : 1.f;
+      for (int k = lane; k < K; k += WARP) ss = fmaf(xt[(long long)t * K + k], xt[(long long)t * K + k], ss);
+    ss = warp_sum(ss);
+    if (lane == 0) inv_rms[t] = norm_w ? 1.f / sqrtf(ss / K + eps) : 1.f;
   }
   __syncthreads();
-  const int lane = threadIdx.x % WARP;
   const int u = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
   if (u >= units) return;
   int r0, r1, kind;
