@@ -8,11 +8,11 @@ of prefill lengths, cache lengths and decode steps:
     compact_ms(m)    = c0 + c1 * m                  (m kept tokens re-rotated)
 
 Each grid point is timed several times and its upper quantile is what the model
-fits, so predictions lean pessimistic. Online, every admitted tick's measured time
-is compared with the model; the prediction is scaled by the worst measured/model
-ratio in a recent window (never below 1), so it never drops below the worst
-recently observed (the window counts ticks, refused ones too, so a one-off
-spike expires). A safety margin in milliseconds is added on top.
+fits, so predictions lean pessimistic. Online, the measured time of every tick that
+ran (admitted, or aborted by the watchdog, or late) is compared with the model; the
+prediction is scaled by the worst measured/model ratio in a recent window (never
+below 1), so it never drops below the worst recently observed (the window counts
+ticks, refused ones too, so a one-off spike expires). A safety margin in milliseconds is added on top.
 """
 
 from collections import deque

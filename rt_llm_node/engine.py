@@ -265,11 +265,16 @@ class TickEngine:
                     break
                 # the fastest completion from here: decode this token, then choose
                 # min_remaining more of which the last is deferred
+                # (the admission margin stays a guard band to the end of the tick)
                 remaining = self.grammar.min_remaining(state)
                 step = self.admission.step_ms(self.context.length)
-                if clock.now() + remaining * step / 1e3 > deadline:
+                if clock.now() + (remaining * step + self.admission.margin_ms) / 1e3 > deadline:
                     self.context.rollback(mark)
-                    record.decode_ms = (clock.now() - t3) * 1e3
+                    t4 = clock.now()
+                    record.decode_ms = (t4 - t3) * 1e3
+                    # what ran so far is evidence too: a slow prefill raises the scale
+                    self.admission.observe(n_prefill, length, record.n_decode, kept,
+                                           (t4 - t1) * 1e3)
                     return refuse('overrun_abort', predicted,
                                   f'{remaining} decode steps left would pass the deadline')
                 self.context.decode(action_segment, token)
@@ -284,6 +289,8 @@ class TickEngine:
                 except Exception:  # the backend is broken; the node will clean up
                     pass
             return refuse('backend_error', predicted, str(exc))
+        # every admitted tick that ran teaches admission, above all one that ran late
+        self.admission.observe(n_prefill, length, record.n_decode, kept, (t4 - t1) * 1e3)
         if t4 > deadline:
             record.late = True
             self.context.rollback(mark)
@@ -291,8 +298,6 @@ class TickEngine:
         self.context.defer(action_segment, [chosen[-1], *self.grammar.end_ids])
         for ids, kind, topic, part_stamp in parts[:-1]:
             self.rendered[topic] = part_stamp
-        self.admission.observe(n_prefill, length, record.n_decode, kept,
-                               (t4 - t1) * 1e3)
         self.recent_decodes.append((index, record.n_decode))
         self.context.tick()
         record.decision = 'action'

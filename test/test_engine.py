@@ -85,6 +85,30 @@ def test_watchdog_aborts_and_rolls_back(checkpoint):
     assert engine.rendered == {}, 'aborted inputs are rendered again next tick'
 
 
+class SlowClock(ModelClock):
+    """A machine five times slower than its cost model says."""
+
+    def charge(self, ms):
+        super().charge(5 * ms)
+
+
+def test_a_late_tick_raises_the_scale_so_the_next_is_refused_in_time(checkpoint):
+    engine = TickEngine(NumpyBackend(checkpoint, 256), checkpoint.tokenizer, INPUTS,
+                        action_grammar(checkpoint.tokenizer),
+                        Admission(CostModel(prefill=(1.0, 0.0, 0.0), decode=(8.0, 0.0)),
+                                  margin_ms=0.0),
+                        policy='meaning', system_prompt=SYSTEM_PROMPT, clock=SlowClock())
+    engine.start()
+    world = DemoWorld(9, messages=MessageFactory(ros=False))
+    results = list(run_ticks(engine, engine.clock, world, 3))
+    reasons = [r.refusal.reason if r.refusal else 'action' for r in results]
+    # tick 0 is admitted (predicted 9 ms: prefill 1, one decode step 8) and runs 5x longer
+    # (45 ms): late, so no action, and learned from
+    assert reasons[0] == 'overrun_abort' and results[0].record.late
+    assert engine.admission.scale >= 4.0
+    assert reasons[1:] == ['deadline', 'deadline'], reasons
+
+
 def test_stale_and_malformed_inputs_are_refusals_not_crashes(checkpoint):
     engine, clock = make_engine(checkpoint)
     world = DemoWorld(8, messages=MessageFactory(ros=False))
