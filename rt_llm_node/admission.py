@@ -12,7 +12,8 @@ fits, so predictions lean pessimistic. Online, the measured time of every tick t
 ran (admitted, or aborted by the watchdog, or late) is compared with the model; the
 prediction is scaled by the worst measured/model ratio in a recent window (never
 below 1), so it never drops below the worst recently observed (the window counts
-ticks, refused ones too, so a one-off spike expires). A safety margin in milliseconds is added on top.
+ticks, refused ones too, so a one-off spike expires). A safety margin in milliseconds
+is added on top.
 """
 
 from collections import deque

@@ -10,6 +10,7 @@ import argparse
 from collections import Counter
 from collections import deque
 import gc
+import os
 import sys
 import threading
 import time
@@ -110,6 +111,7 @@ class RtLlmNode(LifecycleNode):
         self._values = {}
         self._last_action = None
         self._failed = False
+        self._realtime = False          # the control thread runs under SCHED_FIFO
         self.last_error = ''
         self._stats_lock = threading.Lock()
         self._reset_stats()
@@ -250,8 +252,22 @@ class RtLlmNode(LifecycleNode):
         with self._stats_lock:
             self._stats['qos_deadline_missed'] += event.total_count_change
 
+    def _set_realtime(self, priority):
+        """SCHED_FIFO for this (the control) thread; True when it took effect."""
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+        except (AttributeError, OSError) as exc:   # not Linux, or not permitted
+            self.get_logger().warning(
+                f'realtime_priority {priority}: SCHED_FIFO refused ({exc}); the control '
+                'thread runs at normal priority (grant CAP_SYS_NICE or an rtprio limit)')
+            return False
+        self.get_logger().info(f'control thread: SCHED_FIFO priority {priority}')
+        return True
+
     def _control_loop(self):
         engine = self._engine
+        priority = self._values['realtime_priority']
+        self._realtime = bool(priority) and self._set_realtime(priority)
         period = 1.0 / self._values['rate_hz']
         margin = self._values['deadline_margin_ms'] / 1e3
         gc.disable()  # collected between ticks when there is time, never inside one
@@ -362,6 +378,7 @@ class RtLlmNode(LifecycleNode):
                  'admitted_but_late': stats.get('late', 0),
                  'qos_deadline_missed': stats.get('qos_deadline_missed', 0),
                  'skipped_periods': stats.get('skipped_periods', 0),
+                 'realtime_scheduling': str(self._realtime).lower(),
                  'tick_ms_p50': f'{pct(0.5):.2f}', 'tick_ms_p99': f'{pct(0.99):.2f}',
                  'tick_ms_max': f'{latencies[-1] if latencies else 0.0:.2f}',
                  'cache_occupancy': f'{occupancy:.3f}'}

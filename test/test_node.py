@@ -222,7 +222,7 @@ def test_invalid_parameters_are_rejected(rig):
     bad = [Parameter('rate_hz', value=-5.0), Parameter('eviction_policy', value='lru'),
            Parameter('backend', value='tpu'), Parameter('input_max_age_s', value=[0.1]),
            Parameter('action_step', value=[0.1, -0.25]),
-           Parameter('kv_capacity_tokens', value=5)]
+           Parameter('kv_capacity_tokens', value=5), Parameter('realtime_priority', value=99)]
     for param in bad:
         result = node.set_parameters([param])[0]
         assert not result.successful, param.name
@@ -251,3 +251,32 @@ def test_repeated_backend_errors_go_through_error_processing(rig):
     last = recorder.actions[-1][1]
     assert last.linear.x == 0.0 and last.angular.z == 0.0, 'the robot is told to stop'
     assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS, 'and can start over'
+
+
+def _fifo_permitted(priority):
+    """Whether this process may put a thread under SCHED_FIFO (probed in a throwaway thread)."""
+    result = []
+
+    def probe():
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+            result.append(True)
+        except (AttributeError, OSError):
+            result.append(False)
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def test_realtime_priority_is_applied_or_refused_with_a_warning(rig):
+    world, recorder, make = rig
+    node = make(rate_hz=10.0, realtime_priority=5)
+    start(node)
+    end = time.monotonic() + 10.0
+    while node.stats()[0].get('ticks', 0) < 3 and time.monotonic() < end:
+        time.sleep(0.1)
+    assert node.stats()[0].get('ticks', 0) >= 3, 'the loop runs either way'
+    assert node._realtime == _fifo_permitted(5)
+    if node._realtime:
+        assert os.sched_getscheduler(node._thread.native_id) == os.SCHED_FIFO
