@@ -105,3 +105,23 @@ def test_the_shipped_policy_drives_to_the_goal_of_a_short_fixed_scenario():
         if world.results:
             break
     assert world.results == ['reached'], f'no goal after {tick + 1} ticks'
+
+
+def test_a_dagger_episode_replays_the_policy_rollout_with_expert_labels():
+    """DAgger data: the states the policy reached, rebuilt from its commands, expert-labelled."""
+    from rt_llm_node.demo.episodes import expert_episode
+    from rt_llm_node.demo.evaluate import run_model_episode
+    checkpoint = load_checkpoint(default_model_path())
+    seed = 12_345   # a training seed
+    rollout = run_model_episode(checkpoint, seed, 'meaning', 256, max_ticks=40)
+    assert rollout['ticks'] == len(rollout['executed']) == 40
+    episode = expert_episode(seed, checkpoint.tokenizer, executed=rollout['executed'])
+    assert len(episode.ticks) == 40
+    assert episode.final_pose == rollout['pose'], 'the replay reaches the very same state'
+    grammar = action_grammar(checkpoint.tokenizer)
+    for tick, (v, w) in zip(episode.ticks, rollout['executed']):
+        shown = grammar.render({'linear.x': v, 'angular.z': w})
+        assert tick.executed_ids == checkpoint.tokenizer.encode(shown).ids
+    # the labels are the expert's, not the policy's: where the policy disagreed they differ
+    disagreements = sum(t.action_ids != t.executed_ids for t in episode.ticks)
+    assert disagreements == 40 - rollout['agree']

@@ -9,7 +9,8 @@ on three in four) -> a byte-level BPE tokenizer trained on their text -> token
 streams rendered exactly as the node renders them -> training contexts that,
 like the bounded cache, randomly drop old observation segments and re-base
 positions -> a small Llama trained on the action tokens of every complete tick
-in the context -> config.json + model.safetensors + tokenizer.json +
+in the context (with ``--dagger MODEL``, also on episodes where MODEL drove and the
+expert labelled each state) -> config.json + model.safetensors + tokenizer.json +
 training.json (command, seed, data size, steps, final loss).
 """
 
@@ -45,11 +46,29 @@ def _texts(seed):
 
 
 def _episode(job):
-    seed, tokenizer_json, noisy = job
+    seed, tokenizer_json, noisy, executed = job
     tokenizer = Tokenizer.from_str(tokenizer_json)
+    if executed is not None:   # DAgger: the policy's own states, the expert's labels
+        return expert_episode(seed, tokenizer, executed=executed)
     if noisy:
         return expert_episode(seed, tokenizer, noise=(0.2, 0.6), hold_rate=0.02)
     return expert_episode(seed, tokenizer)
+
+
+def _rollout(job):
+    """(seed, what the policy executed) for one DAgger rollout on the numpy backend."""
+    model, seed, capacity, max_ticks = job
+    from rt_llm_node.demo.evaluate import _checkpoint
+    from rt_llm_node.demo.evaluate import run_model_episode
+    checkpoint = _checkpoint(model)
+    result = run_model_episode(checkpoint, seed, 'meaning', capacity, max_ticks=max_ticks)
+    return seed, result['executed']
+
+
+def dagger_rollouts(pool, model, seeds, capacity, max_ticks):
+    """Roll ``model`` out on ``seeds`` (the worker pool, numpy): [(seed, executed)]."""
+    jobs = [(model, seed, capacity, max_ticks) for seed in seeds]
+    return list(pool.map(_rollout, jobs))
 
 
 def build_sample(episode, system, end, budget, rng):
@@ -129,6 +148,15 @@ def main():
     parser.add_argument('--max-minutes', type=float, default=None,
                         help='stop early and export what was learned once this much wall time '
                              'has passed (a run under a hard time limit still yields a model)')
+    parser.add_argument('--dagger', default=None, metavar='MODEL',
+                        help='DAgger: roll this checkpoint out on further training seeds and '
+                             'add those episodes, labelled by the expert, to the data')
+    parser.add_argument('--dagger-episodes', type=int, default=256)
+    parser.add_argument('--dagger-ticks', type=int, default=300,
+                        help='ticks per rollout (the first goal or two)')
+    parser.add_argument('--dagger-capacity', type=int, default=1024,
+                        help='KV budget of the rollouts (1024: the full cache, where the '
+                             'shipped policy fails)')
     args = parser.parse_args()
     import torch
     import transformers
@@ -140,13 +168,21 @@ def main():
         texts = [line for lines in pool.map(_texts, seeds[:200]) for line in lines]
         tokenizer = train_tokenizer(texts, MODEL['vocab_size'], whole_words=whole_words())
         tokenizer_json = tokenizer.to_str()
-        jobs = [(s, tokenizer_json, i % 4 != 0) for i, s in enumerate(seeds)]
+        jobs = [(s, tokenizer_json, i % 4 != 0, None) for i, s in enumerate(seeds)]
+        if args.dagger:
+            first = seeds[-1] + 1
+            rollouts = dagger_rollouts(pool, args.dagger,
+                                       range(first, first + args.dagger_episodes),
+                                       args.dagger_capacity, args.dagger_ticks)
+            jobs += [(seed, tokenizer_json, False, executed) for seed, executed in rollouts]
+            print(f'DAgger: {len(rollouts)} rollouts of {args.dagger}, '
+                  f'{time.time() - started:.0f} s', flush=True)
         episodes = list(pool.map(_episode, jobs, chunksize=8))
     for episode in episodes:
         episode.goal_starts = [t for t, tick in enumerate(episode.ticks)
                                if any(s[0] == 'instruction' for s in tick.segments)]
     data_s = time.time() - started
-    clean = [e for i, e in enumerate(episodes) if i % 4 == 0]
+    clean = [e for i, e in enumerate(episodes[:len(seeds)]) if i % 4 == 0]
     n_ticks = sum(len(e.ticks) for e in episodes)
     print(f'{len(episodes)} episodes, {n_ticks} ticks, expert success on clean episodes '
           f'{success_rate([r for e in clean for r in e.results]):.3f}, data {data_s:.0f} s',
@@ -216,6 +252,10 @@ def main():
     record = {
         'command': 'python tools/train_demo_policy.py ' + ' '.join(sys.argv[1:]),
         'seed': args.seed, 'train_seeds': [seeds[0], seeds[-1]], 'episodes': len(episodes),
+        'dagger': None if not args.dagger else {
+            'model': args.dagger, 'episodes': args.dagger_episodes,
+            'ticks': args.dagger_ticks, 'capacity': args.dagger_capacity,
+            'seeds': [seeds[-1] + 1, seeds[-1] + args.dagger_episodes]},
         'ticks': n_ticks, 'tokens_seen': tokens_seen, 'steps': len(losses),
         'steps_planned': args.steps,
         'batch': args.batch, 'lr': args.lr, 'parameters': n_params,

@@ -44,6 +44,7 @@ class Episode:
     seed: int
     ticks: list = field(default_factory=list)
     results: list = field(default_factory=list)
+    final_pose: tuple = None
 
 
 def episode_texts(seed, noise=0.0):
@@ -87,7 +88,8 @@ def train_tokenizer(texts, vocab_size=768, whole_words=(), repeats=3000):
     return tokenizer
 
 
-def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate=0.0):
+def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate=0.0,
+                   executed=None):
     """Run the expert in the world; record each tick's tokens (label: the clean expert action).
 
     ``noise``: std of Gaussian noise (v, w) added to the executed command, so the
@@ -95,7 +97,11 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
     tick, the chance that the robot starts executing a random command for 5 to 20
     ticks while the labels stay the expert's: the turn rate on /odom and the past
     actions then say nothing about the label, so a learner cannot succeed by copying
-    them (the copycat failure of imitation learning).
+    them (the copycat failure of imitation learning). ``executed``: [(v, w)] per tick,
+    what a policy executed on this seed (``evaluate.run_model_episode``): the robot
+    replays it exactly (the world is deterministic per seed and command sequence) and
+    the episode ends with it, while each tick's label is still the expert's: DAgger
+    data, the states the policy itself reaches.
     """
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
     codec = ObservationCodec(tokenizer, INPUTS)
@@ -104,7 +110,7 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
     episode = Episode(seed)
     instruction = ''
     hold_left, hold = 0, (0.0, 0.0)
-    while not world.done:
+    while not world.done and (executed is None or world.tick < len(executed)):
         msgs = world.observe()
         segments = [(spec.kind, spec.topic, codec.encode(spec.topic, msgs[spec.topic]))
                     for spec in INPUTS if spec.topic in msgs]
@@ -126,7 +132,10 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
         if hold_left:
             hold_left -= 1
             ev, ew = hold
-        if noise[0] or noise[1] or hold_rate:  # what a policy that chose it would render
+        if executed is not None:
+            ev, ew = executed[world.tick]
+        if noise[0] or noise[1] or hold_rate or executed is not None:
+            # what a policy that chose it would render
             ev, ew = grammar.fields[0].quantize(ev), grammar.fields[1].quantize(ew)
             episode.ticks[-1].executed_ids = tokenizer.encode(grammar.render(
                 {'linear.x': ev, 'angular.z': ew})).ids
@@ -134,6 +143,7 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
             episode.ticks[-1].executed_ids = action_ids
         world.step(ev, ew)
     episode.results = list(world.results)
+    episode.final_pose = (world.x, world.y, world.yaw)
     return episode
 
 

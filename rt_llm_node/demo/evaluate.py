@@ -46,8 +46,14 @@ def _checkpoint(path):
     return _CACHE[path]
 
 
-def run_model_episode(checkpoint, seed, policy, capacity, backend=None):
-    """One closed-loop episode; returns dict(results, ticks, agree, refusals)."""
+def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_ticks=None):
+    """One closed-loop episode; returns dict(results, ticks, agree, refusals, executed, pose).
+
+    ``executed``: the (v, w) the robot executed each tick (0, 0 on a refusal), which with
+    ``seed`` replays the episode exactly (``episodes.expert_episode(executed=...)``, the
+    DAgger data of ``tools/train_demo_policy.py``); ``pose``: (x, y, yaw) at the end.
+    ``max_ticks`` ends the episode early.
+    """
     backend = backend or NumpyBackend(checkpoint, capacity)
     backend.rollback(0)
     grammar = action_grammar(checkpoint.tokenizer)
@@ -60,7 +66,8 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None):
     dt = world.config.dt
     snapshot, instruction = {}, ''
     agree = refusals = 0
-    while not world.done:
+    executed = []
+    while not world.done and (max_ticks is None or world.tick < max_ticks):
         now = world.tick * dt
         clock.advance_to(now)
         msgs = world.observe()
@@ -79,9 +86,11 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None):
             v = result.action.values['linear.x']
             w = result.action.values['angular.z']
             agree += (v == grammar.fields[0].quantize(ev) and w == grammar.fields[1].quantize(ew))
+        executed.append((v, w))
         world.step(v, w)
     return {'results': world.results, 'ticks': world.tick, 'agree': agree,
-            'refusals': refusals}
+            'refusals': refusals, 'executed': executed,
+            'pose': (world.x, world.y, world.yaw)}
 
 
 def run_expert_episode(seed):
