@@ -122,18 +122,19 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
         values = {'linear.x': v, 'angular.z': w}
         action_ids = tokenizer.encode(grammar.render(values)).ids
         episode.ticks.append(TickTokens(segments, action_ids, len(grammar.prefix_ids)))
-        qv = grammar.fields[0].quantize(v)
-        qw = grammar.fields[1].quantize(w)
-        ev, ew = qv + noise[0] * rng.normal(), qw + noise[1] * rng.normal()
-        if hold_left == 0 and hold_rate and rng.random() < hold_rate:
-            hold_left = int(rng.integers(5, 21))
-            hold = (float(rng.choice(grammar.fields[0].values)),
-                    float(rng.choice(grammar.fields[1].values)))
-        if hold_left:
-            hold_left -= 1
-            ev, ew = hold
-        if executed is not None:
+        if executed is not None:   # the policy's command, replayed
             ev, ew = executed[world.tick]
+        else:
+            qv = grammar.fields[0].quantize(v)
+            qw = grammar.fields[1].quantize(w)
+            ev, ew = qv + noise[0] * rng.normal(), qw + noise[1] * rng.normal()
+            if hold_left == 0 and hold_rate and rng.random() < hold_rate:
+                hold_left = int(rng.integers(5, 21))
+                hold = (float(rng.choice(grammar.fields[0].values)),
+                        float(rng.choice(grammar.fields[1].values)))
+            if hold_left:
+                hold_left -= 1
+                ev, ew = hold
         if noise[0] or noise[1] or hold_rate or executed is not None:
             # what a policy that chose it would render
             ev, ew = grammar.fields[0].quantize(ev), grammar.fields[1].quantize(ew)
