@@ -39,6 +39,7 @@ extern "C" __global__ void __launch_bounds__(256)
 argmax_masked(int* __restrict__ state, const float* __restrict__ logits,
               const int* __restrict__ allowed, int count, int vocab, float* __restrict__ part_v,
               int* __restrict__ part_i) {
+  pdl_wait_then_release();
   __shared__ bool last;
   const int total = count < 0 ? vocab : count;
   float v = NEG_INF;

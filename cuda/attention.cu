@@ -26,7 +26,9 @@
 // Dtypes: q, cache, scores, partials, mass: fp32. head_dim d: a multiple of 4, <= 256.
 #include "common.cuh"
 
-#define ATT_MAX_SPLITS 1024
+#ifndef ATT_MAX_SPLITS  // set by the loader (cuda_kernels.py), which the backend checks against
+#error "ATT_MAX_SPLITS must be defined by the build options"
+#endif
 #define ATT_KPRE 16   // float4s of a key row loaded ahead: all of it for d <= 64
 #define ATT_VPRE 8    // keys per value thread loaded ahead: all of them for the backend's
                       // chunk (64, 32, 16 keys for d <= 64, 128, 256)
@@ -37,6 +39,7 @@ attn_partial(const int* __restrict__ state, const float* __restrict__ q,
              float* __restrict__ scores, float* __restrict__ part_ml, float* __restrict__ part_o,
              int n_max, int n_heads, int n_kv, int d, int cap, int n_splits, int chunk,
              float scale) {
+  pdl_wait_then_release();
   extern __shared__ float4 smem4[];
   float* ks = reinterpret_cast<float*>(smem4);   // [chunk, d]
   float* vs = ks + chunk * d;                     // [chunk, d]
@@ -106,10 +109,11 @@ attn_partial(const int* __restrict__ state, const float* __restrict__ q,
   }
 }
 
-// Merge the splits of one decode row: out[i] = sum_s exp(m_s - M) o_s[i] / L; row_ml = (M, L).
-// Reads through L2 (ld_cg): the partials come from other blocks of the same launch.
-__device__ __forceinline__ void combine_decode(const float* part_ml, const float* part_o,
-                                               float* out, float* row_ml, int used, int d) {
+// Merge the splits of one row: out[i] = sum_s exp(m_s - M) o_s[i] / L; returns (M, L) to
+// every thread. Reads through L2 (ld_cg): in attn_decode the partials come from other
+// blocks of the same launch.
+__device__ __forceinline__ float2 merge_splits(const float* part_ml, const float* part_o,
+                                               float* out, int used, int d) {
   __shared__ float wm[ATT_MAX_SPLITS], wl[ATT_MAX_SPLITS];
   __shared__ float ml[2];
   for (int s = threadIdx.x; s < used; s += blockDim.x) {
@@ -123,8 +127,6 @@ __device__ __forceinline__ void combine_decode(const float* part_ml, const float
     for (int s = 0; s < used; ++s) L += wl[s] * expf(wm[s] - M);
     ml[0] = M;
     ml[1] = L;
-    row_ml[0] = M;
-    row_ml[1] = L;
   }
   __syncthreads();
   const float M = ml[0], L = ml[1];
@@ -136,6 +138,7 @@ __device__ __forceinline__ void combine_decode(const float* part_ml, const float
     for (int s = 0; s < used; ++s) o = fmaf(ld_cg(part_o + (long long)s * d + i), wm[s], o);
     out[i] = o;
   }
+  return make_float2(M, L);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
@@ -144,6 +147,7 @@ attn_decode(const int* __restrict__ state, const float* __restrict__ q,
             float* __restrict__ scores, float* part_ml, float* part_o, float* __restrict__ out,
             float* __restrict__ row_ml, int* counters, int n_heads, int n_kv, int d, int cap,
             int n_splits, int chunk, float scale) {
+  pdl_wait_then_release();
   __shared__ float4 qs4[64];     // [d / 4]
   __shared__ float p[64];        // [chunk]
   __shared__ float4 acc4[128];   // [groups, d / 4]
@@ -255,8 +259,13 @@ attn_decode(const int* __restrict__ state, const float* __restrict__ q,
   if (!is_last) return;
   __threadfence();
   if (threadIdx.x == 0) counters[h] = 0;
-  combine_decode(part_ml + (long long)h * n_splits * 2, part_o + (long long)h * n_splits * d,
-                 out + (long long)h * d, row_ml + 2 * h, used, d);
+  const float2 ml = merge_splits(part_ml + (long long)h * n_splits * 2,
+                                 part_o + (long long)h * n_splits * d, out + (long long)h * d,
+                                 used, d);
+  if (threadIdx.x == 0) {
+    row_ml[2 * h] = ml.x;
+    row_ml[2 * h + 1] = ml.y;
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(128)
@@ -264,21 +273,15 @@ attn_combine(const int* __restrict__ state, const float* __restrict__ part_ml,
              const float* __restrict__ part_o, float* __restrict__ out,
              float* __restrict__ scores, int n_max, int n_heads, int d, int cap, int n_splits,
              int chunk) {
+  pdl_wait_then_release();
   const int row = blockIdx.x, h = row / n_max, qi = row % n_max;
   const int n = state[STATE_N], start = state[STATE_START];
   if (qi >= n) return;
   const int visible = start + qi + 1, used = (visible + chunk - 1) / chunk;
-  const float* pml = part_ml + (long long)row * n_splits * 2;
-  float M = NEG_INF;
-  for (int s = 0; s < used; ++s) M = fmaxf(M, pml[2 * s]);
-  float L = 0.f;
-  for (int s = 0; s < used; ++s) L += pml[2 * s + 1] * expf(pml[2 * s] - M);
-  const float* po = part_o + (long long)row * n_splits * d;
-  for (int i = threadIdx.x; i < d; i += blockDim.x) {
-    float o = 0.f;
-    for (int s = 0; s < used; ++s) o = fmaf(po[(long long)s * d + i], expf(pml[2 * s] - M), o);
-    out[(long long)qi * n_heads * d + h * d + i] = o / L;
-  }
+  const float2 ml = merge_splits(part_ml + (long long)row * n_splits * 2,
+                                 part_o + (long long)row * n_splits * d,
+                                 out + (long long)qi * n_heads * d + h * d, used, d);
+  const float M = ml.x, L = ml.y;
   float* sc = scores + (long long)row * cap;
   for (int t = threadIdx.x; t < visible; t += blockDim.x) sc[t] = expf(sc[t] - M) / L;
 }
@@ -287,6 +290,7 @@ extern "C" __global__ void __launch_bounds__(256)
 attn_mass(const int* __restrict__ state, const float* __restrict__ probs,
           const float* __restrict__ row_ml, float* __restrict__ mass, int n_max, int n_rows,
           int cap, int first) {
+  pdl_wait_then_release();
   __shared__ float part[8][WARP];
   const int n = state[STATE_N], start = state[STATE_START], end = start + n;
   if (blockIdx.x * WARP >= end) return;

@@ -73,6 +73,16 @@ __device__ __forceinline__ void w8_floats(const w8raw& r, float* o) {
 // Eight consecutive weights from p (16-byte aligned) as fp32.
 __device__ __forceinline__ void load8(const wt* p, float* o) { w8_floats(load_w8(p), o); }
 
+// Eight RMSNorm weights from norm_w + k, or eight ones when the matmul has no norm.
+__device__ __forceinline__ void load_norm8(const wt* norm_w, int k, float* o) {
+  if (norm_w) {
+    load8(norm_w + k, o);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o[j] = 1.f;
+  }
+}
+
 // Eight consecutive fp32 activations from p (16-byte aligned).
 __device__ __forceinline__ void load8f(const float* p, float* o) {
   const float4 a = *reinterpret_cast<const float4*>(p);
@@ -100,27 +110,39 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Sum over the block; every thread gets the result. scratch: >= 32 floats of shared memory.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// Reduce over the block with a warp reduction (warp_sum or warp_max) and its identity;
+// every thread gets the result. scratch: >= 32 floats of shared memory.
+template <float (*WarpReduce)(float)>
+__device__ __forceinline__ float block_reduce(float v, float identity, float* scratch) {
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
   const int n_warps = (blockDim.x + WARP - 1) / WARP;
-  v = warp_sum(v);
+  v = WarpReduce(v);
   __syncthreads();
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  v = lane < n_warps ? scratch[lane] : 0.f;
-  return warp_sum(v);
+  v = lane < n_warps ? scratch[lane] : identity;
+  return WarpReduce(v);
+}
+
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  return block_reduce<warp_sum>(v, 0.f, scratch);
 }
 
 __device__ __forceinline__ float block_max(float v, float* scratch) {
-  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-  const int n_warps = (blockDim.x + WARP - 1) / WARP;
-  v = warp_max(v);
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < n_warps ? scratch[lane] : NEG_INF;
-  return warp_max(v);
+  return block_reduce<warp_max>(v, NEG_INF, scratch);
+}
+
+// Programmatic dependent launch (sm_90 and later; a no-op elsewhere and for a kernel
+// launched without it): wait until the previous kernel of the stream has finished and its
+// writes are visible, then let the next kernel's blocks start. Every block of every kernel
+// calls it before it reads another kernel's output or returns, so a kernel's completion
+// implies its predecessors'; only weights, the host-written run state and other
+// inputs no kernel of the forward writes may be read before it.
+__device__ __forceinline__ void pdl_wait_then_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 // The run state lives in device memory so that captured graphs replay unchanged:

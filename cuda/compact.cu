@@ -14,6 +14,7 @@ compact_gather(const int* __restrict__ keep, const float* __restrict__ k, const 
                const float* __restrict__ mass, float* __restrict__ k_tmp, float* __restrict__ v_tmp,
                float* __restrict__ mass_tmp, const float* __restrict__ cos_t,
                const float* __restrict__ sin_t, int cap, int n_kv, int d) {
+  pdl_wait_then_release();
   const int j = blockIdx.x, layer = blockIdx.y, src = keep[j], half = d / 2;
   const long long stride = (long long)n_kv * d;
   const float* ks = k + ((long long)layer * cap + src) * stride;
@@ -36,6 +37,7 @@ extern "C" __global__ void __launch_bounds__(128)
 compact_store(float* __restrict__ k, float* __restrict__ v, float* __restrict__ mass,
               const float* __restrict__ k_tmp, const float* __restrict__ v_tmp,
               const float* __restrict__ mass_tmp, int cap, int n_kv, int d) {
+  pdl_wait_then_release();
   const int j = blockIdx.x, layer = blockIdx.y;
   const long long stride = (long long)n_kv * d, off = ((long long)layer * cap + j) * stride;
   for (int e = threadIdx.x; e < stride; e += blockDim.x) {

@@ -8,6 +8,7 @@
 extern "C" __global__ void embed_gather(const int* __restrict__ state, const int* __restrict__ ids,
                                         const wt* __restrict__ table, float* __restrict__ x,
                                         int hidden, int from_state) {
+  pdl_wait_then_release();
   const int t = blockIdx.x;
   if (t >= state[STATE_N]) return;
   const int id = from_state ? state[STATE_TOKEN] : ids[t];

@@ -52,12 +52,7 @@ __device__ __forceinline__ void dot_rows(const wt* __restrict__ w0, const wt* __
       float wa[8], wb[8], nw[8];
       load8(w0 + k, wa);
       load8(w1 + k, wb);
-      if (norm_w) {
-        load8(norm_w + k, nw);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) nw[j] = 1.f;
-      }
+      load_norm8(norm_w, k, nw);
 #pragma unroll
       for (int t = 0; t < TT; ++t) {
         if (t < n_t) {
@@ -175,6 +170,7 @@ template <int TT, int EPI>
 __device__ void matmul_body(int* __restrict__ state, const wt* __restrict__ W, int rows, int K,
                             const float* __restrict__ x, const wt* __restrict__ norm_w, float eps,
                             float* __restrict__ out, int units, int last_only, QkvArgs qa) {
+  pdl_wait_then_release();
   __shared__ float inv_rms[TT];
   const int n = state[STATE_N], start = state[STATE_START];
   const int t0 = last_only ? n - 1 : blockIdx.y * TT;
@@ -220,7 +216,10 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
   __shared__ float scratch[WARP];
   const int n = state[STATE_N], start = state[STATE_START];
   const int tok = last_only ? n - 1 : blockIdx.y;   // grid.y: one block row per token
-  if (tok >= n) return;  // the whole block leaves together
+  if (tok >= n) {  // the whole block leaves together
+    pdl_wait_then_release();
+    return;
+  }
   const float* xt = x + (long long)tok * K;
   const int lane = threadIdx.x % WARP;
   const int u = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
@@ -245,6 +244,7 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
     rc = qa.cos_t[at];
     rs = qa.sin_t[at];
   }
+  pdl_wait_then_release();   // the weights are in flight; x comes from the previous kernel
   float inv_rms = 1.f;
   if (norm_w) {
     float ss = 0.f;
@@ -271,12 +271,7 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
           w8_floats(wa[b], fa);
           w8_floats(wb[b], fb);
           load8f(xt + k, xv);
-          if (norm_w) {
-            load8(norm_w + k, nw);
-          } else {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) nw[j] = 1.f;
-          }
+          load_norm8(norm_w, k, nw);
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
             const float xn = xv[j] * inv_rms * nw[j];

@@ -77,10 +77,10 @@ def time_graph(backend, length, repeats, call):
     return np.array(out)
 
 
-def measure_ours(backend, vocab, repeats):
+def measure_ours(backend, vocab, repeats, contexts=CONTEXTS):
     rng = np.random.default_rng(0)
     res = {}
-    for ctx in CONTEXTS:
+    for ctx in contexts:
         backend.rollback(0)
         backend.prefill(rng.integers(0, vocab, ctx))
         gpu = time_graph(backend, ctx, repeats, lambda: backend.decode(7))
@@ -171,7 +171,8 @@ def main(argv=None):
     bandwidth = read_bandwidth(KernelSet('F32'))
     print(f'read bandwidth: {bandwidth / 1e12:.2f} TB/s')
     header = ['shape', 'weights MB', 'floor us', 'ours us @256 (p99)', 'ours us @1024 (p99)',
-              'host step us @256', 'prefill 48 ms', 'HF compile us @256 (p99)', 'HF / ours']
+              'host step us @256', 'prefill 48 ms', 'serial launch us @256 / prefill ms',
+              'HF compile us @256 (p99)', 'HF / ours']
     rows = []
     tick_ms = None
     for shape in [s for s in args.shapes.split(',') if s]:
@@ -181,6 +182,12 @@ def main(argv=None):
             nbytes = weight_bytes(checkpoint)
             backend = CudaBackend(checkpoint, max(CONTEXTS) + 64)
             ours = measure_ours(backend, checkpoint.config.vocab_size, args.repeats)
+            serial = None   # the same graphs without programmatic dependent launch
+            if backend.dependent_launch:
+                backend.set_dependent_launch(False)
+                serial = measure_ours(backend, checkpoint.config.vocab_size, args.repeats,
+                                      contexts=(256,))
+                backend.set_dependent_launch(True)
             if shape == 'smollm2-135m' and args.ticks:
                 tick_ms = full_ticks(backend, checkpoint.config.vocab_size, args.ticks)
             del backend
@@ -195,6 +202,7 @@ def main(argv=None):
                f'{ours[256][0]:.0f} ({ours[256][1]:.0f})',
                f'{ours[1024][0]:.0f} ({ours[1024][1]:.0f})', f'{ours[256][2]:.0f}',
                f"{ours['prefill']:.2f}",
+               '-' if serial is None else f"{serial[256][0]:.0f} / {serial['prefill']:.2f}",
                '-' if hf is None else f'{hf[0] * 1e3:.0f} ({hf[1] * 1e3:.0f})',
                '-' if hf is None else f'{hf[0] * 1e3 / ours[256][0]:.2f}x']
         rows.append(row)
@@ -204,7 +212,9 @@ def main(argv=None):
     body = (f'Read bandwidth measured by our read_sum kernel: {bandwidth / 1e12:.2f} TB/s. '
             'Floor = weight bytes / that bandwidth. Ours: GPU time of one decode-graph replay '
             '(CUDA events), median (p99); host step = decode + constrained argmax as Python '
-            'calls them, wall clock. HF: transformers, bf16, StaticCache, '
+            'calls them, wall clock. Serial launch: the same graphs captured without '
+            'programmatic dependent launch (each kernel starts only when the previous one '
+            'has ended), same run. HF: transformers, bf16, StaticCache, '
             "torch.compile(mode='reduce-overhead'), one decode step, CUDA events.\n\n"
             + markdown_table(header, rows))
     if tick_ms is not None:

@@ -95,6 +95,30 @@ def test_fp32_weights_give_identical_greedy_tokens(tmp_path):
     assert len(set(ref[1])) > 1, 'a constant greedy sequence would prove little'
 
 
+def test_dependent_launch_changes_timing_not_results(shape_dirs):
+    """Programmatic dependent launch lets a kernel start before the previous one ends; any
+    read that runs ahead of griddepcontrol.wait would show up as logits that differ from
+    the serial launch's, which does the same arithmetic in the same order (bit for bit)."""
+    checkpoint = load_checkpoint(shape_dirs['smollm2-135m'])
+    backend = cuda_backend(checkpoint, 320)
+    if backend.kernels.arch < 90:
+        pytest.skip('programmatic dependent launch needs sm_90, '
+                    f'this GPU is sm_{backend.kernels.arch}')
+    assert backend.dependent_launch
+    prompt = np.random.default_rng(6).integers(0, checkpoint.config.vocab_size, 200)
+    runs = []
+    for enabled in (True, False, True):
+        backend.set_dependent_launch(enabled)
+        assert backend.dependent_launch == enabled
+        runs.append(run_steps(backend, prompt, 24))
+    serial = runs[1]
+    for run in (runs[0], runs[2]):
+        assert run[1] == serial[1]
+        for step in range(24):
+            np.testing.assert_array_equal(run[0][step], serial[0][step])
+            np.testing.assert_array_equal(run[2][step], serial[2][step])
+
+
 @pytest.mark.parametrize('dtype', ['BF16', 'F16'])
 def test_compaction_and_rollback_match_numpy(dtype, tmp_path):
     config = shape_config('tiny')

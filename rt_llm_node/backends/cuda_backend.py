@@ -14,6 +14,8 @@ import numpy as np
 
 from rt_llm_node.backends import BackendError
 from rt_llm_node.backends import CacheOverflowError
+from rt_llm_node.backends.cuda_kernels import ATT_MAX_SPLITS
+from rt_llm_node.backends.cuda_kernels import DependentLauncher
 from rt_llm_node.backends.cuda_kernels import KernelSet
 from rt_llm_node.backends.numpy_backend import rope_tables
 
@@ -78,7 +80,10 @@ class CudaBackend:
 
     name = 'cuda'
 
-    def __init__(self, checkpoint, capacity, device_id=0):
+    def __init__(self, checkpoint, capacity, device_id=0, dependent_launch=None):
+        """``dependent_launch``: launch each kernel of a forward with programmatic dependent
+        launch, so that it loads its weights while the previous one finishes (None: where
+        the device has it, compute capability 9.0 and later)."""
         import cupy as cp
         self.cp = cp
         cfg = checkpoint.config
@@ -102,6 +107,24 @@ class CudaBackend:
             self._allocate(checkpoint)
             self.kernels = KernelSet(self.weight_dtype, device_id)
             self.stream = cp.cuda.Stream(non_blocking=True)
+            if dependent_launch is None:
+                dependent_launch = self.kernels.arch >= 90
+            self._dependent = DependentLauncher() if dependent_launch else None
+            self._warm_up_and_capture()
+
+    @property
+    def dependent_launch(self):
+        """Whether the forward's kernels run with programmatic dependent launch."""
+        return self._dependent is not None
+
+    @reports_device_errors
+    def set_dependent_launch(self, enabled):
+        """Switch programmatic dependent launch and recapture the graphs (clears the cache)."""
+        if enabled and self.kernels.arch < 90:
+            raise BackendError('programmatic dependent launch needs compute capability 9.0, '
+                               f'this device has {self.kernels.arch / 10:.1f}')
+        self._dependent = DependentLauncher() if enabled else None
+        with self.device:
             self._warm_up_and_capture()
 
     # -- set-up (configure time) ---------------------------------------------------
@@ -127,9 +150,9 @@ class CudaBackend:
         self.chunk = 64 if d <= 64 else 32 if d <= 128 else 16
         self.att_smem = (2 * self.chunk * d + self.chunk + d) * 4
         self.n_splits = (cap + self.chunk - 1) // self.chunk
-        if self.n_splits > 1024:    # attention's merge keeps one weight per split in shared memory
+        if self.n_splits > ATT_MAX_SPLITS:   # the merge keeps a weight per split in shared memory
             raise BackendError(f'kv capacity {cap} needs {self.n_splits} attention splits '
-                               f'of {self.chunk}; the kernels take at most 1024')
+                               f'of {self.chunk}; the kernels take at most {ATT_MAX_SPLITS}')
         self.counters = cp.zeros(cfg.num_heads, np.int32)   # attn_decode: splits done per head
         self.state = cp.zeros(8, np.int32)
         self.ids = cp.zeros(n_max, np.int32)                                  # [n_max]
@@ -166,20 +189,19 @@ class CudaBackend:
         memory = self.cp.cuda.alloc_pinned_memory(count * np.dtype(dtype).itemsize)
         return np.frombuffer(memory, dtype, count).reshape(shape)
 
+    def _copy(self, dst_ptr, src_ptr, nbytes, kind):
+        self.cp.cuda.runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, kind, self.stream.ptr)
+
     def _to_device(self, device_array, host_array, count=None):
         count = host_array.size if count is None else count
-        runtime = self.cp.cuda.runtime
-        runtime.memcpyAsync(device_array.data.ptr, host_array.ctypes.data,
-                            count * host_array.itemsize, runtime.memcpyHostToDevice,
-                            self.stream.ptr)
+        self._copy(device_array.data.ptr, host_array.ctypes.data, count * host_array.itemsize,
+                   self.cp.cuda.runtime.memcpyHostToDevice)
 
     def _to_host(self, host_array, device_array, count=None):
         """Copy and wait (the one place where a call waits for the GPU)."""
         count = host_array.size if count is None else count
-        runtime = self.cp.cuda.runtime
-        runtime.memcpyAsync(host_array.ctypes.data, device_array.data.ptr,
-                            count * host_array.itemsize, runtime.memcpyDeviceToHost,
-                            self.stream.ptr)
+        self._copy(host_array.ctypes.data, device_array.data.ptr, count * host_array.itemsize,
+                   self.cp.cuda.runtime.memcpyDeviceToHost)
         self.stream.synchronize()
         self.rings = [0, 0]
 
@@ -191,8 +213,14 @@ class CudaBackend:
         self.rings[which] = index + 1
         return ring[index]
 
-    def _launch(self, name, grid, block, *args, shared=0):
-        self.kernels.functions[name](grid, block, args, shared_mem=shared, stream=self.stream)
+    def _launch(self, name, grid, block, *args, shared=0, dependent=False):
+        """Launch a kernel on the stream; ``dependent``: it may start before the previous
+        kernel of the forward ends (it waits for its results with griddepcontrol.wait)."""
+        function = self.kernels.functions[name]
+        if dependent and self._dependent is not None:
+            self._dependent(function, grid, block, args, shared, self.stream)
+        else:
+            function(grid, block, args, shared_mem=shared, stream=self.stream)
 
     def _enqueue_forward(self, n_max):
         """Every kernel of one forward over up to n_max tokens (state says how many)."""
@@ -208,52 +236,55 @@ class CudaBackend:
 
         def mm_grid(units):
             return ((units + warps - 1) // warps, tiles)
+
+        def launch(name, grid, block, *args, shared=0):   # every kernel after the first
+            self._launch(name, grid, block, *args, shared=shared, dependent=True)
         self._launch('embed_gather', (n_max,), (256,), self.state, self.ids, self.embed, self.x,
                      _i32(hid), _i32(1 if decode else 0))
         qkv_rows = cfg.q_size + 2 * cfg.kv_size
         qkv_units = qkv_rows // 2
         for i, layer in enumerate(self.layers):
             kc, vc = self.k[i], self.v[i]
-            self._launch('matmul_qkv_rope' + sfx, mm_grid(qkv_units), block, self.state,
-                         layer.wqkv, _i32(qkv_rows), _i32(hid), self.x, layer.attn_norm, eps,
-                         _i32(qkv_units), layer.bqkv if layer.bqkv is not None else NULL,
-                         self.q, kc, vc, self.cos, self.sin, _i32(cfg.num_heads),
-                         _i32(cfg.num_kv_heads), _i32(d), _i32(cap))
+            launch('matmul_qkv_rope' + sfx, mm_grid(qkv_units), block, self.state,
+                   layer.wqkv, _i32(qkv_rows), _i32(hid), self.x, layer.attn_norm, eps,
+                   _i32(qkv_units), layer.bqkv if layer.bqkv is not None else NULL,
+                   self.q, kc, vc, self.cos, self.sin, _i32(cfg.num_heads),
+                   _i32(cfg.num_kv_heads), _i32(d), _i32(cap))
             scale = np.float32(1.0 / np.sqrt(d))
             if decode:   # the last split of each head merges them (no attn_combine)
-                self._launch('attn_decode', (cfg.num_heads, self.n_splits), (128,),
-                             self.state, self.q, kc, vc, self.scores_dec[i], self.part_ml,
-                             self.part_o, self.attn_out, self.ml_dec[i], self.counters,
-                             _i32(cfg.num_heads),
-                             _i32(cfg.num_kv_heads), _i32(d), _i32(cap), _i32(self.n_splits),
-                             _i32(self.chunk), scale)
+                launch('attn_decode', (cfg.num_heads, self.n_splits), (128,),
+                       self.state, self.q, kc, vc, self.scores_dec[i], self.part_ml,
+                       self.part_o, self.attn_out, self.ml_dec[i], self.counters,
+                       _i32(cfg.num_heads),
+                       _i32(cfg.num_kv_heads), _i32(d), _i32(cap), _i32(self.n_splits),
+                       _i32(self.chunk), scale)
             else:
-                self._launch('attn_partial', (cfg.num_heads * n_max, self.n_splits), (128,),
-                             self.state, self.q, kc, vc, self.scores, self.part_ml,
-                             self.part_o, _i32(n_max), _i32(cfg.num_heads),
-                             _i32(cfg.num_kv_heads), _i32(d), _i32(cap), _i32(self.n_splits),
-                             _i32(self.chunk), scale, shared=self.att_smem)
-                self._launch('attn_combine', (cfg.num_heads * n_max,), (128,), self.state,
-                             self.part_ml, self.part_o, self.attn_out, self.scores,
-                             _i32(n_max), _i32(cfg.num_heads), _i32(d), _i32(cap),
-                             _i32(self.n_splits), _i32(self.chunk))
+                launch('attn_partial', (cfg.num_heads * n_max, self.n_splits), (128,),
+                       self.state, self.q, kc, vc, self.scores, self.part_ml,
+                       self.part_o, _i32(n_max), _i32(cfg.num_heads),
+                       _i32(cfg.num_kv_heads), _i32(d), _i32(cap), _i32(self.n_splits),
+                       _i32(self.chunk), scale, shared=self.att_smem)
+                launch('attn_combine', (cfg.num_heads * n_max,), (128,), self.state,
+                       self.part_ml, self.part_o, self.attn_out, self.scores,
+                       _i32(n_max), _i32(cfg.num_heads), _i32(d), _i32(cap),
+                       _i32(self.n_splits), _i32(self.chunk))
                 self._enqueue_mass(self.scores, cfg.num_heads * n_max, n_max, first=i == 0)
-            self._launch('matmul_residual' + sfx, mm_grid((hid + 1) // 2), block,
-                         self.state, layer.wo, _i32(hid), _i32(cfg.q_size), self.attn_out,
-                         NULL, eps, self.x, _i32((hid + 1) // 2), _i32(0))
-            self._launch('matmul_swiglu' + sfx, mm_grid(inter), block, self.state,
-                         layer.wgate_up, _i32(2 * inter), _i32(hid), self.x, layer.mlp_norm,
-                         eps, self.act, _i32(inter), _i32(0))
-            self._launch('matmul_residual' + sfx, mm_grid((hid + 1) // 2), block, self.state,
-                         layer.wdown, _i32(hid), _i32(inter), self.act, NULL, eps, self.x,
-                         _i32((hid + 1) // 2), _i32(0))
+            launch('matmul_residual' + sfx, mm_grid((hid + 1) // 2), block,
+                   self.state, layer.wo, _i32(hid), _i32(cfg.q_size), self.attn_out,
+                   NULL, eps, self.x, _i32((hid + 1) // 2), _i32(0))
+            launch('matmul_swiglu' + sfx, mm_grid(inter), block, self.state,
+                   layer.wgate_up, _i32(2 * inter), _i32(hid), self.x, layer.mlp_norm,
+                   eps, self.act, _i32(inter), _i32(0))
+            launch('matmul_residual' + sfx, mm_grid((hid + 1) // 2), block, self.state,
+                   layer.wdown, _i32(hid), _i32(inter), self.act, NULL, eps, self.x,
+                   _i32((hid + 1) // 2), _i32(0))
         if decode:
             self._enqueue_mass(self.scores_dec, cfg.num_layers * cfg.num_heads, 1, first=True,
                                row_ml=self.ml_dec)
         vocab_units = (cfg.vocab_size + 1) // 2
-        self._launch('matmul_store_t1', ((vocab_units + warps - 1) // warps, 1), block,
-                     self.state, self.lm_head, _i32(cfg.vocab_size), _i32(hid), self.x,
-                     self.final_norm, eps, self.logits_buf, _i32(vocab_units), _i32(1))
+        launch('matmul_store_t1', ((vocab_units + warps - 1) // warps, 1), block,
+               self.state, self.lm_head, _i32(cfg.vocab_size), _i32(hid), self.x,
+               self.final_norm, eps, self.logits_buf, _i32(vocab_units), _i32(1))
 
     def _enqueue_mass(self, probs, n_rows, n_max, first, row_ml=None):
         """mass[t] (+)= the probabilities of ``n_rows`` rows (stride capacity) at key t.
@@ -261,7 +292,7 @@ class CudaBackend:
         With ``row_ml`` the rows hold raw scores and their softmax max and sum."""
         self._launch('attn_mass', ((self.capacity + 31) // 32,), (256,), self.state, probs,
                      NULL if row_ml is None else row_ml, self.mass, _i32(n_max), _i32(n_rows),
-                     _i32(self.capacity), _i32(1 if first else 0))
+                     _i32(self.capacity), _i32(1 if first else 0), dependent=True)
 
     def _capture(self, n_max):
         stream = self.stream

@@ -13,6 +13,9 @@ import sys
 
 WEIGHT_DTYPES = ('BF16', 'F16', 'F32')
 COMMON = 'common.cuh'
+# Most splits of the cache length one attention row merges (one weight each in shared
+# memory); passed to the kernels as -DATT_MAX_SPLITS, checked by the backend.
+ATT_MAX_SPLITS = 1024
 # Every kernel the backend launches; get_function on each forces the module to load.
 KERNELS = (
     'embed_gather',
@@ -66,7 +69,7 @@ def compile_options(arch, weight_dtype):
     if weight_dtype not in WEIGHT_DTYPES:
         raise KernelBuildError(f'no kernels for weight dtype {weight_dtype!r}')
     return [f'--gpu-architecture=sm_{arch}', '--std=c++17', f'-DRT_WEIGHT_{weight_dtype}',
-            '--restrict', '-lineinfo']
+            f'-DATT_MAX_SPLITS={ATT_MAX_SPLITS}', '--restrict', '-lineinfo']
 
 
 def compile_cubin(arch, weight_dtype, folder=None):
@@ -103,3 +106,74 @@ class KernelSet:
             return self.__dict__['functions'][name]
         except KeyError:
             raise AttributeError(name) from None
+
+
+# -- programmatic dependent launch (Hopper and later) ---------------------------------
+# CuPy launches through cuLaunchKernel, which takes no launch attributes; this calls the
+# driver's cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, so
+# the next kernel's blocks start (and load their weights) while this one finishes. The
+# kernels pair it with griddepcontrol.wait before they read what the previous one wrote
+# (pdl_wait_then_release in common.cuh). Stream capture keeps it as a programmatic edge.
+PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CUlaunchAttributeID, cuda.h
+
+
+def _launch_structs():
+    import ctypes
+
+    class Value(ctypes.Union):
+        _fields_ = [('pad', ctypes.c_char * 64), ('i', ctypes.c_int), ('align', ctypes.c_void_p)]
+
+    class Attribute(ctypes.Structure):
+        _fields_ = [('id', ctypes.c_uint), ('pad', ctypes.c_char * 4), ('value', Value)]
+
+    class Config(ctypes.Structure):
+        _fields_ = [('grid', ctypes.c_uint * 3), ('block', ctypes.c_uint * 3),
+                    ('shared', ctypes.c_uint), ('stream', ctypes.c_void_p),
+                    ('attrs', ctypes.POINTER(Attribute)), ('n_attrs', ctypes.c_uint)]
+    return Attribute, Config
+
+
+def _kernel_argument(value):
+    """A kernel argument as the ctypes value whose address cuLaunchKernelEx reads."""
+    import ctypes
+    import numpy as np
+    if hasattr(value, 'data') and hasattr(value.data, 'ptr'):   # a CuPy array
+        return ctypes.c_uint64(value.data.ptr)
+    if isinstance(value, np.int32):
+        return ctypes.c_int32(int(value))
+    if isinstance(value, np.float32):
+        return ctypes.c_float(float(value))
+    if isinstance(value, np.uint64):
+        return ctypes.c_uint64(int(value))
+    raise TypeError(f'kernel argument of type {type(value).__name__}: pass a CuPy array, '
+                    'np.int32, np.float32 or np.uint64')
+
+
+class DependentLauncher:
+    """Launch a kernel with programmatic dependent launch allowed on its stream."""
+
+    def __init__(self):
+        import ctypes
+        self._ctypes = ctypes
+        self._attribute_type, self._config_type = _launch_structs()
+        driver = ctypes.CDLL('libcuda.so.1')
+        self._launch = driver.cuLaunchKernelEx
+        self._launch.restype = ctypes.c_int
+        self._launch.argtypes = [ctypes.POINTER(self._config_type), ctypes.c_void_p,
+                                 ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        self._attribute = self._attribute_type(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+        self._attribute.value.i = 1
+
+    def __call__(self, function, grid, block, args, shared_mem, stream):
+        ctypes = self._ctypes
+        values = [_kernel_argument(a) for a in args]
+        params = (ctypes.c_void_p * max(1, len(values)))(
+            *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+        grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+        config = self._config_type((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block),
+                                   int(shared_mem), ctypes.c_void_p(stream.ptr),
+                                   ctypes.pointer(self._attribute), 1)
+        status = self._launch(ctypes.byref(config), ctypes.c_void_p(function.ptr), params, None)
+        if status != 0:
+            from cupy_backends.cuda.api.driver import CUDADriverError
+            raise CUDADriverError(status)
