@@ -148,10 +148,11 @@ def main():
     parser.add_argument('--max-minutes', type=float, default=None,
                         help='stop early and export what was learned once this much wall time '
                              'has passed (a run under a hard time limit still yields a model)')
-    parser.add_argument('--dagger', default=None, metavar='MODEL',
-                        help='DAgger: roll this checkpoint out on further training seeds and '
-                             'add those episodes, labelled by the expert, to the data')
-    parser.add_argument('--dagger-episodes', type=int, default=256)
+    parser.add_argument('--dagger', default=None, metavar='MODEL[,MODEL...]',
+                        help='DAgger: roll these checkpoints (earlier iterations) out on further '
+                             'training seeds and add those episodes, labelled by the expert, '
+                             'to the data')
+    parser.add_argument('--dagger-episodes', type=int, default=256, help='rollouts per model')
     parser.add_argument('--dagger-ticks', type=int, default=300,
                         help='ticks per rollout (the first goal or two)')
     parser.add_argument('--dagger-capacity', type=int, default=1024,
@@ -161,6 +162,7 @@ def main():
     import torch
     import transformers
     started = time.time()
+    dagger_models = [m for m in (args.dagger or '').split(',') if m]
     rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
     seeds = list(range(args.seed * 100000, args.seed * 100000 + args.episodes))
@@ -169,13 +171,13 @@ def main():
         tokenizer = train_tokenizer(texts, MODEL['vocab_size'], whole_words=whole_words())
         tokenizer_json = tokenizer.to_str()
         jobs = [(s, tokenizer_json, i % 4 != 0, None) for i, s in enumerate(seeds)]
-        if args.dagger:
-            first = seeds[-1] + 1
-            rollouts = dagger_rollouts(pool, args.dagger,
-                                       range(first, first + args.dagger_episodes),
+        first = seeds[-1] + 1
+        for model in dagger_models:   # each on its own seeds: the data of every iteration
+            rollouts = dagger_rollouts(pool, model, range(first, first + args.dagger_episodes),
                                        args.dagger_capacity, args.dagger_ticks)
+            first += args.dagger_episodes
             jobs += [(seed, tokenizer_json, False, executed) for seed, executed in rollouts]
-            print(f'DAgger: {len(rollouts)} rollouts of {args.dagger}, '
+            print(f'DAgger: {len(rollouts)} rollouts of {model}, '
                   f'{time.time() - started:.0f} s', flush=True)
         episodes = list(pool.map(_episode, jobs, chunksize=8))
     for episode in episodes:
@@ -252,10 +254,10 @@ def main():
     record = {
         'command': 'python tools/train_demo_policy.py ' + ' '.join(sys.argv[1:]),
         'seed': args.seed, 'train_seeds': [seeds[0], seeds[-1]], 'episodes': len(episodes),
-        'dagger': None if not args.dagger else {
-            'model': args.dagger, 'episodes': args.dagger_episodes,
+        'dagger': None if not dagger_models else {
+            'models': dagger_models, 'episodes_per_model': args.dagger_episodes,
             'ticks': args.dagger_ticks, 'capacity': args.dagger_capacity,
-            'seeds': [seeds[-1] + 1, seeds[-1] + args.dagger_episodes]},
+            'seeds': [seeds[-1] + 1, seeds[-1] + len(dagger_models) * args.dagger_episodes]},
         'ticks': n_ticks, 'tokens_seen': tokens_seen, 'steps': len(losses),
         'steps_planned': args.steps,
         'batch': args.batch, 'lr': args.lr, 'parameters': n_params,
