@@ -43,8 +43,11 @@ soak: $(STAMP)
 gpu-test:
 	PYTHONPATH=. python3 -m pytest -q -ra -m gpu test
 
+# BENCHMARKS_OUT=DIR also copies the updated BENCHMARKS.md there (a remote GPU machine's
+# output folder, so the figures come back with the run).
 gpu-bench:
 	PYTHONPATH=. python3 -m rt_llm_node.bench --write
+	$(if $(BENCHMARKS_OUT),mkdir -p $(BENCHMARKS_OUT) && cp BENCHMARKS.md $(BENCHMARKS_OUT)/)
 
 clean:
 	rm -rf $(VENV) build install log *.egg-info .pytest_cache

@@ -71,6 +71,20 @@ def dagger_rollouts(pool, model, seeds, capacity, max_ticks):
     return list(pool.map(_rollout, jobs))
 
 
+def _one_cycle_lrs(schedule, step):
+    """The learning rates torch's OneCycleLR gives at ``step`` (its closed form; like its
+    step(), this also sets the cycled momentum of the optimizer)."""
+    import warnings
+    saved = schedule.last_epoch
+    schedule.last_epoch = step
+    try:
+        with warnings.catch_warnings():   # get_lr outside step() warns; it is what we want
+            warnings.simplefilter('ignore')
+            return schedule.get_lr()
+    finally:
+        schedule.last_epoch = saved
+
+
 def build_sample(episode, system, end, budget, rng):
     """Token ids and labels (-100: no loss) of one context ending at tick ``end``.
 
@@ -198,9 +212,26 @@ def main():
                                   betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr,
                                                    total_steps=args.steps, pct_start=0.05)
+    # Under --max-minutes the one-cycle schedule follows whichever runs out first, the
+    # steps or the time left after the data (15 s kept for the export), so a run cut by
+    # the clock still ends annealed instead of at a high learning rate.
+    train_s = None if args.max_minutes is None else 60.0 * args.max_minutes - data_s - 15.0
+    if train_s is not None and train_s <= 0:
+        sys.exit(f'--max-minutes {args.max_minutes}: the data took {data_s:.0f} s, '
+                 'nothing left for training')
+    train_started = time.time()
     losses = []
     tokens_seen = 0
     for step in range(args.steps):
+        if train_s is not None:   # where the one-cycle schedule would be, by time or steps
+            done = max(step / args.steps, (time.time() - train_started) / train_s)
+            if done >= 1.0:
+                print(f'--max-minutes {args.max_minutes} reached: exporting after {step} '
+                      f"steps (last lr {optimizer.param_groups[0]['lr']:.2e})", flush=True)
+                break
+            position = min(args.steps - 1, int(done * args.steps))
+            for group, lr in zip(optimizer.param_groups, _one_cycle_lrs(schedule, position)):
+                group['lr'] = lr
         batch_ids, batch_labels = [], []
         budget = int(rng.choice(BUDGETS))
         for _ in range(args.batch):
@@ -231,18 +262,13 @@ def main():
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        schedule.step()
+        if train_s is None:   # else the rates (and momentum) are set from the position above
+            schedule.step()
         losses.append(loss.item())
-        out_of_time = (args.max_minutes is not None
-                       and time.time() - started > 60.0 * args.max_minutes)
-        if (step % 200 == 0 or step == args.steps - 1 or out_of_time
-                or not np.isfinite(losses[-1])):
+        if step % 200 == 0 or step == args.steps - 1 or not np.isfinite(losses[-1]):
             print(f'step {step} budget {budget} loss {np.mean(losses[-50:]):.4f} '
-                  f'{time.time() - started:.0f} s', flush=True)
-        if out_of_time:
-            print(f'--max-minutes {args.max_minutes} reached: exporting after {step + 1} steps',
+                  f"lr {optimizer.param_groups[0]['lr']:.2e} {time.time() - started:.0f} s",
                   flush=True)
-            break
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = model.to('cpu').to(torch.bfloat16)
@@ -260,6 +286,8 @@ def main():
             'seeds': [seeds[-1] + 1, seeds[-1] + len(dagger_models) * args.dagger_episodes]},
         'ticks': n_ticks, 'tokens_seen': tokens_seen, 'steps': len(losses),
         'steps_planned': args.steps,
+        'schedule': ('one-cycle over the steps' if train_s is None else
+                     f'one-cycle over the steps or {train_s:.0f} s of training, what ends first'),
         'batch': args.batch, 'lr': args.lr, 'parameters': n_params,
         'final_loss': float(np.mean(losses[-100:])), 'wall_s': round(time.time() - started, 1),
         'device': torch.cuda.get_device_name() if device == 'cuda' else 'cpu',
