@@ -65,12 +65,6 @@ def _rollout(job):
     return seed, result['executed']
 
 
-def dagger_rollouts(pool, model, seeds, capacity, max_ticks):
-    """Roll ``model`` out on ``seeds`` (the worker pool, numpy): [(seed, executed)]."""
-    jobs = [(model, seed, capacity, max_ticks) for seed in seeds]
-    return list(pool.map(_rollout, jobs))
-
-
 def _one_cycle_lrs(schedule, step):
     """The learning rates torch's OneCycleLR gives at ``step`` (its closed form; like its
     step(), this also sets the cycled momentum of the optimizer)."""
@@ -187,8 +181,9 @@ def main():
         jobs = [(s, tokenizer_json, i % 4 != 0, None) for i, s in enumerate(seeds)]
         first = seeds[-1] + 1
         for model in dagger_models:   # each on its own seeds: the data of every iteration
-            rollouts = dagger_rollouts(pool, model, range(first, first + args.dagger_episodes),
-                                       args.dagger_capacity, args.dagger_ticks)
+            rollouts = list(pool.map(_rollout, [
+                (model, seed, args.dagger_capacity, args.dagger_ticks)
+                for seed in range(first, first + args.dagger_episodes)]))
             first += args.dagger_episodes
             jobs += [(seed, tokenizer_json, False, executed) for seed, executed in rollouts]
             print(f'DAgger: {len(rollouts)} rollouts of {model}, '

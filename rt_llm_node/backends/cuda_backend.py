@@ -107,9 +107,7 @@ class CudaBackend:
             self._allocate(checkpoint)
             self.kernels = KernelSet(self.weight_dtype, device_id)
             self.stream = cp.cuda.Stream(non_blocking=True)
-            if dependent_launch is None:
-                dependent_launch = self.kernels.arch >= 90
-            self._dependent = DependentLauncher() if dependent_launch else None
+            self._choose_launch(dependent_launch)
             self._warm_up_and_capture()
 
     @property
@@ -117,13 +115,21 @@ class CudaBackend:
         """Whether the forward's kernels run with programmatic dependent launch."""
         return self._dependent is not None
 
-    @reports_device_errors
-    def set_dependent_launch(self, enabled):
-        """Switch programmatic dependent launch and recapture the graphs (clears the cache)."""
+    def _choose_launch(self, enabled):
+        """The one place that decides the launch mode (None: dependent where the device has
+        it); below sm_90 the kernels' griddepcontrol waits compile to nothing, so asking
+        for it there is an error, not a race."""
+        if enabled is None:
+            enabled = self.kernels.arch >= 90
         if enabled and self.kernels.arch < 90:
             raise BackendError('programmatic dependent launch needs compute capability 9.0, '
                                f'this device has {self.kernels.arch / 10:.1f}')
         self._dependent = DependentLauncher() if enabled else None
+
+    @reports_device_errors
+    def set_dependent_launch(self, enabled):
+        """Switch programmatic dependent launch and recapture the graphs (clears the cache)."""
+        self._choose_launch(enabled)
         with self.device:
             self._warm_up_and_capture()
 
