@@ -13,11 +13,13 @@
 //   attn_decode   one query (decode): grid (n_heads, ceil(cap / chunk)), block 128, chunk
 //                 <= 64, d <= 256, at most ATT_MAX_SPLITS splits. No staging: each thread
 //                 first loads its key's row and its (key group, float4 column) share of the
-//                 values into registers, all at once; then scores, softmax, values. The last
-//                 split of a head to finish (a counter per head, reset by that block)
-//                 merges every split into out [n_heads * d] and writes the head's softmax
-//                 max and sum to row_ml [n_heads, 2]; its scores stay raw (attn_mass
-//                 normalizes them): attn_combine's work without its launch.
+//                 values into registers, all at once, the older keys before it waits for
+//                 the previous kernel (only the new token's slot comes from it); then
+//                 scores, softmax, values. The last split of a head to finish (a counter
+//                 per head, reset by that block) merges every split into out
+//                 [n_heads * d] and writes the head's softmax max and sum to row_ml
+//                 [n_heads, 2]; its scores stay raw (attn_mass normalizes them):
+//                 attn_combine's work without its launch.
 //   attn_mass     grid ceil(cap / 32), block 256: for key t < start + n, adds the
 //                 probabilities of every row (layers x heads x queries, stride cap) to
 //                 mass[t]; with `first` set and state[STATE_MASS_ACC] 0 (a call's first
@@ -147,34 +149,44 @@ attn_decode(const int* __restrict__ state, const float* __restrict__ q,
             float* __restrict__ scores, float* part_ml, float* part_o, float* __restrict__ out,
             float* __restrict__ row_ml, int* counters, int n_heads, int n_kv, int d, int cap,
             int n_splits, int chunk, float scale) {
-  pdl_wait_then_release();
   __shared__ float4 qs4[64];     // [d / 4]
   __shared__ float p[64];        // [chunk]
   __shared__ float4 acc4[128];   // [groups, d / 4]
   __shared__ float scratch[WARP];
   __shared__ int is_last;
-  const int h = blockIdx.x, s = blockIdx.y, visible = state[STATE_START] + 1;
+  const int h = blockIdx.x, s = blockIdx.y, start = state[STATE_START], visible = start + 1;
   const int k0 = s * chunk, k1 = min(k0 + chunk, visible);
-  if (k0 >= k1) return;  // only the splits that hold keys take part (and count)
+  if (k0 >= k1) {  // only the splits that hold keys take part (and count)
+    pdl_wait_then_release();
+    return;
+  }
   const int hk = h / (n_heads / n_kv), count = k1 - k0, d4 = d / 4;
   const int groups = blockDim.x / d4, g = threadIdx.x / d4, c = threadIdx.x % d4;
   const int j = threadIdx.x;   // this thread's key (count <= chunk <= blockDim)
   const float4* kc4 = reinterpret_cast<const float4*>(k_cache);
   const float4* vc4 = reinterpret_cast<const float4*>(v_cache);
   // every load of the split goes out before anything waits: this thread's key row (its first
-  // ATT_KPRE float4s) and its value column (ATT_VPRE keys)
+  // ATT_KPRE float4s) and its value column (ATT_VPRE keys). Keys before `start` were written
+  // by earlier calls, so they load before the wait for the previous kernel; the new token's
+  // key and value (slot `start`, written by matmul_qkv_rope just before) after it.
   const float4* kr = kc4 + ((long long)(k0 + j) * n_kv + hk) * d4;
   float4 kpre[ATT_KPRE], vpre[ATT_VPRE];
-  if (j < count) {
 #pragma unroll
-    for (int b = 0; b < ATT_KPRE; ++b)
-      if (b < d4) kpre[b] = kr[b];
-  }
-  if (g < groups) {
+  for (int pass = 0; pass < 2; ++pass) {
+    if (pass == 1) pdl_wait_then_release();
+    if (j < count && (k0 + j < start) == (pass == 0)) {
 #pragma unroll
-    for (int b = 0; b < ATT_VPRE; ++b) {
-      const int jj = g + b * groups;
-      if (jj < count) vpre[b] = vc4[((long long)(k0 + jj) * n_kv + hk) * d4 + c];
+      for (int b = 0; b < ATT_KPRE; ++b)
+        if (b < d4) kpre[b] = pass ? ld_cg4(kr + b) : kr[b];
+    }
+    if (g < groups) {
+#pragma unroll
+      for (int b = 0; b < ATT_VPRE; ++b) {
+        const int jj = g + b * groups;
+        if (jj < count && (k0 + jj < start) == (pass == 0))
+          vpre[b] = pass ? ld_cg4(vc4 + ((long long)(k0 + jj) * n_kv + hk) * d4 + c)
+                         : vc4[((long long)(k0 + jj) * n_kv + hk) * d4 + c];
+      }
     }
   }
   for (int e = threadIdx.x; e < d4; e += blockDim.x)
@@ -196,7 +208,7 @@ attn_decode(const int* __restrict__ state, const float* __restrict__ q,
     }
 #pragma unroll 8
     for (int e = ATT_KPRE; e < d4; ++e) {
-      const float4 kv = kr[e], qv = qs4[e];
+      const float4 kv = ld_cg4(kr + e), qv = qs4[e];
       acc = fmaf(kv.x, qv.x, acc);
       acc = fmaf(kv.y, qv.y, acc);
       acc = fmaf(kv.z, qv.z, acc);
@@ -229,7 +241,7 @@ attn_decode(const int* __restrict__ state, const float* __restrict__ q,
       }
     }
     for (int jj = g + ATT_VPRE * groups; jj < count; jj += groups) {
-      const float4 vv = vc4[((long long)(k0 + jj) * n_kv + hk) * d4 + c];
+      const float4 vv = ld_cg4(vc4 + ((long long)(k0 + jj) * n_kv + hk) * d4 + c);
       const float pj = p[jj];
       o.x = fmaf(pj, vv.x, o.x);
       o.y = fmaf(pj, vv.y, o.y);

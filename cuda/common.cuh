@@ -98,6 +98,15 @@ __device__ __forceinline__ float ld_cg(const float* p) {
   return v;
 }
 
+// Four floats through L2 only: data the previous kernel wrote, read after the wait for it
+// (a line of it may sit stale in L1 from a load issued before the wait).
+__device__ __forceinline__ float4 ld_cg4(const float4* p) {
+  float4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);

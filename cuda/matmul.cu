@@ -4,7 +4,8 @@
 //
 // Geometry: block = 32 * w threads (w warps, at most 8); a warp owns one unit (two output
 // rows) for a tile of TT tokens; grid = (ceil(units / w), ceil(n_max / TT)); tiles at or past
-// state[STATE_N] tokens exit. Suffix _t16 (prefill, TT = 16) and _t1 (one token: decode, and
+// state[STATE_N] tokens exit. The _t1 kernels may give a unit to `split` warps (1, 2 or 4,
+// dividing w) that share its K: grid.x = ceil(units * split / w). Suffix _t16 (prefill, TT = 16) and _t1 (one token: decode, and
 // the LM head's last token). The _t1 kernels issue a warp's first MV_BATCH 16-byte weight
 // loads per row and lane before the norm's block reduction, so the weights stream in while
 // the block waits on it (nothing but the weights is needed to start).
@@ -169,7 +170,8 @@ __device__ __forceinline__ void unit_rows(int u, int rows, const QkvArgs& qa, in
 template <int TT, int EPI>
 __device__ void matmul_body(int* __restrict__ state, const wt* __restrict__ W, int rows, int K,
                             const float* __restrict__ x, const wt* __restrict__ norm_w, float eps,
-                            float* __restrict__ out, int units, int last_only, QkvArgs qa) {
+                            float* __restrict__ out, int units, int last_only, QkvArgs qa,
+                            int /* split: always 1 */) {
   pdl_wait_then_release();
   __shared__ float inv_rms[TT];
   const int n = state[STATE_N], start = state[STATE_START];
@@ -200,20 +202,22 @@ __device__ void matmul_body(int* __restrict__ state, const wt* __restrict__ W, i
   }
 }
 
-#if defined(RT_WEIGHT_F32)
-#define MV_BATCH 4   // 32-byte chunks: 16 registers each for a row pair
-#else
-#define MV_BATCH 8   // 16-byte chunks
+#ifndef MV_BATCH  // chunks of 8 weights per lane and batch: set by the loader (cuda_kernels.py)
+#error "MV_BATCH must be defined by the build options"
 #endif
 
 // One token (decode, or the last token for the LM head): the weights' first batch is
 // loaded before the norm, the rest batch by batch, every load of a batch issued first.
+// split (1, 2 or 4, dividing the block's warps): warps per unit, each taking a contiguous
+// 1/split of K, their sums added in shared memory, so that a long row is one batch of
+// loads per lane (all in flight before the wait) and a short matrix covers more SMs.
 template <int EPI>
 __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, int rows, int K,
                             const float* __restrict__ x, const wt* __restrict__ norm_w,
                             float eps, float* __restrict__ out, int units, int last_only,
-                            QkvArgs qa) {
+                            QkvArgs qa, int split) {
   __shared__ float scratch[WARP];
+  __shared__ float2 part_sums[8];   // [warp]: a0, a1 of its share of K (<= 8 warps)
   const int n = state[STATE_N], start = state[STATE_START];
   const int tok = last_only ? n - 1 : blockIdx.y;   // grid.y: one block row per token
   if (tok >= n) {  // the whole block leaves together
@@ -221,9 +225,12 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
     return;
   }
   const float* xt = x + (long long)tok * K;
-  const int lane = threadIdx.x % WARP;
-  const int u = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+  const int u = blockIdx.x * (blockDim.x / WARP / split) + warp / split, part = warp % split;
   const bool active = u < units, vec = (K & 7) == 0;
+  // this warp's chunks of 8 weights: [c_begin, c_end) of K / 8
+  const int per_part = (K / 8 + split - 1) / split;
+  const int c_begin = part * per_part, c_end = min(K / 8, c_begin + per_part);
   int r0 = 0, r1 = 0, kind = 0;
   if (active) unit_rows<EPI>(u, rows, qa, &r0, &r1, &kind);
   const wt* w0 = W + (long long)r0 * K;
@@ -232,12 +239,12 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
   if (active && vec) {
 #pragma unroll
     for (int b = 0; b < MV_BATCH; ++b) {
-      const int k = (lane + b * WARP) * 8;
-      if (k < K) { wa[b] = load_w8(w0 + k); wb[b] = load_w8(w1 + k); }
+      const int c = c_begin + lane + b * WARP;
+      if (c < c_end) { wa[b] = load_w8(w0 + 8 * c); wb[b] = load_w8(w1 + 8 * c); }
     }
   }
   float rc = 0.f, rs = 0.f;   // qkv: this pair's rotation, loaded early too
-  if (EPI == EPI_QKV_ROPE && active && kind < 2 && lane == 0) {
+  if (EPI == EPI_QKV_ROPE && active && kind < 2 && lane == 0 && part == 0) {
     const int half = qa.head_dim / 2, q_size = qa.n_heads * qa.head_dim;
     const int i = (kind == 0 ? r0 : r0 - q_size) % qa.head_dim;
     const long long at = (long long)(qa.cap + start + tok) * half + i;
@@ -252,21 +259,22 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
     ss = block_sum(ss, scratch);
     inv_rms = 1.f / sqrtf(ss / K + eps);
   }
-  if (!active) return;
+  if (split == 1 && !active) return;   // with split > 1 every warp meets the barrier below
   float a0 = 0.f, a1 = 0.f;
-  if (vec) {
-    for (int base = 0; base < K; base += MV_BATCH * WARP * 8) {
-      if (base) {
+  if (active && vec) {
+    for (int base = c_begin; base < c_end; base += MV_BATCH * WARP) {
+      if (base != c_begin) {
 #pragma unroll
         for (int b = 0; b < MV_BATCH; ++b) {
-          const int k = base + (lane + b * WARP) * 8;
-          if (k < K) { wa[b] = load_w8(w0 + k); wb[b] = load_w8(w1 + k); }
+          const int c = base + lane + b * WARP;
+          if (c < c_end) { wa[b] = load_w8(w0 + 8 * c); wb[b] = load_w8(w1 + 8 * c); }
         }
       }
 #pragma unroll
       for (int b = 0; b < MV_BATCH; ++b) {
-        const int k = base + (lane + b * WARP) * 8;
-        if (k < K) {
+        const int c = base + lane + b * WARP;
+        if (c < c_end) {
+          const int k = 8 * c;
           float fa[8], fb[8], xv[8], nw[8];
           w8_floats(wa[b], fa);
           w8_floats(wb[b], fb);
@@ -281,8 +289,8 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
         }
       }
     }
-  } else {  // rows not 16-byte aligned: scalar loads
-    for (int k = lane; k < K; k += WARP) {
+  } else if (active) {  // rows not 16-byte aligned: scalar loads, the parts interleaved
+    for (int k = part * WARP + lane; k < K; k += WARP * split) {
       const float nw = norm_w ? w2f(norm_w[k]) : 1.f;
       const float xn = xt[k] * inv_rms * nw;
       a0 = fmaf(w2f(w0[k]), xn, a0);
@@ -291,16 +299,26 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
   }
   a0 = warp_sum(a0);
   a1 = warp_sum(a1);
+  if (split > 1) {
+    if (lane == 0) part_sums[warp] = make_float2(a0, a1);
+    __syncthreads();
+    if (!active || part != 0) return;
+    for (int p = 1; p < split; ++p) {
+      a0 += part_sums[warp + p].x;
+      a1 += part_sums[warp + p].y;
+    }
+  }
   if (lane == 0)
     epilogue<EPI>(state, tok, u, rows, r0, r1, kind, a0, a1, out, last_only, start, qa, true, rc, rs);
 }
 
+// Every wrapper takes `split` last (warps per unit); the _t16 bodies need it to be 1.
 #define MATMUL_PLAIN(NAME, BODY)                                                            \
   extern "C" __global__ void __launch_bounds__(256)                                        \
   NAME(int* state, const wt* W, int rows, int K, const float* x, const wt* norm_w,          \
-       float eps, float* out, int units, int last_only) {                                   \
+       float eps, float* out, int units, int last_only, int split) {                        \
     QkvArgs none = {};                                                                      \
-    BODY(state, W, rows, K, x, norm_w, eps, out, units, last_only, none);                   \
+    BODY(state, W, rows, K, x, norm_w, eps, out, units, last_only, none, split);            \
   }
 
 MATMUL_PLAIN(matmul_residual_t1, matvec_body<EPI_RESIDUAL>)
@@ -314,10 +332,10 @@ MATMUL_PLAIN(matmul_swiglu_t16, (matmul_body<16, EPI_SWIGLU>))
   NAME(int* state, const wt* W, int rows, int K, const float* x, const wt* norm_w,          \
        float eps, int units, const wt* bias, float* q_out, float* k_cache, float* v_cache,  \
        const float* cos_t, const float* sin_t, int n_heads, int n_kv, int head_dim,         \
-       int cap) {                                                                           \
+       int cap, int split) {                                                                \
     QkvArgs qa = {bias, q_out, k_cache, v_cache, cos_t, sin_t, n_heads, n_kv, head_dim,     \
                   cap};                                                                     \
-    BODY(state, W, rows, K, x, norm_w, eps, nullptr, units, 0, qa);                         \
+    BODY(state, W, rows, K, x, norm_w, eps, nullptr, units, 0, qa, split);                  \
   }
 
 MATMUL_QKV(matmul_qkv_rope_t1, matvec_body<EPI_QKV_ROPE>)

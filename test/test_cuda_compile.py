@@ -40,3 +40,18 @@ def test_program_source_inlines_the_common_header_once():
     source = program_source()
     assert source.count('#line 1 "common.cuh"') == 1
     assert '#include "common.cuh"' not in source
+
+
+@pytest.mark.parametrize('units,k,mv_batch,expected', [
+    (480, 576, 8, 2),      # SmolLM2 qkv: 120 blocks would leave SMs idle
+    (768, 576, 8, 1),      # SmolLM2 gate/up: enough blocks, one batch
+    (448, 4864, 8, 4),     # Qwen2.5 down: 608 chunks, one batch each only split 4 ways
+    (1024, 8192, 8, 4),    # Llama-3.2 down: 1024 chunks -> 256 a warp
+    (1024, 2048, 8, 1),    # Llama-3.2 o: one batch, 256 blocks
+    (64128, 2048, 8, 1),   # an LM head
+    (20, 64, 8, 1),        # a warp's share would be under 32 chunks
+    (20, 36, 8, 1),        # scalar path: 36 weights
+])
+def test_matvec_split(units, k, mv_batch, expected):
+    from rt_llm_node.backends.cuda_backend import matvec_split
+    assert matvec_split(units, k, mv_batch, n_sm=132) == expected

@@ -80,8 +80,13 @@ def test_embed_gather(kit):
     close(x.get()[0], ref[42], 0, 0)
 
 
-@pytest.mark.parametrize('n,tt,K', [(1, 1, 96), (13, 16, 96), (20, 16, 36), (5, 16, 600)])
-def test_matmul_residual(kit, n, tt, K):
+# split: warps sharing a row pair's K (one-token kernels); K = 4104 needs two batches of
+# loads per lane in each half, 2600 splits unevenly, 36 takes the scalar path
+@pytest.mark.parametrize('n,tt,K,split', [(1, 1, 96, 1), (1, 1, 96, 2), (1, 1, 600, 4),
+                                          (1, 1, 4104, 1), (1, 1, 4104, 2), (1, 1, 2600, 4),
+                                          (1, 1, 36, 2), (13, 16, 96, 1), (20, 16, 36, 1),
+                                          (5, 16, 600, 1)])
+def test_matmul_residual(kit, n, tt, K, split):
     cp, k, dtype = kit
     rng = np.random.default_rng()
     rows = 77
@@ -89,38 +94,42 @@ def test_matmul_residual(kit, n, tt, K):
     x = rng.standard_normal((32, K)).astype(np.float32)
     out0 = rng.standard_normal((32, rows)).astype(np.float32)
     out = cp.asarray(out0)
-    units = (rows + 1) // 2
-    grid = ((units + 3) // 4, (32 + tt - 1) // tt)
+    units = (rows + 1) // 2   # 39: with split 2 or 4 the last block has idle warps
+    grid = ((units * split + 3) // 4, (32 + tt - 1) // tt)
     k.functions[f'matmul_residual_t{tt}'](grid, (128,), (
         state(cp, 3, n), w, i32(rows), i32(K), cp.asarray(x), NULL, np.float32(1e-5), out,
-        i32(units), i32(0)))
+        i32(units), i32(0), i32(split)))
     ref = out0.copy()
     ref[:n] += x[:n] @ wf.T
     close(out.get(), ref)
 
 
-def test_matmul_store_last_token_with_rmsnorm(kit):
+@pytest.mark.parametrize('split', [1, 2])
+def test_matmul_store_last_token_with_rmsnorm(kit, split):
     cp, k, dtype = kit
     rng = np.random.default_rng()
-    rows, K, n = 301, 64, 9
+    rows, K, n = 301, 512, 9
     w, wf = weights(cp, dtype, (rows, K), rng)
     nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
     x = rng.standard_normal((32, K)).astype(np.float32)
     st = state(cp, 0, n)
     out = poisoned(cp, (rows,))
     units = (rows + 1) // 2
-    k.matmul_store_t1(((units + 3) // 4, 1), (128,), (
-        st, w, i32(rows), i32(K), cp.asarray(x), nw, np.float32(1e-5), out, i32(units), i32(1)))
+    grid = ((units * split + 3) // 4, 1)
+    k.matmul_store_t1(grid, (128,), (
+        st, w, i32(rows), i32(K), cp.asarray(x), nw, np.float32(1e-5), out, i32(units), i32(1),
+        i32(split)))
     close(out.get(), wf @ rmsnorm(x[n - 1:n], nwf, 1e-5)[0])
     assert st.get()[4] == 0
     x[n - 1, 3] = np.inf   # a non-finite logit raises the flag
-    k.matmul_store_t1(((units + 3) // 4, 1), (128,), (
-        st, w, i32(rows), i32(K), cp.asarray(x), nw, np.float32(1e-5), out, i32(units), i32(1)))
+    k.matmul_store_t1(grid, (128,), (
+        st, w, i32(rows), i32(K), cp.asarray(x), nw, np.float32(1e-5), out, i32(units), i32(1),
+        i32(split)))
     assert st.get()[4] & 1
 
 
-@pytest.mark.parametrize('n,tt', [(1, 1), (11, 16), (30, 16)])
-def test_matmul_swiglu(kit, n, tt):
+@pytest.mark.parametrize('n,tt,split', [(1, 1, 1), (1, 1, 2), (11, 16, 1), (30, 16, 1)])
+def test_matmul_swiglu(kit, n, tt, split):
     cp, k, dtype = kit
     rng = np.random.default_rng()
     inter, K = 40, 64
@@ -128,19 +137,20 @@ def test_matmul_swiglu(kit, n, tt):
     nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
     x = rng.standard_normal((32, K)).astype(np.float32)
     act = poisoned(cp, (32, inter))
-    grid = ((inter + 3) // 4, (32 + tt - 1) // tt)
+    grid = ((inter * split + 3) // 4, (32 + tt - 1) // tt)
     k.functions[f'matmul_swiglu_t{tt}'](grid, (128,), (
         state(cp, 0, n), w, i32(2 * inter), i32(K), cp.asarray(x), nw, np.float32(1e-5), act,
-        i32(inter), i32(0)))
+        i32(inter), i32(0), i32(split)))
     gu = rmsnorm(x[:n], nwf, 1e-5) @ wf.T
     close(act.get()[:n], silu(gu[:, :inter]) * gu[:, inter:])
 
 
-@pytest.mark.parametrize('n,tt,bias', [(1, 1, True), (10, 16, False), (20, 16, True)])
-def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias):
+@pytest.mark.parametrize('n,tt,bias,split', [(1, 1, True, 1), (1, 1, False, 2),
+                                             (10, 16, False, 1), (20, 16, True, 1)])
+def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias, split):
     cp, k, dtype = kit
     rng = np.random.default_rng()
-    heads, kv, d, K, cap, start = 4, 2, 32, 64, 64, 7
+    heads, kv, d, K, cap, start = 4, 2, 32, 512, 64, 7
     rows = (heads + 2 * kv) * d
     w, wf = weights(cp, dtype, (rows, K), rng)
     b, bf = weights(cp, dtype, (rows,), rng)
@@ -151,11 +161,11 @@ def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias):
     q = poisoned(cp, (32, heads * d))
     kc, vc = poisoned(cp, (cap, kv, d)), poisoned(cp, (cap, kv, d))
     units = rows // 2
-    grid = ((units + 3) // 4, (32 + tt - 1) // tt)
+    grid = ((units * split + 3) // 4, (32 + tt - 1) // tt)
     k.functions[f'matmul_qkv_rope_t{tt}'](grid, (128,), (
         state(cp, start, n), w, i32(rows), i32(K), cp.asarray(x), nw, np.float32(1e-5),
         i32(units), b if bias else NULL, q, kc, vc, cp.asarray(cos), cp.asarray(sin),
-        i32(heads), i32(kv), i32(d), i32(cap)))
+        i32(heads), i32(kv), i32(d), i32(cap), i32(split)))
     qkv = rmsnorm(x[:n], nwf, 1e-5) @ wf.T + (bf if bias else 0)
     c, s = cos[cap + start:cap + start + n], sin[cap + start:cap + start + n]
     q_ref = apply_rope(qkv[:, :heads * d].reshape(n, heads, d), c, s).reshape(n, -1)

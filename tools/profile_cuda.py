@@ -4,7 +4,6 @@
 """
 
 import argparse
-from collections import defaultdict
 import tempfile
 import time
 
@@ -21,6 +20,7 @@ def main():
     parser.add_argument('--context', type=int, default=256)
     parser.add_argument('--repeats', type=int, default=50)
     parser.add_argument('--prefill', action='store_true', help='profile a 48-token prefill')
+    parser.add_argument('--chain', type=int, default=32, help='launches per kernel graph')
     args = parser.parse_args()
     import cupy as cp
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,35 +63,47 @@ def main():
         stop.synchronize()
         graph_ms.append(cp.cuda.get_elapsed_time(start, stop))
     print(f'  gpu: decode graph replay {np.median(graph_ms) * 1e3:.1f} us')
-    # per kernel, launched one by one with events around each
-    per = defaultdict(list)
+    # per kernel: each launch of the forward's first layer (and the LM head) captured
+    # `--chain` times back to back in one graph, launched as in the forward (dependent
+    # where the backend uses it), so a row is the kernel's time in a chain of its own kind
+    recorded = []
     launch = backend._launch
 
-    def timed(name, grid, block, *a, **kw):
-        s, e = cp.cuda.Event(), cp.cuda.Event()
-        s.record(stream)
-        launch(name, grid, block, *a, **kw)
-        e.record(stream)
-        per[name].append((s, e))
-    backend._launch = timed
+    def record(name, grid, block, *a, **kw):
+        recorded.append((name, grid, block, a, kw))
+    backend._launch = record
     n_max, n = (64, 48) if args.prefill else (1, 1)
-    for _ in range(5):
+    backend._enqueue_forward(n_max)
+    backend._launch = launch
+    per_layer = (len(recorded) - (3 if n_max == 1 else 2)) // checkpoint.config.num_layers
+    picked = recorded[1:1 + per_layer] + recorded[-1:]   # first layer, then the LM head
+    itemsize = np.dtype(np.uint16).itemsize
+    total_us = 0.0
+    for name, grid, block, a, kw in picked:
         backend.rollback(args.context)
         backend._write_state(7, args.context, n, 0)
-        backend._enqueue_forward(n_max)
-    stream.synchronize()
-    backend._launch = launch
-    total = 0.0
-    rows = []
-    for name, evs in per.items():
-        t = [cp.cuda.get_elapsed_time(s, e) * 1e3 for s, e in evs]
-        per_forward = sum(t) / 5
-        total += per_forward
-        rows.append((per_forward, name, len(evs) // 5, np.median(t)))
-    for per_forward, name, count, med in sorted(rows, reverse=True):
-        print(f'  kernel {name:22s} x{count:3d}  median {med:8.2f} us  '
-              f'per step {per_forward:9.1f} us')
-    print(f'  sum of kernels {total:.1f} us per step (launched one by one)')
+        with stream:
+            stream.begin_capture()
+            for _ in range(args.chain):
+                launch(name, grid, block, *a, **kw)
+            graph = stream.end_capture()
+        graph.upload(stream)
+        times = []
+        for _ in range(10):
+            start.record(stream)
+            graph.launch(stream)
+            stop.record(stream)
+            stop.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / args.chain)
+        us = float(np.median(times))
+        count = checkpoint.config.num_layers if name not in ('matmul_store_t1',) else 1
+        total_us += us * count
+        line = f'  kernel {name:22s} grid {str(tuple(grid)):12s} {us:8.2f} us'
+        if name.startswith('matmul'):
+            mbytes = int(a[2]) * int(a[3]) * itemsize / 1e6
+            line += f'  weights {mbytes:7.2f} MB  {mbytes / us:6.2f} TB/s'
+        print(line + f'  x{count}')
+    print(f'  sum over the forward {total_us:.1f} us (each kernel timed in a chain of its own)')
     ids = np.random.default_rng(1).integers(0, vocab, 48)
     pre = []
     for _ in range(20):

@@ -17,6 +17,7 @@ from rt_llm_node.backends import CacheOverflowError
 from rt_llm_node.backends.cuda_kernels import ATT_MAX_SPLITS
 from rt_llm_node.backends.cuda_kernels import DependentLauncher
 from rt_llm_node.backends.cuda_kernels import KernelSet
+from rt_llm_node.backends.cuda_kernels import MV_BATCH
 from rt_llm_node.backends.numpy_backend import rope_tables
 
 PREFILL_BUCKETS = (16, 32, 64, 128)
@@ -28,6 +29,23 @@ TOKEN, START, N, MASS_ACC, FLAGS, RESULT, COUNTER = range(7)
 
 
 NULL = np.uint64(0)  # a null device pointer argument
+MATMUL_WARPS = 4     # warps per block of the matmul kernels
+
+
+def matvec_split(units, k, mv_batch, n_sm, warps=MATMUL_WARPS):
+    """Warps that share one unit (row pair) of a one-token matmul: 1, 2 or 4.
+
+    Doubles while a warp's share of K is still a whole warp's width of 8-weight chunks and
+    either a lane would need more than one batch of loads (only the first is in flight
+    before the kernel waits for its predecessor) or the grid would not cover every SM.
+    """
+    chunks = k // 8 if k % 8 == 0 else k
+    split = 1
+    while (split < warps and chunks // (2 * split) >= 32
+           and (-(-chunks // split) > 32 * mv_batch
+                or -(-units * split // warps) < n_sm)):
+        split *= 2
+    return split
 
 
 def _device_errors():
@@ -103,6 +121,7 @@ class CudaBackend:
         self.capacity = int(capacity)
         self.weight_dtype = dtypes.pop()
         self.device = cp.cuda.Device(device_id)
+        self.n_sm = self.device.attributes['MultiProcessorCount']
         with self.device:
             self._allocate(checkpoint)
             self.kernels = KernelSet(self.weight_dtype, device_id)
@@ -237,11 +256,14 @@ class CudaBackend:
         sfx = '_t1' if decode else '_t16'
         hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         eps = np.float32(cfg.rms_norm_eps)
-        warps = 4
+        warps = MATMUL_WARPS
         block = (32 * warps,)
+        mv_batch = MV_BATCH[self.weight_dtype]
 
-        def mm_grid(units):
-            return ((units + warps - 1) // warps, tiles)
+        def mm(units, k):
+            """(grid, split) of a matmul over ``units`` row pairs of length ``k``."""
+            split = matvec_split(units, k, mv_batch, self.n_sm) if decode else 1
+            return ((units * split + warps - 1) // warps, tiles), _i32(split)
 
         def launch(name, grid, block, *args, shared=0):   # every kernel after the first
             self._launch(name, grid, block, *args, shared=shared, dependent=True)
@@ -251,11 +273,12 @@ class CudaBackend:
         qkv_units = qkv_rows // 2
         for i, layer in enumerate(self.layers):
             kc, vc = self.k[i], self.v[i]
-            launch('matmul_qkv_rope' + sfx, mm_grid(qkv_units), block, self.state,
+            grid, split = mm(qkv_units, hid)
+            launch('matmul_qkv_rope' + sfx, grid, block, self.state,
                    layer.wqkv, _i32(qkv_rows), _i32(hid), self.x, layer.attn_norm, eps,
                    _i32(qkv_units), layer.bqkv if layer.bqkv is not None else NULL,
                    self.q, kc, vc, self.cos, self.sin, _i32(cfg.num_heads),
-                   _i32(cfg.num_kv_heads), _i32(d), _i32(cap))
+                   _i32(cfg.num_kv_heads), _i32(d), _i32(cap), split)
             scale = np.float32(1.0 / np.sqrt(d))
             if decode:   # the last split of each head merges them (no attn_combine)
                 launch('attn_decode', (cfg.num_heads, self.n_splits), (128,),
@@ -275,22 +298,26 @@ class CudaBackend:
                        _i32(n_max), _i32(cfg.num_heads), _i32(d), _i32(cap),
                        _i32(self.n_splits), _i32(self.chunk))
                 self._enqueue_mass(self.scores, cfg.num_heads * n_max, n_max, first=i == 0)
-            launch('matmul_residual' + sfx, mm_grid((hid + 1) // 2), block,
+            grid, split = mm((hid + 1) // 2, cfg.q_size)
+            launch('matmul_residual' + sfx, grid, block,
                    self.state, layer.wo, _i32(hid), _i32(cfg.q_size), self.attn_out,
-                   NULL, eps, self.x, _i32((hid + 1) // 2), _i32(0))
-            launch('matmul_swiglu' + sfx, mm_grid(inter), block, self.state,
+                   NULL, eps, self.x, _i32((hid + 1) // 2), _i32(0), split)
+            grid, split = mm(inter, hid)
+            launch('matmul_swiglu' + sfx, grid, block, self.state,
                    layer.wgate_up, _i32(2 * inter), _i32(hid), self.x, layer.mlp_norm,
-                   eps, self.act, _i32(inter), _i32(0))
-            launch('matmul_residual' + sfx, mm_grid((hid + 1) // 2), block, self.state,
+                   eps, self.act, _i32(inter), _i32(0), split)
+            grid, split = mm((hid + 1) // 2, inter)
+            launch('matmul_residual' + sfx, grid, block, self.state,
                    layer.wdown, _i32(hid), _i32(inter), self.act, NULL, eps, self.x,
-                   _i32((hid + 1) // 2), _i32(0))
+                   _i32((hid + 1) // 2), _i32(0), split)
         if decode:
             self._enqueue_mass(self.scores_dec, cfg.num_layers * cfg.num_heads, 1, first=True,
                                row_ml=self.ml_dec)
         vocab_units = (cfg.vocab_size + 1) // 2
-        launch('matmul_store_t1', ((vocab_units + warps - 1) // warps, 1), block,
+        split = matvec_split(vocab_units, hid, mv_batch, self.n_sm)
+        launch('matmul_store_t1', ((vocab_units * split + warps - 1) // warps, 1), block,
                self.state, self.lm_head, _i32(cfg.vocab_size), _i32(hid), self.x,
-               self.final_norm, eps, self.logits_buf, _i32(vocab_units), _i32(1))
+               self.final_norm, eps, self.logits_buf, _i32(vocab_units), _i32(1), _i32(split))
 
     def _enqueue_mass(self, probs, n_rows, n_max, first, row_ml=None):
         """mass[t] (+)= the probabilities of ``n_rows`` rows (stride capacity) at key t.

@@ -16,6 +16,9 @@ COMMON = 'common.cuh'
 # Most splits of the cache length one attention row merges (one weight each in shared
 # memory); passed to the kernels as -DATT_MAX_SPLITS, checked by the backend.
 ATT_MAX_SPLITS = 1024
+# Chunks of 8 weights a lane of a one-token matmul loads in one batch (-DMV_BATCH): 16-byte
+# loads for 16-bit weights, 32-byte for fp32 (16 registers each for a row pair).
+MV_BATCH = {'BF16': 8, 'F16': 8, 'F32': 4}
 # Every kernel the backend launches; get_function on each forces the module to load.
 KERNELS = (
     'embed_gather',
@@ -69,7 +72,8 @@ def compile_options(arch, weight_dtype):
     if weight_dtype not in WEIGHT_DTYPES:
         raise KernelBuildError(f'no kernels for weight dtype {weight_dtype!r}')
     return [f'--gpu-architecture=sm_{arch}', '--std=c++17', f'-DRT_WEIGHT_{weight_dtype}',
-            f'-DATT_MAX_SPLITS={ATT_MAX_SPLITS}', '--restrict', '-lineinfo']
+            f'-DATT_MAX_SPLITS={ATT_MAX_SPLITS}', f'-DMV_BATCH={MV_BATCH[weight_dtype]}',
+            '--restrict', '-lineinfo']
 
 
 def compile_cubin(arch, weight_dtype, folder=None):
