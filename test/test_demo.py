@@ -125,3 +125,22 @@ def test_a_dagger_episode_replays_the_policy_rollout_with_expert_labels():
     # the labels are the expert's, not the policy's: where the policy disagreed they differ
     disagreements = sum(t.action_ids != t.executed_ids for t in episode.ticks)
     assert disagreements == 40 - rollout['agree']
+
+
+def test_eval_reports_each_episode_as_it_finishes_and_writes_the_table(tmp_path, capsys):
+    import json
+    from rt_llm_node.demo.evaluate import HELD_OUT_SEED0
+    from rt_llm_node.demo.evaluate import main
+    from rt_llm_node.demo.evaluate import run_expert_episode
+    out = tmp_path / 'eval.json'
+    assert main(['--episodes', '2', '--policies', '', '--workers', '2',
+                 '--json', str(out)]) == 0
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith('[')]
+    assert len(progress) == 2 and progress[-1].startswith('[2/2] expert seed ')
+    table = json.loads(out.read_text())
+    assert table['complete'] is True
+    expert = table['table']['expert']
+    direct = [run_expert_episode(HELD_OUT_SEED0 + i) for i in range(2)]
+    goals = [r for e in direct for r in e['results']]
+    assert expert['episodes'] == 2 and expert['goals'] == len(goals)
+    assert expert['success'] == sum(r == 'reached' for r in goals) / len(goals)

@@ -11,6 +11,7 @@ the benchmarks measure time.
 """
 
 import argparse
+from concurrent.futures import as_completed
 from concurrent.futures import ProcessPoolExecutor
 import json
 import os
@@ -113,14 +114,20 @@ def run_expert_episode(seed):
     return {'results': world.results, 'ticks': world.tick}
 
 
+_BACKENDS = {}
+
+
 def _job(job):
-    model, policy, budget, seeds = job
+    """One episode in a worker process: (model, policy, budget, seed) -> its result dict."""
+    model, policy, budget, seed = job
     checkpoint = _checkpoint(model)
     if policy == 'expert':
-        return [run_expert_episode(s) for s in seeds]
+        return run_expert_episode(seed)
     capacity = checkpoint.config.max_position_embeddings if budget == 'full' else int(budget)
-    backend = NumpyBackend(checkpoint, capacity)
-    return [run_model_episode(checkpoint, s, policy, capacity, backend) for s in seeds]
+    key = (model, capacity)
+    if key not in _BACKENDS:   # reused by this worker's later episodes (rolled back to 0)
+        _BACKENDS[key] = NumpyBackend(checkpoint, capacity)
+    return run_model_episode(checkpoint, seed, policy, capacity, _BACKENDS[key])
 
 
 def summarize(episodes):
@@ -133,6 +140,13 @@ def summarize(episodes):
         out['agreement'] = sum(e['agree'] for e in episodes) / max(1, ticks)
         out['refusals'] = sum(e['refusals'] for e in episodes)
     return out
+
+
+def _write_json(path, gathered, complete):
+    """The table of what has finished so far (``complete`` once every episode has)."""
+    table = {owner: dict(summarize(list(eps.values())), seeds=sorted(eps))
+             for owner, eps in gathered.items()}
+    Path(path).write_text(json.dumps({'table': table, 'complete': complete}, indent=2))
 
 
 def plot(table, path):
@@ -172,17 +186,29 @@ def main(argv=None):
     budgets = [b if b == 'full' else int(b) for b in args.budgets.split(',')]
     policies = [p for p in args.policies.split(',') if p]
     configs = [('expert', None)] + [(p, b) for p in policies for b in budgets]
-    chunk = max(1, len(seeds) // max(1, args.workers // 2))
-    jobs, owners = [], []
-    for policy, budget in configs:
-        for start in range(0, len(seeds), chunk):
-            jobs.append((model, policy, budget, seeds[start:start + chunk]))
-            owners.append('expert' if policy == 'expert' else f'{policy}@{budget}')
+    # one job per episode, so the pool stays balanced whatever the mix of fast (expert,
+    # small cache) and slow episodes; each result is printed (and the JSON rewritten) as
+    # it arrives, so a run cut short still leaves what it finished
+    # (seed-major: a cut run has the same seeds for every row)
+    jobs = {}
+    for seed in seeds:
+        for policy, budget in configs:
+            owner = 'expert' if policy == 'expert' else f'{policy}@{budget}'
+            jobs[(model, policy, budget, seed)] = owner
     started = time.time()
     gathered = {}
     with ProcessPoolExecutor(args.workers) as pool:
-        for owner, episodes in zip(owners, pool.map(_job, jobs)):
-            gathered.setdefault(owner, []).extend(episodes)
+        futures = {pool.submit(_job, job): job for job in jobs}
+        for done, future in enumerate(as_completed(futures), 1):
+            job = futures[future]
+            episode = future.result()
+            gathered.setdefault(jobs[job], {})[job[3]] = episode
+            reached = sum(r == 'reached' for r in episode['results'])
+            print(f'[{done}/{len(jobs)}] {jobs[job]} seed {job[3]}: {reached} of '
+                  f"{len(episode['results'])} goals, {time.time() - started:.0f} s", flush=True)
+            if args.json:
+                _write_json(args.json, gathered, done == len(jobs))
+    gathered = {owner: [eps[s] for s in sorted(eps)] for owner, eps in gathered.items()}
     table = {k: summarize(v) for k, v in gathered.items()}
     elapsed = time.time() - started
     full = {p: table.get(f'{p}@full', {}).get('success') for p in POLICIES}
@@ -197,7 +223,8 @@ def main(argv=None):
     print_table(header, rows)
     print(f'{args.episodes} held-out episodes per row, {elapsed:.0f} s')
     if args.json:
-        Path(args.json).write_text(json.dumps({'table': table, 'full': full}, indent=2))
+        Path(args.json).write_text(json.dumps({'table': table, 'full': full,
+                                               'complete': True}, indent=2))
     if args.plot or (args.write and policies):
         root = Path(__file__).resolve().parents[2]
         plot_path = Path(args.plot or root / 'docs' / 'eviction.png')
