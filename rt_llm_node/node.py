@@ -295,8 +295,16 @@ class RtLlmNode(LifecycleNode):
                 continue
             ros_start = self.get_clock().now() - Duration(seconds=now - start)
             result = engine.tick(self._buffer.snapshot(), start, deadline)
+            finished = time.monotonic()
             self._publish_result(result, ros_start)
             rec = result.record
+            if rec.late:   # rare, and what a field engineer needs to see why
+                self.get_logger().warning(
+                    f'tick {rec.tick} ran {1e3 * (finished - deadline):.1f} ms past its deadline, '
+                    f'its action withheld: predicted {rec.predicted_ms:.1f} of '
+                    f'{rec.available_ms:.1f} ms available; render {rec.render_ms:.1f}, evict '
+                    f'{rec.evict_ms:.1f}, prefill {rec.prefill_ms:.1f} ({rec.n_prefill} tokens), '
+                    f'decode {rec.decode_ms:.1f} ms ({rec.n_decode} steps)')
             consecutive_errors = consecutive_errors + 1 if rec.reason == 'backend_error' else 0
             with self._stats_lock:
                 self._stats['ticks'] += 1
