@@ -5,10 +5,11 @@
 // Geometry: block = 32 * w threads (w warps, at most 8); a warp owns one unit (two output
 // rows) for a tile of TT tokens; grid = (ceil(units / w), ceil(n_max / TT)); tiles at or past
 // state[STATE_N] tokens exit. The _t1 kernels may give a unit to `split` warps (1, 2 or 4,
-// dividing w) that share its K: grid.x = ceil(units * split / w). Suffix _t16 (prefill, TT = 16) and _t1 (one token: decode, and
-// the LM head's last token). The _t1 kernels issue a warp's first MV_BATCH 16-byte weight
-// loads per row and lane before the norm's block reduction, so the weights stream in while
-// the block waits on it (nothing but the weights is needed to start).
+// dividing w) that share its K: grid.x = ceil(units * split / w). Suffix _t16 (prefill,
+// TT = 16) and _t1 (one token: decode, and the LM head's last token). The _t1 kernels
+// issue a warp's first MV_BATCH weight loads per row and lane before the norm's block
+// reduction, so the weights stream in while the block waits on it (nothing but the
+// weights is needed to start).
 // Dtypes: W, bias, norm_w: wt; x, outputs and sums: fp32; cache slots fp32.
 //
 // Epilogues (one extern "C" wrapper each):
