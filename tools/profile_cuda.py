@@ -77,7 +77,6 @@ def main():
     backend._launch = launch
     per_layer = (len(recorded) - (3 if n_max == 1 else 2)) // checkpoint.config.num_layers
     picked = recorded[1:1 + per_layer] + recorded[-1:]   # first layer, then the LM head
-    itemsize = np.dtype(np.uint16).itemsize
     total_us = 0.0
     for name, grid, block, a, kw in picked:
         backend.rollback(args.context)
@@ -100,7 +99,7 @@ def main():
         total_us += us * count
         line = f'  kernel {name:22s} grid {str(tuple(grid)):12s} {us:8.2f} us'
         if name.startswith('matmul'):
-            mbytes = int(a[2]) * int(a[3]) * itemsize / 1e6
+            mbytes = a[1].nbytes / 1e6   # the weight matrix, in its stored dtype
             line += f'  weights {mbytes:7.2f} MB  {mbytes / us:6.2f} TB/s'
         print(line + f'  x{count}')
     print(f'  sum over the forward {total_us:.1f} us (each kernel timed in a chain of its own)')

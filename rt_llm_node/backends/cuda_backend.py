@@ -260,10 +260,11 @@ class CudaBackend:
         block = (32 * warps,)
         mv_batch = MV_BATCH[self.weight_dtype]
 
-        def mm(units, k):
-            """(grid, split) of a matmul over ``units`` row pairs of length ``k``."""
-            split = matvec_split(units, k, mv_batch, self.n_sm) if decode else 1
-            return ((units * split + warps - 1) // warps, tiles), _i32(split)
+        def mm(units, k, one_token=decode):
+            """(grid, split) of a matmul over ``units`` row pairs of length ``k``; the
+            one-token (_t1) kernels may split K, the 16-token tiles never do."""
+            split = matvec_split(units, k, mv_batch, self.n_sm) if one_token else 1
+            return ((units * split + warps - 1) // warps, 1 if one_token else tiles), _i32(split)
 
         def launch(name, grid, block, *args, shared=0):   # every kernel after the first
             self._launch(name, grid, block, *args, shared=shared, dependent=True)
@@ -314,10 +315,10 @@ class CudaBackend:
             self._enqueue_mass(self.scores_dec, cfg.num_layers * cfg.num_heads, 1, first=True,
                                row_ml=self.ml_dec)
         vocab_units = (cfg.vocab_size + 1) // 2
-        split = matvec_split(vocab_units, hid, mv_batch, self.n_sm)
-        launch('matmul_store_t1', ((vocab_units * split + warps - 1) // warps, 1), block,
+        grid, split = mm(vocab_units, hid, one_token=True)   # the last token only
+        launch('matmul_store_t1', grid, block,
                self.state, self.lm_head, _i32(cfg.vocab_size), _i32(hid), self.x,
-               self.final_norm, eps, self.logits_buf, _i32(vocab_units), _i32(1), _i32(split))
+               self.final_norm, eps, self.logits_buf, _i32(vocab_units), _i32(1), split)
 
     def _enqueue_mass(self, probs, n_rows, n_max, first, row_ml=None):
         """mass[t] (+)= the probabilities of ``n_rows`` rows (stride capacity) at key t.
