@@ -142,11 +142,17 @@ def summarize(episodes):
     return out
 
 
-def _write_json(path, gathered, complete):
-    """The table of what has finished so far (``complete`` once every episode has)."""
-    table = {owner: dict(summarize(list(eps.values())), seeds=sorted(eps))
-             for owner, eps in gathered.items()}
-    Path(path).write_text(json.dumps({'table': table, 'complete': complete}, indent=2))
+def summarize_rows(gathered):
+    """{row: {seed: episode}} -> {row: summary with its seeds}."""
+    return {row: dict(summarize([eps[s] for s in sorted(eps)]), seeds=sorted(eps))
+            for row, eps in gathered.items()}
+
+
+def _write_json(path, table, complete):
+    """The table, and whether every episode of the run is in it."""
+    full = {p: table.get(f'{p}@full', {}).get('success') for p in POLICIES}
+    Path(path).write_text(json.dumps({'table': table, 'full': full, 'complete': complete},
+                                     indent=2))
 
 
 def plot(table, path):
@@ -206,12 +212,10 @@ def main(argv=None):
             reached = sum(r == 'reached' for r in episode['results'])
             print(f'[{done}/{len(jobs)}] {jobs[job]} seed {job[3]}: {reached} of '
                   f"{len(episode['results'])} goals, {time.time() - started:.0f} s", flush=True)
-            if args.json:
-                _write_json(args.json, gathered, done == len(jobs))
-    gathered = {owner: [eps[s] for s in sorted(eps)] for owner, eps in gathered.items()}
-    table = {k: summarize(v) for k, v in gathered.items()}
+            if args.json and done < len(jobs):
+                _write_json(args.json, summarize_rows(gathered), complete=False)
+    table = summarize_rows(gathered)
     elapsed = time.time() - started
-    full = {p: table.get(f'{p}@full', {}).get('success') for p in POLICIES}
     header = ['policy', *[f'success @{b}' for b in budgets], *[f'agree @{b}' for b in budgets]]
     rows = [['expert', *[f"{table['expert']['success']:.3f}"] * len(budgets),
              *['-'] * len(budgets)]]
@@ -223,8 +227,7 @@ def main(argv=None):
     print_table(header, rows)
     print(f'{args.episodes} held-out episodes per row, {elapsed:.0f} s')
     if args.json:
-        Path(args.json).write_text(json.dumps({'table': table, 'full': full,
-                                               'complete': True}, indent=2))
+        _write_json(args.json, table, complete=True)
     if args.plot or (args.write and policies):
         root = Path(__file__).resolve().parents[2]
         plot_path = Path(args.plot or root / 'docs' / 'eviction.png')
