@@ -65,27 +65,19 @@ def attention(q, k, v, start):
     n, n_heads, d = q.shape
     t, n_kv, _ = k.shape
     group = n_heads // n_kv
-    rows = group * n
-    qs = q * np.float32(1.0 / np.sqrt(d))                               # scale folded into q
-    # scores: [kv, g*n, T]; heads h*group .. (h+1)*group-1 read kv head h (HF repeat_kv
-    # order); 2-D products on strided views go straight to BLAS
-    scores = np.empty((n_kv, rows, t), np.float32)
-    for h in range(n_kv):
-        qh = qs[:, h * group:(h + 1) * group].transpose(1, 0, 2).reshape(rows, d)
-        np.matmul(qh, k[:, h].T, out=scores[h])
+    # rows of kv head h: (token, head h*group + j) -- HF repeat_kv order; one batched
+    # product per step over all kv heads (strided cache views go straight to BLAS)
+    qs = np.multiply(q.reshape(n, n_kv, group, d).transpose(1, 0, 2, 3),
+                     np.float32(1.0 / np.sqrt(d))).reshape(n_kv, n * group, d)
+    scores = np.matmul(qs, k.transpose(1, 2, 0))                        # [kv, n*g, T]
     if n > 1:  # causal: only the new block needs a mask, older keys are all visible
-        scores.reshape(n_kv, group, n, t)[..., start:] += causal_mask(n)
+        scores.reshape(n_kv, n, group, t)[..., start:] += causal_mask(n)[:, None, :]
     scores -= scores.max(axis=2, keepdims=True)
-    np.exp(scores, out=scores)                                          # unnormalized
-    inv = np.float32(1.0) / scores.sum(axis=2)                          # [kv, g*n]
-    out = np.empty((n, n_heads, d), np.float32)
-    mass = np.zeros(t, np.float32)
-    for h in range(n_kv):
-        oh = scores[h] @ v[:, h]                                        # [g*n, d]
-        oh *= inv[h][:, None]
-        out[:, h * group:(h + 1) * group] = oh.reshape(group, n, d).transpose(1, 0, 2)
-        mass += inv[h] @ scores[h]                                      # softmax rows summed
-    return out, mass
+    np.exp(scores, out=scores)
+    scores *= np.float32(1.0) / scores.sum(axis=2, keepdims=True)        # probabilities
+    out = np.matmul(scores, v.transpose(1, 0, 2))                       # [kv, n*g, d]
+    mass = np.ones(n_kv * n * group, np.float32) @ scores.reshape(-1, t)  # rows summed
+    return out.reshape(n_kv, n, group, d).transpose(1, 0, 2, 3).reshape(n, n_heads, d), mass
 
 
 class LayerWeights:
@@ -156,18 +148,18 @@ class NumpyBackend:
         sin = self.sin[self.capacity + start:self.capacity + end]
         x = self.embed[ids]                                                 # [n, hidden]
         mass = np.zeros(end, np.float32)                                    # [T]
-        q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
+        k_end = cfg.q_size + cfg.kv_size
+        n_qk = cfg.num_heads + cfg.num_kv_heads
         for i, layer in enumerate(self.layers):
             h = rmsnorm(x, layer.attn_norm, cfg.rms_norm_eps)
             qkv = h @ layer.wqkv.T                                          # [n, q+2kv]
             if layer.bqkv is not None:
                 qkv += layer.bqkv
-            q = qkv[:, :q_end].reshape(n, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, q_end:k_end].reshape(n, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, k_end:].reshape(n, cfg.num_kv_heads, cfg.head_dim)
-            self.k[i, start:end] = apply_rope(k, cos, sin)
-            self.v[i, start:end] = v
-            out, layer_mass = attention(apply_rope(q, cos, sin), self.k[i, :end],
+            # q and k rotated in one call: [n, n_heads + n_kv_heads, head_dim]
+            qk = apply_rope(qkv[:, :k_end].reshape(n, n_qk, cfg.head_dim), cos, sin)
+            self.k[i, start:end] = qk[:, cfg.num_heads:]
+            self.v[i, start:end] = qkv[:, k_end:].reshape(n, cfg.num_kv_heads, cfg.head_dim)
+            out, layer_mass = attention(qk[:, :cfg.num_heads], self.k[i, :end],
                                         self.v[i, :end], start)
             mass += layer_mass
             x += out.reshape(n, cfg.q_size) @ layer.wo.T
