@@ -15,15 +15,23 @@ training.json (command, seed, data size, steps, final loss).
 """
 
 import argparse
+from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 import json
+import multiprocessing
 import os
 from pathlib import Path
 import sys
 import time
 
-import numpy as np
-from tokenizers import Tokenizer
+# One BLAS thread per process, set before numpy loads its BLAS: the DAgger rollouts run one
+# numpy decoder per worker, and 16 workers each spinning 16 OpenBLAS threads on the GPU
+# machine's 16 cores made a 128-episode rollout take minutes instead of 106 s.
+os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
+os.environ.setdefault('OMP_NUM_THREADS', '1')
+
+import numpy as np  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -144,6 +152,42 @@ def build_sample(episode, system, end, budget, rng):
     return ids, out
 
 
+_EPISODES, _SYSTEM = None, None   # set before the batch builders fork
+
+
+def _build_batch(job):
+    """One training batch, built in a worker: (ids, labels, attention) int64 [batch, width].
+
+    Step ``step`` of run ``seed`` draws from its own generator, so a run's batches do not
+    depend on how many workers built them or in what order they finished."""
+    seed, step, size = job
+    rng = np.random.default_rng((seed, step))
+    episodes = _EPISODES
+    batch_ids, batch_labels = [], []
+    budget = int(rng.choice(BUDGETS))
+    for _ in range(size):
+        episode = episodes[rng.integers(len(episodes))]
+        if rng.random() < 0.2:  # oversample the first ticks of a goal (no useful history)
+            start = int(rng.choice(episode.goal_starts))
+            end = min(len(episode.ticks) - 1, start + int(rng.integers(30)))
+        else:
+            end = int(rng.integers(len(episode.ticks)))
+        ids, labels = build_sample(episode, _SYSTEM, end, budget, rng)
+        if all(x == -100 for x in labels):  # the newest tick alone outgrew the budget
+            ids, labels = build_sample(episode, _SYSTEM, end, max(BUDGETS), rng)
+        batch_ids.append(ids)
+        batch_labels.append(labels)
+    width = max(len(i) for i in batch_ids)
+    ids = np.zeros((size, width), np.int64)
+    labels = np.full((size, width), -100, np.int64)
+    attention = np.zeros((size, width), np.int64)
+    for b, (i, lab) in enumerate(zip(batch_ids, batch_labels)):
+        ids[b, :len(i)] = i
+        labels[b, :len(i)] = lab
+        attention[b, :len(i)] = 1
+    return ids, labels, attention
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--out', default='rt_llm_node/demo/model')
@@ -171,7 +215,6 @@ def main():
     import transformers
     started = time.time()
     dagger_models = [m for m in (args.dagger or '').split(',') if m]
-    rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
     seeds = list(range(args.seed * 100000, args.seed * 100000 + args.episodes))
     with ProcessPoolExecutor(args.workers) as pool:
@@ -199,6 +242,13 @@ def main():
           f'{success_rate([r for e in clean for r in e.results]):.3f}, data {data_s:.0f} s',
           flush=True)
     system = system_ids(tokenizer)
+    # batches are built by forked workers (the episodes are inherited, not pickled) and
+    # kept two per worker ahead of the GPU, which otherwise waited on Python
+    global _EPISODES, _SYSTEM
+    _EPISODES, _SYSTEM = episodes, system
+    builders = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context('fork'))
+    batches = deque(builders.submit(_build_batch, (args.seed, step, args.batch))
+                    for step in range(min(args.steps, 2 * args.workers)))
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
     config = transformers.LlamaConfig(**MODEL, bos_token_id=None, eos_token_id=None)
     model = transformers.LlamaForCausalLM(config).to(device)
@@ -216,6 +266,7 @@ def main():
                  'nothing left for training')
     train_started = time.time()
     losses = []
+    bad_steps = skipped = 0
     tokens_seen = 0
     for step in range(args.steps):
         if train_s is not None:   # where the one-cycle schedule would be, by time or steps
@@ -227,43 +278,40 @@ def main():
             position = min(args.steps - 1, int(done * args.steps))
             for group, lr in zip(optimizer.param_groups, _one_cycle_lrs(schedule, position)):
                 group['lr'] = lr
-        batch_ids, batch_labels = [], []
-        budget = int(rng.choice(BUDGETS))
-        for _ in range(args.batch):
-            episode = episodes[rng.integers(len(episodes))]
-            if rng.random() < 0.2:  # oversample the first ticks of a goal (no useful history)
-                start = int(rng.choice(episode.goal_starts))
-                end = min(len(episode.ticks) - 1, start + int(rng.integers(30)))
-            else:
-                end = int(rng.integers(len(episode.ticks)))
-            ids, labels = build_sample(episode, system, end, budget, rng)
-            if all(x == -100 for x in labels):  # the newest tick alone outgrew the budget
-                ids, labels = build_sample(episode, system, end, max(BUDGETS), rng)
-            batch_ids.append(ids)
-            batch_labels.append(labels)
-        width = max(len(i) for i in batch_ids)
-        ids = torch.zeros(len(batch_ids), width, dtype=torch.long)
-        labels = torch.full((len(batch_ids), width), -100, dtype=torch.long)
-        attention = torch.zeros(len(batch_ids), width, dtype=torch.long)
-        for b, (i, lab) in enumerate(zip(batch_ids, batch_labels)):
-            ids[b, :len(i)] = torch.tensor(i)
-            attention[b, :len(i)] = 1
-            labels[b, :len(i)] = torch.tensor(lab)
-            tokens_seen += len(i)
+        ids, labels, attention = (torch.from_numpy(a) for a in batches.popleft().result())
+        tokens_seen += int(attention.sum())
+        if step + len(batches) + 1 < args.steps:
+            batches.append(builders.submit(_build_batch, (args.seed, step + len(batches) + 1,
+                                                          args.batch)))
         ids, labels, attention = ids.to(device), labels.to(device), attention.to(device)
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == 'cuda'):
             loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        value = loss.item()
+        if not (np.isfinite(value) and torch.isfinite(norm)):
+            # a non-finite loss or gradient is skipped, never applied: one such step
+            # turned every weight into NaN (batch 128, bf16, step 3088 of a GPU run)
+            bad_steps += 1
+            skipped += 1
+            print(f'step {step}: non-finite loss {value} or gradient norm {float(norm)}, '
+                  f'skipped ({bad_steps} in a row)', flush=True)
+            if bad_steps >= 20:
+                sys.exit('training diverged: 20 non-finite steps in a row; nothing exported')
+            continue
+        bad_steps = 0
         optimizer.step()
         if train_s is None:   # else the rates (and momentum) are set from the position above
             schedule.step()
-        losses.append(loss.item())
-        if step % 200 == 0 or step == args.steps - 1 or not np.isfinite(losses[-1]):
-            print(f'step {step} budget {budget} loss {np.mean(losses[-50:]):.4f} '
+        losses.append(value)
+        if step % 200 == 0 or step == args.steps - 1:
+            print(f'step {step} width {ids.shape[1]} loss {np.mean(losses[-50:]):.4f} '
                   f"lr {optimizer.param_groups[0]['lr']:.2e} {time.time() - started:.0f} s",
                   flush=True)
+    for pending in batches:
+        pending.cancel()
+    builders.shutdown(wait=True, cancel_futures=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = model.to('cpu').to(torch.bfloat16)
@@ -280,6 +328,7 @@ def main():
             'ticks': args.dagger_ticks, 'capacity': args.dagger_capacity,
             'seeds': [seeds[-1] + 1, seeds[-1] + len(dagger_models) * args.dagger_episodes]},
         'ticks': n_ticks, 'tokens_seen': tokens_seen, 'steps': len(losses),
+        'skipped_steps': skipped,
         'steps_planned': args.steps,
         'schedule': ('one-cycle over the steps' if train_s is None else
                      f'one-cycle over the steps or {train_s:.0f} s of training, what ends first'),
