@@ -1,0 +1,107 @@
+"""The demo policy's training contexts (tools/train_demo_policy.py): what the model is taught.
+
+Built from a real expert episode with DART noise and held random commands, tokenized by the
+shipped tokenizer, the way the training run builds them.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rt_llm_node.demo.episodes import expert_episode
+from rt_llm_node.demo.episodes import system_ids
+from rt_llm_node.model import load_checkpoint
+from rt_llm_node.model.embedded import default_model_path
+
+_SPEC = importlib.util.spec_from_file_location(
+    'train_demo_policy', Path(__file__).resolve().parents[1] / 'tools' / 'train_demo_policy.py')
+train_demo_policy = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(train_demo_policy)
+
+
+def _find(seq, sub):
+    """Start indices of ``sub`` inside ``seq``."""
+    n = len(sub)
+    return [i for i in range(len(seq) - n + 1) if seq[i:i + n] == sub]
+
+
+def _runs(labels):
+    """(start, end) of each run of supervised positions."""
+    runs, start = [], None
+    for i, x in enumerate(list(labels) + [-100]):
+        if x != -100 and start is None:
+            start = i
+        elif x == -100 and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+@pytest.fixture(scope='module')
+def data():
+    tokenizer = load_checkpoint(default_model_path()).tokenizer
+    episode = expert_episode(7, tokenizer, noise=(0.2, 0.6), hold_rate=0.05)
+    episode.goal_starts = [t for t, tick in enumerate(episode.ticks)
+                           if any(s[0] == 'instruction' for s in tick.segments)]
+    return episode, system_ids(tokenizer)
+
+
+def _instruction_at(episode, end):
+    for t in range(end, -1, -1):
+        found = [s[2] for s in episode.ticks[t].segments if s[0] == 'instruction']
+        if found:
+            return t, found[0]
+    return None
+
+
+def test_contexts_keep_the_rules_the_bounded_cache_keeps(data):
+    episode, system = data
+    rng = np.random.default_rng(0)
+    copied_differs = 0
+    for _ in range(60):
+        end = int(rng.integers(len(episode.ticks)))
+        budget = int(rng.choice(train_demo_policy.BUDGETS))
+        ids, labels = train_demo_policy.build_sample(episode, system, end, budget, rng)
+        assert len(ids) == len(labels)
+        assert ids[:len(system)] == system                    # the pinned system prompt
+        runs = _runs(labels)
+        if not runs:   # the newest tick alone did not fit: the trainer retries larger
+            continue
+        assert len(ids) <= budget
+        # the instruction in force at ``end``, once, before every supervised action
+        t_instr, instr = _instruction_at(episode, end)
+        where = _find(ids, instr)
+        assert len(where) == 1 and where[0] < runs[0][0]
+        # the context ends with the newest tick's clean expert action, its prefix not taught
+        tick = episode.ticks[end]
+        n = tick.n_prefix
+        assert ids[-len(tick.action_ids):] == tick.action_ids
+        assert labels[-len(tick.action_ids):] == [-100] * n + tick.action_ids[n:]
+        # every supervised run is the clean expert command of some tick since the
+        # instruction (never the noisy command the context shows there)
+        taught = {tuple(episode.ticks[t].action_ids[n:]) for t in range(t_instr, end + 1)}
+        for a, b in runs:
+            assert tuple(labels[a:b]) in taught
+            copied_differs += labels[a:b] != ids[a:b]
+    # with DART noise and held commands, some labels differ from what the context shows
+    assert copied_differs > 0
+
+
+def test_batches_depend_on_the_step_only(data):
+    episode, system = data
+    train_demo_policy._EPISODES, train_demo_policy._SYSTEM = [episode], system
+    try:
+        a = train_demo_policy._build_batch((0, 5, 4))
+        b = train_demo_policy._build_batch((0, 5, 4))
+        c = train_demo_policy._build_batch((0, 6, 4))
+    finally:
+        train_demo_policy._EPISODES = train_demo_policy._SYSTEM = None
+    ids, labels, attention = a
+    assert ids.shape == labels.shape == attention.shape and ids.shape[0] == 4
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(a, c))
+    # padding is masked and never taught
+    assert np.all(labels[attention == 0] == -100)
+    assert np.all(ids[attention == 0] == 0)
