@@ -54,13 +54,11 @@ def _texts(seed):
 
 
 def _episode(job):
-    seed, tokenizer_json, noisy, executed = job
+    seed, tokenizer_json, noise, hold_rate, executed = job
     tokenizer = Tokenizer.from_str(tokenizer_json)
     if executed is not None:   # DAgger: the policy's own states, the expert's labels
         return expert_episode(seed, tokenizer, executed=executed)
-    if noisy:
-        return expert_episode(seed, tokenizer, noise=(0.2, 0.6), hold_rate=0.02)
-    return expert_episode(seed, tokenizer)
+    return expert_episode(seed, tokenizer, noise=noise, hold_rate=hold_rate)
 
 
 def _rollout(job):
@@ -200,6 +198,13 @@ def main():
     parser.add_argument('--max-minutes', type=float, default=None,
                         help='stop early and export what was learned once this much wall time '
                              'has passed (a run under a hard time limit still yields a model)')
+    # three episodes in four are noisy: DART noise on the executed command and, at
+    # --hold-rate per tick, a random command held for 5-20 ticks, the labels staying the
+    # expert's; the more the executed turn rate (on /odom) differs from the label, the
+    # less a learner gains by copying it (tools/diagnose_policy.py measures the copying)
+    parser.add_argument('--noise-v', type=float, default=0.2, help='std of v noise, m/s')
+    parser.add_argument('--noise-w', type=float, default=0.6, help='std of w noise, rad/s')
+    parser.add_argument('--hold-rate', type=float, default=0.02)
     parser.add_argument('--dagger', default=None, metavar='MODEL[,MODEL...]',
                         help='DAgger: roll these checkpoints (earlier iterations) out on further '
                              'training seeds and add those episodes, labelled by the expert, '
@@ -221,14 +226,17 @@ def main():
         texts = [line for lines in pool.map(_texts, seeds[:200]) for line in lines]
         tokenizer = train_tokenizer(texts, MODEL['vocab_size'], whole_words=whole_words())
         tokenizer_json = tokenizer.to_str()
-        jobs = [(s, tokenizer_json, i % 4 != 0, None) for i, s in enumerate(seeds)]
+        noisy = ((args.noise_v, args.noise_w), args.hold_rate)
+        jobs = [(s, tokenizer_json, *(noisy if i % 4 else ((0.0, 0.0), 0.0)), None)
+                for i, s in enumerate(seeds)]
         first = seeds[-1] + 1
         for model in dagger_models:   # each on its own seeds: the data of every iteration
             rollouts = list(pool.map(_rollout, [
                 (model, seed, args.dagger_capacity, args.dagger_ticks)
                 for seed in range(first, first + args.dagger_episodes)]))
             first += args.dagger_episodes
-            jobs += [(seed, tokenizer_json, False, executed) for seed, executed in rollouts]
+            jobs += [(seed, tokenizer_json, (0.0, 0.0), 0.0, executed)
+                     for seed, executed in rollouts]
             print(f'DAgger: {len(rollouts)} rollouts of {model}, '
                   f'{time.time() - started:.0f} s', flush=True)
         episodes = list(pool.map(_episode, jobs, chunksize=8))
@@ -333,6 +341,7 @@ def main():
         'schedule': ('one-cycle over the steps' if train_s is None else
                      f'one-cycle over the steps or {train_s:.0f} s of training, what ends first'),
         'batch': args.batch, 'lr': args.lr, 'parameters': n_params,
+        'noise': [args.noise_v, args.noise_w], 'hold_rate': args.hold_rate,
         'final_loss': float(np.mean(losses[-100:])), 'wall_s': round(time.time() - started, 1),
         'device': torch.cuda.get_device_name() if device == 'cuda' else 'cpu',
         'torch': torch.__version__, 'transformers': transformers.__version__,

@@ -1,0 +1,122 @@
+"""Where the demo policy goes wrong: closed-loop episodes, each tick classified.
+
+    python tools/diagnose_policy.py [--model DIR] [--episodes 4] [--capacity 1024]
+
+Per goal: reached or timed out, ticks, collisions, and, by situation (target in
+the detections or not; an obstacle within 1 m ahead or not), how often the model's
+(v, w) matched the expert's on the same observation and the mean |error| of each.
+A policy that fails while searching needs other data than one that fails on the
+approach; one that disagrees with the expert on the expert's own states
+(``--driver expert``) is underfit, one that agrees there but not on its own states
+(``--driver model``) meets states its data lacked (DAgger's case).
+"""
+
+import argparse
+from collections import defaultdict
+import math
+
+from rt_llm_node.admission import Admission
+from rt_llm_node.admission import CostModel
+from rt_llm_node.backends.numpy_backend import NumpyBackend
+from rt_llm_node.codec import scan_sectors
+from rt_llm_node.demo.episodes import SCAN_SECTORS
+from rt_llm_node.demo.evaluate import HELD_OUT_SEED0
+from rt_llm_node.demo.expert import expert_command
+from rt_llm_node.demo.expert import observed_turn_rate
+from rt_llm_node.demo.expert import parse_detections
+from rt_llm_node.demo.expert import parse_instruction
+from rt_llm_node.demo.messages import MessageFactory
+from rt_llm_node.demo.task import action_grammar
+from rt_llm_node.demo.task import INPUTS
+from rt_llm_node.demo.task import SYSTEM_PROMPT
+from rt_llm_node.demo.world import DemoWorld
+from rt_llm_node.engine import ModelClock
+from rt_llm_node.engine import TickEngine
+from rt_llm_node.model import load_checkpoint
+from rt_llm_node.model.embedded import default_model_path
+
+
+def situation(instruction, sectors, detections):
+    target = parse_instruction(instruction)
+    seen = any(d[:2] == target for d in parse_detections(detections)) if target else False
+    n = len(sectors)
+    ahead = min(sectors[s] for s in (n - 1, 0, 1) if not math.isnan(sectors[s]))
+    near = ', obstacle ahead' if ahead < 1.0 else ''
+    return ('target seen' if seen else 'searching') + near
+
+
+def episode(checkpoint, seed, capacity, policy, driver='model'):
+    grammar = action_grammar(checkpoint.tokenizer)
+    fv, fw = grammar.fields
+    clock = ModelClock()
+    engine = TickEngine(NumpyBackend(checkpoint, capacity), checkpoint.tokenizer, INPUTS,
+                        grammar, Admission(CostModel(), margin_ms=0.0), policy=policy,
+                        system_prompt=SYSTEM_PROMPT, clock=clock)
+    engine.start()
+    world = DemoWorld(seed, messages=MessageFactory(ros=False))
+    snapshot, instruction = {}, ''
+    # ticks, agree, |dv|, |dw|, model repeats the executed w, expert's label does
+    stats = defaultdict(lambda: [0, 0, 0.0, 0.0, 0, 0])
+    last_w = None
+    goals = []
+    start_tick, start_collisions = 0, 0
+    while not world.done:
+        now = world.tick * world.config.dt
+        clock.advance_to(now)
+        msgs = world.observe()
+        for topic, msg in msgs.items():
+            snapshot[topic] = (msg, now)
+        if '/instruction' in msgs:
+            instruction = msgs['/instruction'].data
+        sectors = scan_sectors(msgs['/scan'], SCAN_SECTORS)
+        ev, ew = expert_command(instruction, sectors, msgs['/detections'].data,
+                                observed_turn_rate(msgs['/odom']))
+        ev, ew = fv.quantize(ev), fw.quantize(ew)
+        result = engine.tick(snapshot, now, now + world.config.dt)
+        v, w = ((0.0, 0.0) if result.action is None else
+                (result.action.values['linear.x'], result.action.values['angular.z']))
+        s = stats[situation(instruction, sectors, msgs['/detections'].data)]
+        s[0] += 1
+        s[1] += (v == ev and w == ew)
+        s[2] += abs(v - ev)
+        s[3] += abs(w - ew)
+        s[4] += w == last_w
+        s[5] += ew == last_w
+        last_w = w if driver == 'model' else ew
+        if world.step(*((v, w) if driver == 'model' else (ev, ew))):
+            goals.append((world.results[-1], world.tick - start_tick,
+                          world.collisions - start_collisions))
+            start_tick, start_collisions = world.tick, world.collisions
+    return goals, stats
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--model', default=default_model_path())
+    parser.add_argument('--episodes', type=int, default=4)
+    parser.add_argument('--first-seed', type=int, default=HELD_OUT_SEED0)
+    parser.add_argument('--capacity', type=int, default=1024)
+    parser.add_argument('--policy', default='meaning')
+    parser.add_argument('--driver', choices=('model', 'expert'), default='model',
+                        help="who drives the robot: 'expert' scores the model on the expert's "
+                             "own states (fit), 'model' on the states it reaches itself")
+    args = parser.parse_args()
+    checkpoint = load_checkpoint(args.model)
+    total = defaultdict(lambda: [0, 0, 0.0, 0.0, 0, 0])
+    for seed in range(args.first_seed, args.first_seed + args.episodes):
+        goals, stats = episode(checkpoint, seed, args.capacity, args.policy, args.driver)
+        print(f'seed {seed}: ' + ', '.join(f'{r} in {t} ticks ({c} collisions)'
+                                           for r, t, c in goals), flush=True)
+        for key, s in stats.items():
+            total[key] = [a + b for a, b in zip(total[key], s)]
+    # 'repeat': how often w equals the w executed the tick before (what /odom shows): a
+    # model far above the expert there copies its own past command (the copycat failure)
+    print(f"{'situation':32s} {'ticks':>6s} {'agree':>6s} {'|dv|':>6s} {'|dw|':>6s} "
+          f"{'model repeats w':>15s} {'expert repeats w':>16s}")
+    for key, (n, agree, dv, dw, rep_m, rep_e) in sorted(total.items()):
+        print(f'{key:32s} {n:6d} {agree / n:6.2f} {dv / n:6.3f} {dw / n:6.3f} '
+              f'{rep_m / n:15.2f} {rep_e / n:16.2f}')
+
+
+if __name__ == '__main__':
+    main()
