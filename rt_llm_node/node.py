@@ -27,9 +27,7 @@ from rcl_interfaces.msg import FloatingPointRange
 from rcl_interfaces.msg import IntegerRange
 from rcl_interfaces.msg import ParameterDescriptor
 from rcl_interfaces.msg import SetParametersResult
-import rclpy
 from rclpy.duration import Duration
-from rclpy.executors import ExternalShutdownException
 from rclpy.lifecycle import LifecycleNode
 from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.qos import DurabilityPolicy
@@ -54,6 +52,7 @@ from rt_llm_node.configure import configure_engine
 from rt_llm_node.engine import InputBuffer
 from rt_llm_node.params import PARAMETERS
 from rt_llm_node.params import validate
+from rt_llm_node.spin import spin_until_shutdown
 
 MESSAGE_CLASSES = {
     'sensor_msgs/msg/LaserScan': LaserScan,
@@ -414,25 +413,17 @@ def main(args=None):
     parser.add_argument('--autostart', action='store_true',
                         help='configure and activate at start (no lifecycle manager needed)')
     options = parser.parse_args(own)
-    rclpy.init(args=['rt-llm-node', *ros_args])
-    node = None
-    try:
-        node = RtLlmNode()
-        if options.autostart:
-            if node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
-                node.get_logger().error('autostart: configure failed')
-                return 1
-            node.trigger_activate()
-        rclpy.spin(node)
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    finally:
-        if node is not None:
-            node._stop_loop()
-            node.destroy_node()
-        if rclpy.ok():
-            rclpy.shutdown()
-    return 0
+
+    def autostart(node):
+        if node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
+            node.get_logger().error('autostart: configure failed')
+            return 1
+        node.trigger_activate()
+        return 0
+
+    return spin_until_shutdown('rt-llm-node', ros_args, RtLlmNode,
+                               start=autostart if options.autostart else None,
+                               finish=lambda node: node._stop_loop())
 
 
 if __name__ == '__main__':

@@ -2,7 +2,7 @@
 
     python tools/diagnose_policy.py [--model DIR] [--episodes 4] [--capacity 1024]
 
-Per goal: reached or timed out, ticks, collisions, and, by situation (target in
+Per episode: goals reached or timed out, ticks, collisions; by situation (target in
 the detections or not; an obstacle within 1 m ahead or not), how often the model's
 (v, w) matched the expert's on the same observation and the mean |error| of each.
 A policy that fails while searching needs other data than one that fails on the
@@ -15,23 +15,12 @@ import argparse
 from collections import defaultdict
 import math
 
-from rt_llm_node.admission import Admission
-from rt_llm_node.admission import CostModel
-from rt_llm_node.backends.numpy_backend import NumpyBackend
 from rt_llm_node.codec import scan_sectors
 from rt_llm_node.demo.episodes import SCAN_SECTORS
 from rt_llm_node.demo.evaluate import HELD_OUT_SEED0
-from rt_llm_node.demo.expert import expert_command
-from rt_llm_node.demo.expert import observed_turn_rate
+from rt_llm_node.demo.evaluate import run_model_episode
 from rt_llm_node.demo.expert import parse_detections
 from rt_llm_node.demo.expert import parse_instruction
-from rt_llm_node.demo.messages import MessageFactory
-from rt_llm_node.demo.task import action_grammar
-from rt_llm_node.demo.task import INPUTS
-from rt_llm_node.demo.task import SYSTEM_PROMPT
-from rt_llm_node.demo.world import DemoWorld
-from rt_llm_node.engine import ModelClock
-from rt_llm_node.engine import TickEngine
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.embedded import default_model_path
 
@@ -46,48 +35,27 @@ def situation(instruction, sectors, detections):
 
 
 def episode(checkpoint, seed, capacity, policy, driver='model'):
-    grammar = action_grammar(checkpoint.tokenizer)
-    fv, fw = grammar.fields
-    clock = ModelClock()
-    engine = TickEngine(NumpyBackend(checkpoint, capacity), checkpoint.tokenizer, INPUTS,
-                        grammar, Admission(CostModel(), margin_ms=0.0), policy=policy,
-                        system_prompt=SYSTEM_PROMPT, clock=clock)
-    engine.start()
-    world = DemoWorld(seed, messages=MessageFactory(ros=False))
-    snapshot, instruction = {}, ''
-    # ticks, agree, |dv|, |dw|, model repeats the executed w, expert's label does
+    """(result of run_model_episode, {situation: [ticks, agree, |dv|, |dw|, model repeats
+    the executed w, expert's label does]})."""
     stats = defaultdict(lambda: [0, 0, 0.0, 0.0, 0, 0])
-    last_w = None
-    goals = []
-    start_tick, start_collisions = 0, 0
-    while not world.done:
-        now = world.tick * world.config.dt
-        clock.advance_to(now)
-        msgs = world.observe()
-        for topic, msg in msgs.items():
-            snapshot[topic] = (msg, now)
-        if '/instruction' in msgs:
-            instruction = msgs['/instruction'].data
-        sectors = scan_sectors(msgs['/scan'], SCAN_SECTORS)
-        ev, ew = expert_command(instruction, sectors, msgs['/detections'].data,
-                                observed_turn_rate(msgs['/odom']))
-        ev, ew = fv.quantize(ev), fw.quantize(ew)
-        result = engine.tick(snapshot, now, now + world.config.dt)
-        v, w = ((0.0, 0.0) if result.action is None else
-                (result.action.values['linear.x'], result.action.values['angular.z']))
-        s = stats[situation(instruction, sectors, msgs['/detections'].data)]
+    last = [None]   # the w executed the tick before
+
+    def observe(msgs, instruction, expert, model):
+        v, w = model or (0.0, 0.0)
+        ev, ew = expert
+        s = stats[situation(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
+                            msgs['/detections'].data)]
         s[0] += 1
-        s[1] += (v == ev and w == ew)
+        s[1] += (v, w) == (ev, ew)
         s[2] += abs(v - ev)
         s[3] += abs(w - ew)
-        s[4] += w == last_w
-        s[5] += ew == last_w
-        last_w = w if driver == 'model' else ew
-        if world.step(*((v, w) if driver == 'model' else (ev, ew))):
-            goals.append((world.results[-1], world.tick - start_tick,
-                          world.collisions - start_collisions))
-            start_tick, start_collisions = world.tick, world.collisions
-    return goals, stats
+        s[4] += w == last[0]
+        s[5] += ew == last[0]
+        last[0] = w if driver == 'model' else ew
+
+    result = run_model_episode(checkpoint, seed, policy, capacity, observe=observe,
+                               expert_drives=driver == 'expert')
+    return result, stats
 
 
 def main():
@@ -104,9 +72,9 @@ def main():
     checkpoint = load_checkpoint(args.model)
     total = defaultdict(lambda: [0, 0, 0.0, 0.0, 0, 0])
     for seed in range(args.first_seed, args.first_seed + args.episodes):
-        goals, stats = episode(checkpoint, seed, args.capacity, args.policy, args.driver)
-        print(f'seed {seed}: ' + ', '.join(f'{r} in {t} ticks ({c} collisions)'
-                                           for r, t, c in goals), flush=True)
+        result, stats = episode(checkpoint, seed, args.capacity, args.policy, args.driver)
+        print(f"seed {seed}: {', '.join(result['results'])} in {result['ticks']} ticks, "
+              f"{result['collisions']} collisions", flush=True)
         for key, s in stats.items():
             total[key] = [a + b for a, b in zip(total[key], s)]
     # 'repeat': how often w equals the w executed the tick before (what /odom shows): a

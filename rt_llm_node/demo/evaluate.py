@@ -47,13 +47,18 @@ def _checkpoint(path):
     return _CACHE[path]
 
 
-def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_ticks=None):
-    """One closed-loop episode; returns dict(results, ticks, agree, refusals, executed, pose).
+def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_ticks=None,
+                      observe=None, expert_drives=False):
+    """One closed-loop episode; returns dict(results, ticks, agree, refusals, executed, pose,
+    collisions).
 
     ``executed``: the (v, w) the robot executed each tick (0, 0 on a refusal), which with
     ``seed`` replays the episode exactly (``episodes.expert_episode(executed=...)``, the
     DAgger data of ``tools/train_demo_policy.py``); ``pose``: (x, y, yaw) at the end.
-    ``max_ticks`` ends the episode early.
+    ``max_ticks`` ends the episode early. ``observe(msgs, instruction, expert, model)``
+    sees every tick's messages, instruction and both commands (quantized; the model's is
+    None on a refusal); with ``expert_drives`` the robot executes the expert's command
+    while the model still decides every tick (its fit on the expert's own states).
     """
     backend = backend or NumpyBackend(checkpoint, capacity)
     backend.rollback(0)
@@ -79,19 +84,22 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
         ev, ew = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
                                 msgs['/detections'].data,
                                 observed_turn_rate(msgs['/odom']))
+        expert = (grammar.fields[0].quantize(ev), grammar.fields[1].quantize(ew))
         result = engine.tick(snapshot, now, now + dt)
         if result.action is None:
             refusals += 1
-            v = w = 0.0
+            model = None
         else:
-            v = result.action.values['linear.x']
-            w = result.action.values['angular.z']
-            agree += (v == grammar.fields[0].quantize(ev) and w == grammar.fields[1].quantize(ew))
-        executed.append((v, w))
-        world.step(v, w)
+            model = (result.action.values['linear.x'], result.action.values['angular.z'])
+            agree += model == expert
+        if observe is not None:
+            observe(msgs, instruction, expert, model)
+        command = expert if expert_drives else (model or (0.0, 0.0))
+        executed.append(command)
+        world.step(*command)
     return {'results': world.results, 'ticks': world.tick, 'agree': agree,
             'refusals': refusals, 'executed': executed,
-            'pose': (world.x, world.y, world.yaw)}
+            'pose': (world.x, world.y, world.yaw), 'collisions': world.collisions}
 
 
 def run_expert_episode(seed):

@@ -6,13 +6,12 @@ transient local: once per goal); drives the robot with the latest /cmd_vel
 """
 
 import argparse
+import json
 import sys
 import time
 
 from geometry_msgs.msg import Twist
 from nav_msgs.msg import Odometry
-import rclpy
-from rclpy.executors import ExternalShutdownException
 from rclpy.node import Node
 from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import LaserScan
@@ -21,6 +20,7 @@ from std_msgs.msg import String
 from rt_llm_node.demo.messages import MessageFactory
 from rt_llm_node.demo.world import DemoWorld
 from rt_llm_node.node import INSTRUCTION_QOS
+from rt_llm_node.spin import spin_until_shutdown
 
 
 class DemoWorldNode(Node):
@@ -83,23 +83,14 @@ def main(args=None):
     parser.add_argument('--record', default=None, help='write the layout and trajectory '
                         '(JSON) here on exit')
     options = parser.parse_args(argv[:len(argv) - len(ros_args)])
-    rclpy.init(args=['rt-llm-demo-world', *ros_args])
-    node = None
-    try:
-        node = DemoWorldNode(seed=options.seed)
-        rclpy.spin(node)
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    finally:
-        if node is not None:
-            if options.record:
-                import json
-                with open(options.record, 'w') as f:
-                    json.dump(node.layout(), f)
-            node.destroy_node()
-        if rclpy.ok():
-            rclpy.shutdown()
-    return 0
+
+    def record(node):
+        if options.record:
+            with open(options.record, 'w') as f:
+                json.dump(node.layout(), f)
+
+    return spin_until_shutdown('rt-llm-demo-world', ros_args,
+                               lambda: DemoWorldNode(seed=options.seed), finish=record)
 
 
 if __name__ == '__main__':
