@@ -1,4 +1,4 @@
-"""Executables: the launch files (where launch_ros imports) and rt-llm-node --autostart."""
+"""Executables: launch files (where launch_ros imports), rt-llm-node, rt-llm-demo-world."""
 
 import importlib.util
 import os
@@ -53,3 +53,21 @@ def test_autostart_console_script_configures_activates_and_stops_on_sigint(tmp_p
     # no world runs: every tick is refused for stale (missing) inputs, on time, explicitly
     assert {r[2] for r in record['refusals']} == {'stale_input'}, record['refusals'][:3]
     assert len(record['refusals']) > 10
+
+
+def test_demo_world_console_script_runs_and_records_on_sigint(tmp_path):
+    pytest.importorskip('rclpy', reason='rclpy (the ros extra) is not installed')
+    record = tmp_path / 'world.json'
+    world = subprocess.Popen([sys.executable, '-m', 'rt_llm_node.demo.world_node', '--seed',
+                              '1000046', '--record', str(record)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(4.0)
+    finally:
+        world.send_signal(signal.SIGINT)
+        log, _ = world.communicate(timeout=30)
+    assert world.returncode == 0 and 'Traceback' not in log, log
+    import json
+    layout = json.loads(record.read_text())
+    # the world stepped at its rate and wrote what it did on the way out
+    assert len(layout['trajectory']) > 30 and layout['objects'], layout.keys()
