@@ -89,19 +89,21 @@ def test_contexts_keep_the_rules_the_bounded_cache_keeps(data):
     assert copied_differs > 0
 
 
-def test_batches_depend_on_the_step_only(data):
+def test_batches_depend_on_the_round_and_step_only(data):
     episode, system = data
     train_demo_policy._EPISODES, train_demo_policy._SYSTEM = [episode], system
     try:
-        a = train_demo_policy._build_batch((0, 5, 4))
-        b = train_demo_policy._build_batch((0, 5, 4))
-        c = train_demo_policy._build_batch((0, 6, 4))
+        a = train_demo_policy._build_batch((0, 1, 5, 4))
+        b = train_demo_policy._build_batch((0, 1, 5, 4))
+        c = train_demo_policy._build_batch((0, 1, 6, 4))
+        d = train_demo_policy._build_batch((0, 2, 5, 4))
     finally:
         train_demo_policy._EPISODES = train_demo_policy._SYSTEM = None
     ids, labels, attention = a
     assert ids.shape == labels.shape == attention.shape and ids.shape[0] == 4
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
-    assert not all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(a, c))
+    for other in (c, d):   # another step, or the same step of another round
+        assert not all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(a, other))
     # padding is masked and never taught
     assert np.all(labels[attention == 0] == -100)
     assert np.all(ids[attention == 0] == 0)

@@ -22,6 +22,7 @@ import multiprocessing
 import os
 from pathlib import Path
 import sys
+import tempfile
 import time
 
 # One BLAS thread per process, set before numpy loads its BLAS: the DAgger rollouts run one
@@ -156,10 +157,11 @@ _EPISODES, _SYSTEM = None, None   # set before the batch builders fork
 def _build_batch(job):
     """One training batch, built in a worker: (ids, labels, attention) int64 [batch, width].
 
-    Step ``step`` of run ``seed`` draws from its own generator, so a run's batches do not
-    depend on how many workers built them or in what order they finished."""
-    seed, step, size = job
-    rng = np.random.default_rng((seed, step))
+    Step ``step`` of round ``round_`` of run ``seed`` draws from its own generator, so a
+    run's batches do not depend on how many workers built them or in what order they
+    finished."""
+    seed, round_, step, size = job
+    rng = np.random.default_rng((seed, round_, step))
     episodes = _EPISODES
     batch_ids, batch_labels = [], []
     budget = int(rng.choice(BUDGETS))
@@ -209,7 +211,12 @@ def main():
                         help='DAgger: roll these checkpoints (earlier iterations) out on further '
                              'training seeds and add those episodes, labelled by the expert, '
                              'to the data')
-    parser.add_argument('--dagger-episodes', type=int, default=256, help='rollouts per model')
+    parser.add_argument('--dagger-episodes', type=int, default=256,
+                        help='rollouts per model and per round')
+    parser.add_argument('--dagger-rounds', type=int, default=0,
+                        help='after training, this many times: the model just trained drives '
+                             '--dagger-episodes further seeds, the expert labels them, and '
+                             'training goes on with them added (DAgger in one command)')
     parser.add_argument('--dagger-ticks', type=int, default=300,
                         help='ticks per rollout (the first goal or two)')
     parser.add_argument('--dagger-capacity', type=int, default=1024,
@@ -230,19 +237,15 @@ def main():
         jobs = [(s, tokenizer_json, *(noisy if i % 4 else ((0.0, 0.0), 0.0)), None)
                 for i, s in enumerate(seeds)]
         first = seeds[-1] + 1
-        for model in dagger_models:   # each on its own seeds: the data of every iteration
-            rollouts = list(pool.map(_rollout, [
-                (model, seed, args.dagger_capacity, args.dagger_ticks)
-                for seed in range(first, first + args.dagger_episodes)]))
-            first += args.dagger_episodes
-            jobs += [(seed, tokenizer_json, (0.0, 0.0), 0.0, executed)
-                     for seed, executed in rollouts]
-            print(f'DAgger: {len(rollouts)} rollouts of {model}, '
-                  f'{time.time() - started:.0f} s', flush=True)
-        episodes = list(pool.map(_episode, jobs, chunksize=8))
-    for episode in episodes:
-        episode.goal_starts = [t for t, tick in enumerate(episode.ticks)
-                               if any(s[0] == 'instruction' for s in tick.segments)]
+        episodes = _with_goal_starts(list(pool.map(_episode, jobs, chunksize=8)))
+        rollout_s = None
+        if dagger_models:   # each on its own seeds: the data of every earlier iteration
+            t0 = time.time()
+            episodes += _dagger_episodes(pool, dagger_models, first, args, tokenizer_json)
+            first += len(dagger_models) * args.dagger_episodes
+            rollout_s = (time.time() - t0) / len(dagger_models)
+            print(f'DAgger: {args.dagger_episodes} rollouts of each of {dagger_models}, '
+                  f'{time.time() - t0:.0f} s', flush=True)
     data_s = time.time() - started
     clean = [e for i, e in enumerate(episodes[:len(seeds)]) if i % 4 == 0]
     n_ticks = sum(len(e.ticks) for e in episodes)
@@ -250,84 +253,41 @@ def main():
           f'{success_rate([r for e in clean for r in e.results]):.3f}, data {data_s:.0f} s',
           flush=True)
     system = system_ids(tokenizer)
-    # batches are built by forked workers (the episodes are inherited, not pickled) and
-    # kept two per worker ahead of the GPU, which otherwise waited on Python
-    global _EPISODES, _SYSTEM
-    _EPISODES, _SYSTEM = episodes, system
-    builders = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context('fork'))
-    batches = deque(builders.submit(_build_batch, (args.seed, step, args.batch))
-                    for step in range(min(args.steps, 2 * args.workers)))
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
     config = transformers.LlamaConfig(**MODEL, bos_token_id=None, eos_token_id=None)
     model = transformers.LlamaForCausalLM(config).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
-                                  betas=(0.9, 0.95))
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr,
-                                                   total_steps=args.steps, pct_start=0.05)
-    # Under --max-minutes the one-cycle schedule follows whichever runs out first, the
-    # steps or the time left after the data (15 s kept for the export), so a run cut by
-    # the clock still ends annealed instead of at a high learning rate.
-    train_s = None if args.max_minutes is None else 60.0 * args.max_minutes - data_s - 15.0
-    if train_s is not None and train_s <= 0:
-        sys.exit(f'--max-minutes {args.max_minutes}: the data took {data_s:.0f} s, '
-                 'nothing left for training')
-    train_started = time.time()
-    losses = []
-    bad_steps = skipped = 0
-    tokens_seen = 0
-    for step in range(args.steps):
-        if train_s is not None:   # where the one-cycle schedule would be, by time or steps
-            done = max(step / args.steps, (time.time() - train_started) / train_s)
-            if done >= 1.0:
-                print(f'--max-minutes {args.max_minutes} reached: exporting after {step} '
-                      f"steps (last lr {optimizer.param_groups[0]['lr']:.2e})", flush=True)
-                break
-            position = min(args.steps - 1, int(done * args.steps))
-            for group, lr in zip(optimizer.param_groups, _one_cycle_lrs(schedule, position)):
-                group['lr'] = lr
-        ids, labels, attention = (torch.from_numpy(a) for a in batches.popleft().result())
-        tokens_seen += int(attention.sum())
-        if step + len(batches) + 1 < args.steps:
-            batches.append(builders.submit(_build_batch, (args.seed, step + len(batches) + 1,
-                                                          args.batch)))
-        ids, labels, attention = ids.to(device), labels.to(device), attention.to(device)
-        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == 'cuda'):
-            loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        value = loss.item()
-        if not (np.isfinite(value) and torch.isfinite(norm)):
-            # a non-finite loss or gradient is skipped, never applied: one such step
-            # turned every weight into NaN (batch 128, bf16, step 3088 of a GPU run)
-            bad_steps += 1
-            skipped += 1
-            print(f'step {step}: non-finite loss {value} or gradient norm {float(norm)}, '
-                  f'skipped ({bad_steps} in a row)', flush=True)
-            if bad_steps >= 20:
-                sys.exit('training diverged: 20 non-finite steps in a row; nothing exported')
-            continue
-        bad_steps = 0
-        optimizer.step()
-        if train_s is None:   # else the rates (and momentum) are set from the position above
-            schedule.step()
-        losses.append(value)
-        if step % 200 == 0 or step == args.steps - 1:
-            print(f'step {step} width {ids.shape[1]} loss {np.mean(losses[-50:]):.4f} '
-                  f"lr {optimizer.param_groups[0]['lr']:.2e} {time.time() - started:.0f} s",
-                  flush=True)
-    for pending in batches:
-        pending.cancel()
-    builders.shutdown(wait=True, cancel_futures=True)
+    # Under --max-minutes each round's one-cycle schedule follows whichever runs out first,
+    # its steps or its share of the time left (15 s kept for the export, and the expected
+    # rollouts of the rounds still to come), so a run cut by the clock ends annealed.
+    end_by = None if args.max_minutes is None else started + 60.0 * args.max_minutes - 15.0
+    rollout_s = rollout_s or (None if end_by is None else 0.2 * (end_by - time.time()))
+    rounds = []
+    for round_ in range(1 + args.dagger_rounds):
+        if round_:   # DAgger: the model of the round before drives, the expert labels
+            t0 = time.time()
+            with tempfile.TemporaryDirectory() as tmp:
+                _export(model, tokenizer, tmp)
+                with ProcessPoolExecutor(args.workers, mp_context=_FORK) as pool:
+                    new = _dagger_episodes(pool, [tmp], first, args, tokenizer_json)
+            first += args.dagger_episodes
+            episodes += new
+            rollout_s = time.time() - t0
+            rounds[-1]['rollouts'] = {'episodes': len(new), 'seconds': round(rollout_s, 1),
+                                      'seeds': [first - args.dagger_episodes, first - 1]}
+            print(f'DAgger round {round_}: {len(new)} rollouts of the round-{round_ - 1} '
+                  f'model, {rollout_s:.0f} s', flush=True)
+        seconds = None
+        if end_by is not None:
+            left = 1 + args.dagger_rounds - round_
+            seconds = (end_by - time.time() - rollout_s * (left - 1)) / left
+            if seconds <= 0:
+                sys.exit(f'--max-minutes {args.max_minutes}: no time left for round {round_}')
+        rounds.append(_train_round(model, episodes, system, args, round_, seconds, device,
+                                   started))
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model = model.to('cpu').to(torch.bfloat16)
-    model.save_pretrained(out)
-    tokenizer.save(str(out / 'tokenizer.json'))
-    for extra in ('generation_config.json',):
-        if (out / extra).exists():
-            (out / extra).unlink()
+    _export(model, tokenizer, out)
+    ticks = sum(len(e.ticks) for e in episodes)
     record = {
         'command': 'python tools/train_demo_policy.py ' + ' '.join(sys.argv[1:]),
         'seed': args.seed, 'train_seeds': [seeds[0], seeds[-1]], 'episodes': len(episodes),
@@ -335,19 +295,131 @@ def main():
             'models': dagger_models, 'episodes_per_model': args.dagger_episodes,
             'ticks': args.dagger_ticks, 'capacity': args.dagger_capacity,
             'seeds': [seeds[-1] + 1, seeds[-1] + len(dagger_models) * args.dagger_episodes]},
-        'ticks': n_ticks, 'tokens_seen': tokens_seen, 'steps': len(losses),
-        'skipped_steps': skipped,
-        'steps_planned': args.steps,
-        'schedule': ('one-cycle over the steps' if train_s is None else
-                     f'one-cycle over the steps or {train_s:.0f} s of training, what ends first'),
+        'dagger_rounds': args.dagger_rounds,
+        'ticks': ticks, 'tokens_seen': sum(r['tokens_seen'] for r in rounds),
+        'steps': sum(r['steps'] for r in rounds),
+        'skipped_steps': sum(r['skipped_steps'] for r in rounds),
+        'steps_planned': args.steps * len(rounds), 'rounds': rounds,
+        'schedule': ('one-cycle over the steps of each round' if end_by is None else
+                     'one-cycle over the steps or the time share of each round, what ends '
+                     'first'),
         'batch': args.batch, 'lr': args.lr, 'parameters': n_params,
         'noise': [args.noise_v, args.noise_w], 'hold_rate': args.hold_rate,
-        'final_loss': float(np.mean(losses[-100:])), 'wall_s': round(time.time() - started, 1),
+        'final_loss': rounds[-1]['final_loss'], 'wall_s': round(time.time() - started, 1),
         'device': torch.cuda.get_device_name() if device == 'cuda' else 'cpu',
         'torch': torch.__version__, 'transformers': transformers.__version__,
     }
     (out / 'training.json').write_text(json.dumps(record, indent=2) + '\n')
     print(json.dumps(record))
+
+
+_FORK = multiprocessing.get_context('fork')
+
+
+def _with_goal_starts(episodes):
+    for episode in episodes:
+        episode.goal_starts = [t for t, tick in enumerate(episode.ticks)
+                               if any(s[0] == 'instruction' for s in tick.segments)]
+    return episodes
+
+
+def _dagger_episodes(pool, models, first, args, tokenizer_json):
+    """Each model drives ``--dagger-episodes`` seeds from ``first`` on (its own seeds);
+    the expert labels every state reached."""
+    jobs = []
+    for model in models:
+        rollouts = list(pool.map(_rollout, [
+            (model, seed, args.dagger_capacity, args.dagger_ticks)
+            for seed in range(first, first + args.dagger_episodes)]))
+        first += args.dagger_episodes
+        jobs += [(seed, tokenizer_json, (0.0, 0.0), 0.0, executed)
+                 for seed, executed in rollouts]
+    return _with_goal_starts(list(pool.map(_episode, jobs, chunksize=8)))
+
+
+def _export(model, tokenizer, path):
+    """An HF-layout checkpoint (bf16) of ``model``, which stays as it is."""
+    import copy
+    import torch
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    copy.deepcopy(model).to('cpu').to(torch.bfloat16).save_pretrained(path)
+    tokenizer.save(str(path / 'tokenizer.json'))
+    for extra in ('generation_config.json',):
+        if (path / extra).exists():
+            (path / extra).unlink()
+
+
+def _train_round(model, episodes, system, args, round_, seconds, device, started):
+    """One round of ``args.steps`` steps (or ``seconds``): fresh AdamW and one-cycle
+    schedule; batches built by forked workers (the episodes are inherited, not pickled),
+    kept two per worker ahead of the GPU, which otherwise waited on Python."""
+    import torch
+    global _EPISODES, _SYSTEM
+    _EPISODES, _SYSTEM = episodes, system
+    builders = ProcessPoolExecutor(args.workers, mp_context=_FORK)
+    batches = deque(builders.submit(_build_batch, (args.seed, round_, step, args.batch))
+                    for step in range(min(args.steps, 2 * args.workers)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
+                                  betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr,
+                                                   total_steps=args.steps, pct_start=0.05)
+    train_started = time.time()
+    losses = []
+    bad_steps = skipped = tokens_seen = 0
+    try:
+        for step in range(args.steps):
+            if seconds is not None:   # where the one-cycle schedule would be, by time or steps
+                done = max(step / args.steps, (time.time() - train_started) / seconds)
+                if done >= 1.0:
+                    print(f'round {round_}: its time is up after {step} steps (last lr '
+                          f"{optimizer.param_groups[0]['lr']:.2e})", flush=True)
+                    break
+                position = min(args.steps - 1, int(done * args.steps))
+                for group, lr in zip(optimizer.param_groups,
+                                     _one_cycle_lrs(schedule, position)):
+                    group['lr'] = lr
+            ids, labels, attention = (torch.from_numpy(a) for a in batches.popleft().result())
+            tokens_seen += int(attention.sum())
+            if step + len(batches) + 1 < args.steps:
+                batches.append(builders.submit(
+                    _build_batch, (args.seed, round_, step + len(batches) + 1, args.batch)))
+            ids, labels, attention = ids.to(device), labels.to(device), attention.to(device)
+            with torch.autocast(device_type=device, dtype=torch.bfloat16,
+                                enabled=device == 'cuda'):
+                loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            value = loss.item()
+            if not (np.isfinite(value) and torch.isfinite(norm)):
+                # a non-finite loss or gradient is skipped, never applied: one such step
+                # turned every weight into NaN (batch 128, bf16, step 3088 of a GPU run)
+                bad_steps += 1
+                skipped += 1
+                print(f'step {step}: non-finite loss {value} or gradient norm {float(norm)}, '
+                      f'skipped ({bad_steps} in a row)', flush=True)
+                if bad_steps >= 20:
+                    sys.exit('training diverged: 20 non-finite steps in a row; nothing '
+                             'exported')
+                continue
+            bad_steps = 0
+            optimizer.step()
+            if seconds is None:   # else the rates (and momentum) are set from the position
+                schedule.step()
+            losses.append(value)
+            if step % 200 == 0 or step == args.steps - 1:
+                print(f'round {round_} step {step} width {ids.shape[1]} loss '
+                      f'{np.mean(losses[-50:]):.4f} lr {optimizer.param_groups[0]["lr"]:.2e} '
+                      f'{time.time() - started:.0f} s', flush=True)
+    finally:
+        builders.shutdown(wait=True, cancel_futures=True)
+    if not losses:
+        sys.exit(f'round {round_}: no step was applied; nothing exported')
+    return {'round': round_, 'episodes': len(episodes), 'steps': len(losses),
+            'skipped_steps': skipped, 'tokens_seen': tokens_seen,
+            'seconds': round(time.time() - train_started, 1),
+            'final_loss': float(np.mean(losses[-100:]))}
 
 
 if __name__ == '__main__':
