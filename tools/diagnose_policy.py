@@ -15,8 +15,6 @@ import argparse
 from collections import defaultdict
 import math
 
-from rt_llm_node.codec import scan_sectors
-from rt_llm_node.demo.episodes import SCAN_SECTORS
 from rt_llm_node.demo.evaluate import HELD_OUT_SEED0
 from rt_llm_node.demo.evaluate import run_model_episode
 from rt_llm_node.demo.expert import parse_detections
@@ -40,11 +38,10 @@ def episode(checkpoint, seed, capacity, policy, driver='model'):
     stats = defaultdict(lambda: [0, 0, 0.0, 0.0, 0, 0])
     last = [None]   # the w executed the tick before
 
-    def observe(msgs, instruction, expert, model):
+    def observe(msgs, instruction, sectors, expert, model):
         v, w = model or (0.0, 0.0)
         ev, ew = expert
-        s = stats[situation(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
-                            msgs['/detections'].data)]
+        s = stats[situation(instruction, sectors, msgs['/detections'].data)]
         s[0] += 1
         s[1] += (v, w) == (ev, ew)
         s[2] += abs(v - ev)

@@ -241,11 +241,12 @@ def main():
         rollout_s = None
         if dagger_models:   # each on its own seeds: the data of every earlier iteration
             t0 = time.time()
-            episodes += _dagger_episodes(pool, dagger_models, first, args, tokenizer_json)
-            first += len(dagger_models) * args.dagger_episodes
+            new, first = _dagger_episodes(pool, dagger_models, first, args, tokenizer_json)
+            episodes += new
             rollout_s = (time.time() - t0) / len(dagger_models)
             print(f'DAgger: {args.dagger_episodes} rollouts of each of {dagger_models}, '
                   f'{time.time() - t0:.0f} s', flush=True)
+        dagger_end = first   # the seeds of later rounds start here
     data_s = time.time() - started
     clean = [e for i, e in enumerate(episodes[:len(seeds)]) if i % 4 == 0]
     n_ticks = sum(len(e.ticks) for e in episodes)
@@ -269,12 +270,13 @@ def main():
             with tempfile.TemporaryDirectory() as tmp:
                 _export(model, tokenizer, tmp)
                 with ProcessPoolExecutor(args.workers, mp_context=_FORK) as pool:
-                    new = _dagger_episodes(pool, [tmp], first, args, tokenizer_json)
-            first += args.dagger_episodes
+                    new, next_seed = _dagger_episodes(pool, [tmp], first, args,
+                                                      tokenizer_json)
             episodes += new
             rollout_s = time.time() - t0
             rounds[-1]['rollouts'] = {'episodes': len(new), 'seconds': round(rollout_s, 1),
-                                      'seeds': [first - args.dagger_episodes, first - 1]}
+                                      'seeds': [first, next_seed - 1]}
+            first = next_seed
             print(f'DAgger round {round_}: {len(new)} rollouts of the round-{round_ - 1} '
                   f'model, {rollout_s:.0f} s', flush=True)
         seconds = None
@@ -294,7 +296,7 @@ def main():
         'dagger': None if not dagger_models else {
             'models': dagger_models, 'episodes_per_model': args.dagger_episodes,
             'ticks': args.dagger_ticks, 'capacity': args.dagger_capacity,
-            'seeds': [seeds[-1] + 1, seeds[-1] + len(dagger_models) * args.dagger_episodes]},
+            'seeds': [seeds[-1] + 1, dagger_end - 1]},
         'dagger_rounds': args.dagger_rounds,
         'ticks': ticks, 'tokens_seen': sum(r['tokens_seen'] for r in rounds),
         'steps': sum(r['steps'] for r in rounds),
@@ -324,8 +326,8 @@ def _with_goal_starts(episodes):
 
 
 def _dagger_episodes(pool, models, first, args, tokenizer_json):
-    """Each model drives ``--dagger-episodes`` seeds from ``first`` on (its own seeds);
-    the expert labels every state reached."""
+    """Each model drives ``--dagger-episodes`` seeds of its own from ``first`` on; the
+    expert labels every state reached. Returns (episodes, the next unused seed)."""
     jobs = []
     for model in models:
         rollouts = list(pool.map(_rollout, [
@@ -334,7 +336,7 @@ def _dagger_episodes(pool, models, first, args, tokenizer_json):
         first += args.dagger_episodes
         jobs += [(seed, tokenizer_json, (0.0, 0.0), 0.0, executed)
                  for seed, executed in rollouts]
-    return _with_goal_starts(list(pool.map(_episode, jobs, chunksize=8)))
+    return _with_goal_starts(list(pool.map(_episode, jobs, chunksize=8))), first
 
 
 def _export(model, tokenizer, path):

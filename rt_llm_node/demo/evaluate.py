@@ -55,10 +55,11 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
     ``executed``: the (v, w) the robot executed each tick (0, 0 on a refusal), which with
     ``seed`` replays the episode exactly (``episodes.expert_episode(executed=...)``, the
     DAgger data of ``tools/train_demo_policy.py``); ``pose``: (x, y, yaw) at the end.
-    ``max_ticks`` ends the episode early. ``observe(msgs, instruction, expert, model)``
-    sees every tick's messages, instruction and both commands (quantized; the model's is
-    None on a refusal); with ``expert_drives`` the robot executes the expert's command
-    while the model still decides every tick (its fit on the expert's own states).
+    ``max_ticks`` ends the episode early. ``observe(msgs, instruction, sectors, expert,
+    model)`` sees every tick's messages, instruction, scan sector minima and both commands
+    (quantized; the model's is None on a refusal); with ``expert_drives`` the robot executes
+    the expert's command while the model still decides every tick (its fit on the expert's
+    own states).
     """
     backend = backend or NumpyBackend(checkpoint, capacity)
     backend.rollback(0)
@@ -81,8 +82,8 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
             snapshot[topic] = (msg, now)
         if '/instruction' in msgs:
             instruction = msgs['/instruction'].data
-        ev, ew = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
-                                msgs['/detections'].data,
+        sectors = scan_sectors(msgs['/scan'], SCAN_SECTORS)
+        ev, ew = expert_command(instruction, sectors, msgs['/detections'].data,
                                 observed_turn_rate(msgs['/odom']))
         expert = (grammar.fields[0].quantize(ev), grammar.fields[1].quantize(ew))
         result = engine.tick(snapshot, now, now + dt)
@@ -93,7 +94,7 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
             model = (result.action.values['linear.x'], result.action.values['angular.z'])
             agree += model == expert
         if observe is not None:
-            observe(msgs, instruction, expert, model)
+            observe(msgs, instruction, sectors, expert, model)
         command = expert if expert_drives else (model or (0.0, 0.0))
         executed.append(command)
         world.step(*command)
