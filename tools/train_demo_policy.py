@@ -262,7 +262,10 @@ def main():
     # its steps or its share of the time left (15 s kept for the export, and the expected
     # rollouts of the rounds still to come), so a run cut by the clock ends annealed.
     end_by = None if args.max_minutes is None else started + 60.0 * args.max_minutes - 15.0
-    rollout_s = rollout_s or (None if end_by is None else 0.2 * (end_by - time.time()))
+    # before any rollout was timed, a fifth of the time is set aside for all of them (a
+    # fifth for each round once starved round 0: 18 s of 490 with --dagger-rounds 4)
+    if not rollout_s and end_by is not None and args.dagger_rounds:
+        rollout_s = 0.2 * (end_by - time.time()) / args.dagger_rounds
     rounds = []
     for round_ in range(1 + args.dagger_rounds):
         if round_:   # DAgger: the model of the round before drives, the expert labels
@@ -282,7 +285,7 @@ def main():
         seconds = None
         if end_by is not None:
             left = 1 + args.dagger_rounds - round_
-            seconds = (end_by - time.time() - rollout_s * (left - 1)) / left
+            seconds = (end_by - time.time() - (rollout_s or 0.0) * (left - 1)) / left
             if seconds <= 0:
                 sys.exit(f'--max-minutes {args.max_minutes}: no time left for round {round_}')
         rounds.append(_train_round(model, episodes, system, args, round_, seconds, device,
