@@ -77,9 +77,11 @@ def test_every_action_word_and_bearing_is_one_token_of_the_demo_tokenizer():
 def test_the_shipped_policy_drives_to_the_goal_of_a_short_fixed_scenario():
     """Closed loop through the node's engine, numpy backend, shipped checkpoint.
 
-    Seed 1000046's first goal is one the current policy reaches (in 97 ticks); it reaches
-    about half of its goals at 256 tokens (issue #3, BENCHMARKS.md), so this guards the
-    whole chain (loader, codecs, grammar, engine, backend), not the policy's quality.
+    Seed 1000050's first goal is one the current policy reaches (in 131 ticks; the expert
+    takes 135); it reaches about two goals in three at 256 tokens (issue #3, BENCHMARKS.md),
+    so this guards the whole chain (loader, codecs, grammar, engine, backend), not the
+    policy's quality. Retraining may need another seed: pick one whose first goal the new
+    policy reaches, near the expert's time.
     """
     from rt_llm_node.admission import Admission
     from rt_llm_node.admission import CostModel
@@ -93,9 +95,9 @@ def test_the_shipped_policy_drives_to_the_goal_of_a_short_fixed_scenario():
                         action_grammar(checkpoint.tokenizer), Admission(CostModel(), 0.0),
                         policy='meaning', system_prompt=SYSTEM_PROMPT, clock=clock)
     engine.start()
-    world = DemoWorld(1_000_046, messages=MessageFactory(ros=False))
+    world = DemoWorld(1_000_050, messages=MessageFactory(ros=False))
     snapshot = {}
-    for tick in range(200):
+    for tick in range(250):
         now = tick * world.config.dt
         clock.advance_to(now)
         snapshot.update({topic: (msg, now) for topic, msg in world.observe().items()})
