@@ -1,10 +1,21 @@
 """Offline replay speed: a 60 s demo bag through rt-llm-replay (model clock, shipped model).
 
-    python tools/bench_replay.py [--seconds 60] [--write]
+    python tools/bench_replay.py [--seconds 60] [--threads 1,2] [--write]
+
+Each replay runs as its own ``rt-llm-replay`` process with ``OPENBLAS_NUM_THREADS`` set to
+each of ``--threads`` (the package defaults to one BLAS thread, right for the node beside a
+robot's other processes; an offline replay may use every core). Per bag, the one-thread
+replay runs first, then the others, and every decision stream (``actions.jsonl``) is
+compared byte for byte with the one-thread one. More BLAS threads than idle cores is far
+slower (OpenBLAS threads spin): 2 threads took 30x longer on 2 busy cores.
 """
 
 import argparse
+import json
+import os
 from pathlib import Path
+import subprocess
+import sys
 import tempfile
 
 from rt_llm_node.bench_report import markdown_table
@@ -12,39 +23,57 @@ from rt_llm_node.bench_report import print_table
 from rt_llm_node.bench_report import write_section
 from rt_llm_node.demo.recorder import record_demo_bag
 from rt_llm_node.model.embedded import default_model_path
-from rt_llm_node.replay import load_params
-from rt_llm_node.replay import read_cost_model
-from rt_llm_node.replay import replay
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def replay_process(bag, out, threads):
+    """Replay ``bag`` in a fresh process with ``threads`` BLAS threads; its summary."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+    command = [sys.executable, '-c', 'import sys; from rt_llm_node.replay import main; '
+               'sys.exit(main())', str(bag), '--params', str(ROOT / 'config' / 'demo.yaml'),
+               '--out', str(out), '--clock', 'model',
+               '--cost-model', str(Path(default_model_path()) / 'cost_model.json')]
+    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+    return json.loads((Path(out) / 'summary.json').read_text())
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--seconds', type=float, default=60.0)
+    parser.add_argument('--threads', default='1,2', help='BLAS thread counts, comma-separated')
     parser.add_argument('--write', action='store_true')
     args = parser.parse_args()
-    values = load_params(ROOT / 'config' / 'demo.yaml')
-    cost_model = read_cost_model(Path(default_model_path()) / 'cost_model.json')
+    threads = sorted({int(t) for t in args.threads.split(',')})
+    if threads[0] != 1:
+        threads.insert(0, 1)   # the reference stream
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for storage in ('mcap', 'sqlite3'):
             bag = record_demo_bag(Path(tmp) / storage, args.seconds, storage=storage)
-            s = replay(bag, values, Path(tmp) / f'out_{storage}', 'model', cost_model,
-                       log=lambda text: None)
-            per_tick = s['wall_seconds'] / s['ticks'] * 1e3
-            rows.append([storage, f"{s['bag_seconds']:.1f}", s['ticks'],
-                         f"{s['wall_seconds']:.1f}", f'{per_tick:.2f}',
-                         f"{s['speed_x_realtime']:.1f}x", s['actions'], s['refusals']])
-    header = ['storage', 'bag s', 'ticks', 'replay s', 'ms / tick', 'speed vs real time',
-              'actions', 'refusals']
+            reference = None
+            for n in threads:
+                out = Path(tmp) / f'out_{storage}_{n}'
+                s = replay_process(bag, out, n)
+                stream = (out / 'actions.jsonl').read_bytes()
+                reference = stream if reference is None else reference
+                per_tick = s['wall_seconds'] / s['ticks'] * 1e3
+                rows.append([storage, n, f"{s['bag_seconds']:.1f}", s['ticks'],
+                             f"{s['wall_seconds']:.1f}", f'{per_tick:.2f}',
+                             f"{s['speed_x_realtime']:.1f}x", s['actions'], s['refusals'],
+                             'yes' if stream == reference else 'NO'])
+    header = ['storage', 'BLAS threads', 'bag s', 'ticks', 'replay s', 'ms / tick',
+              'speed vs real time', 'actions', 'refusals', 'same decisions as 1 thread']
     print_table(header, rows)
     if args.write:
         write_section('replay', 'Offline replay speed (numpy backend, shipped model)',
-                      'A demo bag recorded by rt-llm-demo-record, replayed with '
-                      '`--clock model`, config/demo.yaml and the cost model shipped beside the '
-                      'model (engine, bag reading and writing, summary and PNG included; '
-                      'calibration excluded).\n\n' + markdown_table(header, rows))
+                      'A demo bag recorded by rt-llm-demo-record, replayed by `rt-llm-replay '
+                      '--clock model` with config/demo.yaml and the cost model shipped beside '
+                      'the model, one process per row with `OPENBLAS_NUM_THREADS` = BLAS '
+                      'threads (replay s: engine, bag reading and writing, summary and PNG; '
+                      'process start and imports excluded). Last column: the decision stream '
+                      '(actions.jsonl) byte-identical to the one-thread replay of the same '
+                      'bag.\n\n' + markdown_table(header, rows))
 
 
 if __name__ == '__main__':
