@@ -146,3 +146,31 @@ def test_eval_reports_each_episode_as_it_finishes_and_writes_the_table(tmp_path,
     goals = [r for e in direct for r in e['results']]
     assert expert['episodes'] == 2 and expert['goals'] == len(goals)
     assert expert['success'] == sum(r == 'reached' for r in goals) / len(goals)
+
+
+def test_action_delay_holds_each_command_back_and_the_replay_still_matches():
+    """--action-delay: the robot executes a command N ticks after the observation it answers
+    (the live loop's latency); ``executed`` holds what it executed, so a DAgger replay of a
+    delayed rollout reaches the very same state."""
+    import pytest
+    from rt_llm_node.demo.episodes import expert_episode
+    from rt_llm_node.demo.evaluate import Actuation
+    from rt_llm_node.demo.evaluate import run_expert_episode
+    from rt_llm_node.demo.evaluate import run_model_episode
+    actuate = Actuation(2)
+    assert [actuate(c) for c in [(1.0, 0.1), (2.0, 0.2), (3.0, 0.3)]] == [
+        (0.0, 0.0), (0.0, 0.0), (1.0, 0.1)]
+    with pytest.raises(ValueError):
+        Actuation(-1)
+    # the expert on seed 1000000: every goal at once, but one tick late it dithers in place
+    # (its tie-break reads a turn rate two commands old) and misses two
+    assert run_expert_episode(1_000_000)['results'] == ['reached'] * 3
+    assert run_expert_episode(1_000_000, action_delay=1)['results'] == [
+        'reached', 'timeout', 'timeout']
+    checkpoint = load_checkpoint(default_model_path())
+    seed = 12_345
+    now = run_model_episode(checkpoint, seed, 'meaning', 256, max_ticks=30)
+    late = run_model_episode(checkpoint, seed, 'meaning', 256, max_ticks=30, action_delay=1)
+    assert late['executed'][0] == (0.0, 0.0) and late['executed'][1] == now['executed'][0]
+    episode = expert_episode(seed, checkpoint.tokenizer, executed=late['executed'])
+    assert episode.final_pose == late['pose']

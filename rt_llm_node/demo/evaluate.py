@@ -5,12 +5,15 @@ through the very TickEngine the node uses, on held-out seeds; reported: goal
 success rate, and action agreement with the expert on the same observations.
 The expert is run on the same seeds for reference. Timing is not the subject
 here (a model clock and an always-admitting cost model are used): the node and
-the benchmarks measure time.
+the benchmarks measure time. ``--action-delay N`` makes each command reach the
+robot N ticks after the observation it answers (the live loop's actuation latency:
+0 or 1 tick with ``rt-llm-demo-world``, by the phase of the two timers).
 
     rt-llm-eval --episodes 200 --write     # table -> BENCHMARKS.md, PNG -> docs/
 """
 
 import argparse
+from collections import deque
 from concurrent.futures import as_completed
 from concurrent.futures import ProcessPoolExecutor
 import json
@@ -41,6 +44,20 @@ BUDGETS = (128, 256, 512, 'full')
 _CACHE = {}
 
 
+class Actuation:
+    """Commands reach the robot ``delay`` ticks after they are given (standing still before)."""
+
+    def __init__(self, delay=0):
+        if delay < 0:
+            raise ValueError(f'action delay must be >= 0 ticks, got {delay}')
+        self.queue = deque([(0.0, 0.0)] * int(delay))
+
+    def __call__(self, command):
+        """Give ``command``; returns the one the robot executes this tick."""
+        self.queue.append(command)
+        return self.queue.popleft()
+
+
 def _checkpoint(path):
     if path not in _CACHE:
         _CACHE[path] = load_checkpoint(path)
@@ -48,7 +65,7 @@ def _checkpoint(path):
 
 
 def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_ticks=None,
-                      observe=None, expert_drives=False):
+                      observe=None, expert_drives=False, action_delay=0):
     """One closed-loop episode; returns dict(results, ticks, agree, refusals, executed, pose,
     collisions).
 
@@ -59,8 +76,10 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
     model)`` sees every tick's messages, instruction, scan sector minima and both commands
     (quantized; the model's is None on a refusal); with ``expert_drives`` the robot executes
     the expert's command while the model still decides every tick (its fit on the expert's
-    own states).
+    own states). ``action_delay``: ticks between an observation and its command's effect
+    (``executed`` holds what the robot executed, so replays need no delay).
     """
+    actuate = Actuation(action_delay)
     backend = backend or NumpyBackend(checkpoint, capacity)
     backend.rollback(0)
     grammar = action_grammar(checkpoint.tokenizer)
@@ -95,7 +114,7 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
             agree += model == expert
         if observe is not None:
             observe(msgs, instruction, sectors, expert, model)
-        command = expert if expert_drives else (model or (0.0, 0.0))
+        command = actuate(expert if expert_drives else (model or (0.0, 0.0)))
         executed.append(command)
         world.step(*command)
     return {'results': world.results, 'ticks': world.tick, 'agree': agree,
@@ -103,8 +122,9 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
             'pose': (world.x, world.y, world.yaw), 'collisions': world.collisions}
 
 
-def run_expert_episode(seed):
+def run_expert_episode(seed, action_delay=0):
     """The expert alone on ``seed`` (its commands quantized like the model's)."""
+    actuate = Actuation(action_delay)
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
     instruction = ''
     from rt_llm_node.codec import ActionField
@@ -118,8 +138,7 @@ def run_expert_episode(seed):
         v, w = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
                               msgs['/detections'].data,
                               observed_turn_rate(msgs['/odom']))
-        v, w = fv.quantize(v), fw.quantize(w)
-        world.step(v, w)
+        world.step(*actuate((fv.quantize(v), fw.quantize(w))))
     return {'results': world.results, 'ticks': world.tick}
 
 
@@ -127,16 +146,18 @@ _BACKENDS = {}
 
 
 def _job(job):
-    """One episode in a worker process: (model, policy, budget, seed) -> its result dict."""
-    model, policy, budget, seed = job
+    """One episode in a worker process: (model, policy, budget, seed, action delay) -> its
+    result dict."""
+    model, policy, budget, seed, delay = job
     checkpoint = _checkpoint(model)
     if policy == 'expert':
-        return run_expert_episode(seed)
+        return run_expert_episode(seed, delay)
     capacity = checkpoint.config.max_position_embeddings if budget == 'full' else int(budget)
     key = (model, capacity)
     if key not in _BACKENDS:   # reused by this worker's later episodes (rolled back to 0)
         _BACKENDS[key] = NumpyBackend(checkpoint, capacity)
-    return run_model_episode(checkpoint, seed, policy, capacity, _BACKENDS[key])
+    return run_model_episode(checkpoint, seed, policy, capacity, _BACKENDS[key],
+                             action_delay=delay)
 
 
 def summarize(episodes):
@@ -192,10 +213,15 @@ def main(argv=None):
     parser.add_argument('--policies', default=','.join(POLICIES))
     parser.add_argument('--budgets', default=','.join(str(b) for b in BUDGETS))
     parser.add_argument('--workers', type=int, default=os.cpu_count())
+    parser.add_argument('--action-delay', type=int, default=0, metavar='TICKS',
+                        help='ticks from an observation to its command reaching the robot '
+                             '(0: the next step, as in training)')
     parser.add_argument('--json', default=None, help='write the full table as JSON here')
     parser.add_argument('--plot', default=None, help='write the PNG here')
     parser.add_argument('--write', action='store_true', help='record in BENCHMARKS.md')
     args = parser.parse_args(argv)
+    if args.action_delay < 0:
+        parser.error('--action-delay must be >= 0')
     model = str(args.model or default_model_path())
     seeds = list(range(HELD_OUT_SEED0, HELD_OUT_SEED0 + args.episodes))
     budgets = [b if b == 'full' else int(b) for b in args.budgets.split(',')]
@@ -209,7 +235,7 @@ def main(argv=None):
     for seed in seeds:
         for policy, budget in configs:
             owner = 'expert' if policy == 'expert' else f'{policy}@{budget}'
-            jobs[(model, policy, budget, seed)] = owner
+            jobs[(model, policy, budget, seed, args.action_delay)] = owner
     started = time.time()
     gathered = {}
     with ProcessPoolExecutor(args.workers) as pool:
@@ -234,7 +260,8 @@ def main(argv=None):
     from rt_llm_node.bench_report import markdown_table
     from rt_llm_node.bench_report import print_table
     print_table(header, rows)
-    print(f'{args.episodes} held-out episodes per row, {elapsed:.0f} s')
+    print(f'{args.episodes} held-out episodes per row, action delay {args.action_delay} '
+          f'ticks, {elapsed:.0f} s')
     if args.json:
         _write_json(args.json, table, complete=True)
     if args.plot or (args.write and policies):
