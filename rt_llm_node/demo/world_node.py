@@ -36,7 +36,6 @@ class DemoWorldNode(Node):
         self.goals = {'reached': 0, 'timeout': 0}
         self.trajectory = []           # (t, x, y, episode)
         self.episode = 0
-        self.started = False           # the first period only senses
         self.pubs = {
             '/scan': self.create_publisher(LaserScan, '/scan', qos_profile_sensor_data),
             '/odom': self.create_publisher(Odometry, '/odom', qos_profile_sensor_data),
@@ -64,21 +63,17 @@ class DemoWorldNode(Node):
         # after put the command one more period behind what the model saw (two ticks in
         # all), and the in-process evaluation, where a tick's action moves the robot
         # before the next observation, measured another task (BENCHMARKS.md, latency).
-        if self.started:
-            v, w = (self.cmd if time.monotonic() - self.cmd_time < self.cmd_timeout_s
-                    else (0.0, 0.0))
-            event = self.world.step(v, w)
-            if event:
-                self.goals[event] += 1
-                self.events.publish(String(data=event))
-                self.get_logger().info(f'goal {event}: {self.world.results}')
-            self.trajectory.append((time.monotonic(), self.world.x, self.world.y,
-                                    self.episode))
-            if self.world.done:
-                self.episode += 1
-                self.world = DemoWorld(self.seed + self.episode,
-                                       messages=MessageFactory(ros=True))
-        self.started = True
+        # (the first period has no command yet: the robot stands still for it)
+        v, w = self.cmd if time.monotonic() - self.cmd_time < self.cmd_timeout_s else (0.0, 0.0)
+        event = self.world.step(v, w)
+        if event:
+            self.goals[event] += 1
+            self.events.publish(String(data=event))
+            self.get_logger().info(f'goal {event}: {self.world.results}')
+        self.trajectory.append((time.monotonic(), self.world.x, self.world.y, self.episode))
+        if self.world.done:
+            self.episode += 1
+            self.world = DemoWorld(self.seed + self.episode, messages=MessageFactory(ros=True))
         stamp = self.get_clock().now().to_msg()
         for topic, msg in self.world.observe().items():
             if hasattr(msg, 'header'):
