@@ -508,6 +508,7 @@ def live(bag, remaps=None, publish_clock=False, rate=1.0, delay=1.0, log=print, 
     import rclpy
     from rclpy.qos import qos_profile_sensor_data
     from rclpy.serialization import deserialize_message
+    from rt_llm_node.node import INSTRUCTION_QOS
     warn = warn or (lambda text: print(f'rt-llm-replay: warning: {text}', file=sys.stderr))
     reader = open_bag(bag)
     inverse = {bag_topic: node_topic for node_topic, bag_topic in (remaps or {}).items()}
@@ -523,7 +524,10 @@ def live(bag, remaps=None, publish_clock=False, rate=1.0, delay=1.0, log=print, 
                 warn(f'skipping {connection.topic}: {connection.msgtype} is not importable here')
                 continue
             sensor = package == 'sensor_msgs' or connection.topic in ('/odom', '/detections')
-            qos = qos_profile_sensor_data if sensor else 10
+            # the rest (an instruction) reliable and transient local, as the node subscribes
+            # it: a volatile publisher does not match that subscription, and a late joiner
+            # still gets the instruction sent before it came up
+            qos = qos_profile_sensor_data if sensor else INSTRUCTION_QOS
             topic = inverse.get(connection.topic, connection.topic)
             publishers[connection.id] = node.create_publisher(cls, topic, qos)
             classes[connection.id] = cls

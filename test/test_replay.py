@@ -216,22 +216,31 @@ def test_bad_params_and_cost_model_are_clear_errors(bags, tmp_path, capsys):
 def test_live_mode_publishes_to_a_real_subscriber(bags):
     rclpy = pytest.importorskip('rclpy', reason='rclpy is needed for --live')
     from rclpy.qos import qos_profile_sensor_data
+    from rclpy.qos import QoSProfile
     from sensor_msgs.msg import LaserScan
     from std_msgs.msg import String
     context = rclpy.Context()
     rclpy.init(context=context)
     node = rclpy.create_node('replay_listener', context=context)
     got = {'scan': 0, 'instruction': []}
+    # sensor QoS as published (best effort), with a history deep enough that a test process
+    # slowed by a busy machine does not drop scans from its queue before it takes them
+    scan_qos = QoSProfile(depth=200, reliability=qos_profile_sensor_data.reliability,
+                          durability=qos_profile_sensor_data.durability)
     node.create_subscription(LaserScan, '/scan',
-                             lambda m: got.__setitem__('scan', got['scan'] + 1),
-                             qos_profile_sensor_data)
+                             lambda m: got.__setitem__('scan', got['scan'] + 1), scan_qos)
+    # the node's own QoS for an instruction (reliable, transient local): a volatile
+    # publisher would not match it
+    from rt_llm_node.node import INSTRUCTION_QOS
     node.create_subscription(String, '/instruction',
-                             lambda m: got['instruction'].append(m.data), 10)
+                             lambda m: got['instruction'].append(m.data), INSTRUCTION_QOS)
     executor = rclpy.executors.SingleThreadedExecutor(context=context)
     executor.add_node(node)
     try:
+        # --delay 4: time for DDS discovery before the first message (with 2 s a busy 2-core
+        # machine matched /scan late now and then and the first quarter of the scans was lost)
         proc = subprocess.Popen([sys.executable, '-m', 'rt_llm_node.replay', str(bags['mcap']),
-                                 '--live', '--delay', '2'], stdout=subprocess.PIPE,
+                                 '--live', '--delay', '4'], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         while proc.poll() is None:
             executor.spin_once(timeout_sec=0.05)
