@@ -6,7 +6,6 @@ from rt_llm_node.demo.episodes import episode_texts
 from rt_llm_node.demo.episodes import SCAN_SECTORS
 from rt_llm_node.demo.episodes import train_tokenizer
 from rt_llm_node.demo.expert import expert_command
-from rt_llm_node.demo.expert import observed_turn_rate
 from rt_llm_node.demo.messages import MessageFactory
 from rt_llm_node.demo.task import action_grammar
 from rt_llm_node.demo.task import action_words
@@ -40,7 +39,7 @@ def test_the_world_is_deterministic_per_seed():
 
 def run_expert(seed, max_ticks):
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
-    instructions, instruction = [], ''
+    instructions, instruction, w = [], '', 0.0
     for _ in range(max_ticks):
         if world.done:
             break
@@ -48,8 +47,9 @@ def run_expert(seed, max_ticks):
         if '/instruction' in msgs:
             instruction = msgs['/instruction'].data
             instructions.append(instruction)
-        world.step(*expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
-                                   msgs['/detections'].data, observed_turn_rate(msgs['/odom'])))
+        v, w = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
+                              msgs['/detections'].data, w)
+        world.step(v, w)
     return world, instructions
 
 
@@ -134,18 +134,24 @@ def test_eval_reports_each_episode_as_it_finishes_and_writes_the_table(tmp_path,
     from rt_llm_node.demo.evaluate import HELD_OUT_SEED0
     from rt_llm_node.demo.evaluate import main
     from rt_llm_node.demo.evaluate import run_expert_episode
+    import pytest
     out = tmp_path / 'eval.json'
-    assert main(['--episodes', '2', '--policies', '', '--workers', '2',
-                 '--json', str(out)]) == 0
+    first = HELD_OUT_SEED0 + 7   # a run that goes on where an earlier one stopped
+    assert main(['--episodes', '2', '--first-seed', str(first), '--policies', '',
+                 '--workers', '2', '--json', str(out)]) == 0
     progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith('[')]
     assert len(progress) == 2 and progress[-1].startswith('[2/2] expert seed ')
     table = json.loads(out.read_text())
     assert table['complete'] is True
     expert = table['table']['expert']
-    direct = [run_expert_episode(HELD_OUT_SEED0 + i) for i in range(2)]
+    direct = [run_expert_episode(first + i) for i in range(2)]
     goals = [r for e in direct for r in e['results']]
     assert expert['episodes'] == 2 and expert['goals'] == len(goals)
     assert expert['success'] == sum(r == 'reached' for r in goals) / len(goals)
+    assert expert['seeds'] == [first, first + 1]
+    assert expert['reached'] == [sum(r == 'reached' for r in e['results']) for e in direct]
+    with pytest.raises(SystemExit):   # training seeds are not held out
+        main(['--episodes', '1', '--first-seed', '5', '--policies', ''])
 
 
 def test_action_delay_holds_each_command_back_and_the_replay_still_matches():
@@ -162,11 +168,11 @@ def test_action_delay_holds_each_command_back_and_the_replay_still_matches():
         (0.0, 0.0), (0.0, 0.0), (1.0, 0.1)]
     with pytest.raises(ValueError):
         Actuation(-1)
-    # the expert on seed 1000000: every goal at once, but one tick late it dithers in place
-    # (its tie-break reads a turn rate two commands old) and misses two
-    assert run_expert_episode(1_000_000)['results'] == ['reached'] * 3
-    assert run_expert_episode(1_000_000, action_delay=1)['results'] == [
-        'reached', 'timeout', 'timeout']
+    # the expert on seed 1000000 reaches every goal one and two ticks late too: its
+    # tie-break reads its own last command, not the turn rate /odom shows (two commands old
+    # one tick late: with that tie-break it dithered in place and missed two goals here)
+    for delay in (0, 1, 2):
+        assert run_expert_episode(1_000_000, action_delay=delay)['results'] == ['reached'] * 3
     checkpoint = load_checkpoint(default_model_path())
     seed = 12_345
     now = run_model_episode(checkpoint, seed, 'meaning', 256, max_ticks=30)

@@ -74,7 +74,7 @@ def main():
               f"{result['collisions']} collisions", flush=True)
         for key, s in stats.items():
             total[key] = [a + b for a, b in zip(total[key], s)]
-    # 'repeat': how often w equals the w executed the tick before (what /odom shows): a
+    # 'repeat': how often w equals the w executed the tick before (its last action): a
     # model far above the expert there copies its own past command (the copycat failure)
     print(f"{'situation':32s} {'ticks':>6s} {'agree':>6s} {'|dv|':>6s} {'|dw|':>6s} "
           f"{'model repeats w':>15s} {'expert repeats w':>16s}")

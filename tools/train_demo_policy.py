@@ -202,8 +202,9 @@ def main():
                              'has passed (a run under a hard time limit still yields a model)')
     # three episodes in four are noisy: DART noise on the executed command and, at
     # --hold-rate per tick, a random command held for 5-20 ticks, the labels staying the
-    # expert's; the more the executed turn rate (on /odom) differs from the label, the
-    # less a learner gains by copying it (tools/diagnose_policy.py measures the copying)
+    # expert's; the more the executed turn rate (the context's last action) differs from
+    # the label, the less a learner gains by copying it (tools/diagnose_policy.py measures
+    # the copying)
     parser.add_argument('--noise-v', type=float, default=0.2, help='std of v noise, m/s')
     parser.add_argument('--noise-w', type=float, default=0.6, help='std of w noise, rad/s')
     parser.add_argument('--hold-rate', type=float, default=0.02)

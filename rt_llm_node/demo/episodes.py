@@ -1,7 +1,7 @@
 """Expert episodes rendered to tokens exactly as the node renders them, and the BPE tokenizer.
 
 A tick's token stream is what ``TickEngine`` feeds the model: the segments of
-the inputs that changed (instruction once per goal, then /scan, /odom,
+the inputs that changed (instruction once per goal, then /scan and
 /detections), then the action segment (prefix, one word per field, newline).
 """
 
@@ -19,7 +19,6 @@ from tokenizers import trainers
 from rt_llm_node.codec import ObservationCodec
 from rt_llm_node.codec import scan_sectors
 from rt_llm_node.demo.expert import expert_command
-from rt_llm_node.demo.expert import observed_turn_rate
 from rt_llm_node.demo.messages import MessageFactory
 from rt_llm_node.demo.task import action_grammar
 from rt_llm_node.demo.task import INPUTS
@@ -53,6 +52,7 @@ def episode_texts(seed, noise=0.0):
     codec = ObservationCodec(None, INPUTS)
     lines, instruction = [SYSTEM_PROMPT], ''
     rng = np.random.default_rng(seed)
+    last_w = 0.0
     while not world.done:
         msgs = world.observe()
         for spec in INPUTS:
@@ -61,10 +61,10 @@ def episode_texts(seed, noise=0.0):
         if '/instruction' in msgs:
             instruction = msgs['/instruction'].data
         v, w = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
-                              msgs['/detections'].data,
-                              observed_turn_rate(msgs['/odom']))
+                              msgs['/detections'].data, last_w)
         lines.append(f'act v{v:+.1f} w{w:+.2f}')
-        world.step(v + noise * rng.normal(), w + noise * rng.normal())
+        last_w = w + noise * rng.normal()
+        world.step(v + noise * rng.normal(), last_w)
     return lines
 
 
@@ -95,9 +95,9 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
     ``noise``: std of Gaussian noise (v, w) added to the executed command, so the
     data covers recoveries from the expert's own path (DART). ``hold_rate``: per
     tick, the chance that the robot starts executing a random command for 5 to 20
-    ticks while the labels stay the expert's: the turn rate on /odom and the past
-    actions then say nothing about the label, so a learner cannot succeed by copying
-    them (the copycat failure of imitation learning). ``executed``: [(v, w)] per tick,
+    ticks while the labels stay the expert's: the past actions in the context then say
+    nothing about the label, so a learner cannot succeed by copying them (the copycat
+    failure of imitation learning). ``executed``: [(v, w)] per tick,
     what a policy executed on this seed (``evaluate.run_model_episode``): the robot
     replays it exactly (the world is deterministic per seed and command sequence) and
     the episode ends with it, while each tick's label is still the expert's: DAgger
@@ -110,6 +110,7 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
     episode = Episode(seed)
     instruction = ''
     hold_left, hold = 0, (0.0, 0.0)
+    last_w = 0.0   # the previous command's turn rate, as its action segment renders it
     while not world.done and (executed is None or world.tick < len(executed)):
         msgs = world.observe()
         segments = [(spec.kind, spec.topic, codec.encode(spec.topic, msgs[spec.topic]))
@@ -117,8 +118,7 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
         if '/instruction' in msgs:
             instruction = msgs['/instruction'].data
         v, w = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
-                              msgs['/detections'].data,
-                              observed_turn_rate(msgs['/odom']))
+                              msgs['/detections'].data, last_w)
         values = {'linear.x': v, 'angular.z': w}
         action_ids = tokenizer.encode(grammar.render(values)).ids
         episode.ticks.append(TickTokens(segments, action_ids, len(grammar.prefix_ids)))
@@ -142,6 +142,8 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
                 {'linear.x': ev, 'angular.z': ew})).ids
         else:
             episode.ticks[-1].executed_ids = action_ids
+            ev, ew = grammar.fields[0].quantize(ev), grammar.fields[1].quantize(ew)
+        last_w = ew
         world.step(ev, ew)
     episode.results = list(world.results)
     episode.final_pose = (world.x, world.y, world.yaw)

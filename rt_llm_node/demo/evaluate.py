@@ -27,7 +27,6 @@ from rt_llm_node.backends.numpy_backend import NumpyBackend
 from rt_llm_node.codec import scan_sectors
 from rt_llm_node.demo.episodes import SCAN_SECTORS
 from rt_llm_node.demo.expert import expert_command
-from rt_llm_node.demo.expert import observed_turn_rate
 from rt_llm_node.demo.messages import MessageFactory
 from rt_llm_node.demo.task import action_grammar
 from rt_llm_node.demo.task import INPUTS
@@ -93,6 +92,7 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
     snapshot, instruction = {}, ''
     agree = refusals = 0
     executed = []
+    last = (0.0, 0.0)   # the command given last tick: the newest action in the context
     while not world.done and (max_ticks is None or world.tick < max_ticks):
         now = world.tick * dt
         clock.advance_to(now)
@@ -103,7 +103,7 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
             instruction = msgs['/instruction'].data
         sectors = scan_sectors(msgs['/scan'], SCAN_SECTORS)
         ev, ew = expert_command(instruction, sectors, msgs['/detections'].data,
-                                observed_turn_rate(msgs['/odom']))
+                                last[1])
         expert = (grammar.fields[0].quantize(ev), grammar.fields[1].quantize(ew))
         result = engine.tick(snapshot, now, now + dt)
         if result.action is None:
@@ -114,7 +114,8 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
             agree += model == expert
         if observe is not None:
             observe(msgs, instruction, sectors, expert, model)
-        command = actuate(expert if expert_drives else (model or (0.0, 0.0)))
+        last = expert if expert_drives else (model or (0.0, 0.0))
+        command = actuate(last)
         executed.append(command)
         world.step(*command)
     return {'results': world.results, 'ticks': world.tick, 'agree': agree,
@@ -131,14 +132,15 @@ def run_expert_episode(seed, action_delay=0):
     from rt_llm_node.demo.task import TWIST_FIELDS
     fv, fw = (ActionField(f['name'], f['key'], f['min'], f['max'], f['step'])
               for f in TWIST_FIELDS)
+    last_w = 0.0
     while not world.done:
         msgs = world.observe()
         if '/instruction' in msgs:
             instruction = msgs['/instruction'].data
         v, w = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
-                              msgs['/detections'].data,
-                              observed_turn_rate(msgs['/odom']))
-        world.step(*actuate((fv.quantize(v), fw.quantize(w))))
+                              msgs['/detections'].data, last_w)
+        last_w = fw.quantize(w)
+        world.step(*actuate((fv.quantize(v), last_w)))
     return {'results': world.results, 'ticks': world.tick}
 
 
@@ -173,8 +175,11 @@ def summarize(episodes):
 
 
 def summarize_rows(gathered):
-    """{row: {seed: episode}} -> {row: summary with its seeds}."""
-    return {row: dict(summarize([eps[s] for s in sorted(eps)]), seeds=sorted(eps))
+    """{row: {seed: episode}} -> {row: summary with its seeds and the goals reached on each
+    (rows on the same seeds pair up, e.g. for a sign test)."""
+    return {row: dict(summarize([eps[s] for s in sorted(eps)]), seeds=sorted(eps),
+                      reached=[sum(r == 'reached' for r in eps[s]['results'])
+                               for s in sorted(eps)])
             for row, eps in gathered.items()}
 
 
@@ -210,6 +215,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog='rt-llm-eval', description=__doc__.split('\n')[0])
     parser.add_argument('--model', default=None, help='checkpoint (default: embedded)')
     parser.add_argument('--episodes', type=int, default=200)
+    parser.add_argument('--first-seed', type=int, default=HELD_OUT_SEED0,
+                        help=f'first held-out seed (default {HELD_OUT_SEED0}; a run over '
+                             'more seeds can go on where an earlier one stopped)')
     parser.add_argument('--policies', default=','.join(POLICIES))
     parser.add_argument('--budgets', default=','.join(str(b) for b in BUDGETS))
     parser.add_argument('--workers', type=int, default=os.cpu_count())
@@ -222,8 +230,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.action_delay < 0:
         parser.error('--action-delay must be >= 0')
+    if args.first_seed < HELD_OUT_SEED0:
+        parser.error(f'--first-seed must be >= {HELD_OUT_SEED0}: lower seeds are training '
+                     'seeds')
     model = str(args.model or default_model_path())
-    seeds = list(range(HELD_OUT_SEED0, HELD_OUT_SEED0 + args.episodes))
+    seeds = list(range(args.first_seed, args.first_seed + args.episodes))
     budgets = [b if b == 'full' else int(b) for b in args.budgets.split(',')]
     policies = [p for p in args.policies.split(',') if p]
     configs = [('expert', None)] + [(p, b) for p in policies for b in budgets]

@@ -1,10 +1,10 @@
 """The scripted expert: goal seeking with obstacle avoidance, from what the model sees.
 
 It reads the same rendered text the model reads (the instruction, the scan's
-sector minima, the detections line), so its decisions can be imitated from the
-context alone: no privileged state. Steering follows the gap: among the target
-bearing and the sector centres, head for the direction closest to the target
-whose sector is clear far enough.
+sector minima, the detections line, and its own previous action), so its
+decisions can be imitated from the context alone: no privileged state. Steering
+follows the gap: among the target bearing and the sector centres, head for the
+direction closest to the target whose sector is clear far enough.
 """
 
 import math
@@ -31,19 +31,16 @@ def _clip(value, limit):
     return max(-limit, min(limit, value))
 
 
-def observed_turn_rate(odometry):
-    """The robot's turn rate as the /odom line renders it (rad/s, one decimal)."""
-    return round(float(odometry.twist.twist.angular.z), 1)
-
-
 def expert_command(instruction, sectors, detections_text, last_w=0.0):
     """(v, w) toward the goal in ``instruction``: attraction to it, repulsion from the scan.
 
     ``sectors``: scan minima, sector 0 straight ahead, counter-clockwise;
-    ``last_w``: the turn rate the current /odom line shows (``observed_turn_rate``),
-    which keeps a turn going and breaks the tie when a pillar stands dead ahead. It
-    is part of this tick's observation, so the command is a function of what the
-    model sees in its newest observation segments alone.
+    ``last_w``: the turn rate of the previous command given (the newest action segment
+    in the context), which keeps a turn going and breaks the tie when a pillar stands
+    dead ahead. It is the command, not the turn rate /odom measures: under actuation
+    latency /odom shows a command two or more ticks old, and a tie-break on it dithers
+    in place (BENCHMARKS.md, actuation latency). So the command is a function of the
+    newest observation segments and the newest action segment alone.
     """
     n = len(sectors)
     width = 2.0 * math.pi / n

@@ -17,7 +17,6 @@ from types import SimpleNamespace
 from rt_llm_node.codec import scan_sectors
 from rt_llm_node.demo.episodes import SCAN_SECTORS
 from rt_llm_node.demo.expert import expert_command
-from rt_llm_node.demo.expert import observed_turn_rate
 from rt_llm_node.demo.messages import MessageFactory
 from rt_llm_node.demo.world import DemoWorld
 
@@ -53,11 +52,12 @@ def record_demo_bag(path, seconds=10.0, seed=1_000_000, storage='mcap'):
     try:
         connections = {topic: writer.add_connection(topic, msgtype, typestore=store)
                        for topic, msgtype in TYPES.items()}
-        instruction = ''
+        instruction, w = '', 0.0   # w: the turn rate last commanded
         for tick in range(int(round(seconds / world.config.dt))):
             if world.done:  # episode over (3 goals): the next seed takes over, same timeline
                 seed += 1
                 world = DemoWorld(seed, messages=MessageFactory(ros=False))
+                w = 0.0
             stamp_ns = EPOCH_NS + int(round(tick * world.config.dt * 1e9))
             msgs = world.observe()
             for topic, msg in msgs.items():
@@ -73,7 +73,7 @@ def record_demo_bag(path, seconds=10.0, seed=1_000_000, storage='mcap'):
             if '/instruction' in msgs:
                 instruction = msgs['/instruction'].data
             v, w = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
-                                  msgs['/detections'].data, observed_turn_rate(msgs['/odom']))
+                                  msgs['/detections'].data, w)
             world.step(v, w)
     finally:
         writer.close()
