@@ -319,13 +319,24 @@ class RtLlmNode(LifecycleNode):
                 self.get_logger().error(self.last_error)
                 self._publish_fallback(force_stop=True)
                 self._failed = True
-                # the transition joins this thread, so it is requested from another one
-                threading.Thread(target=self.trigger_deactivate, daemon=True).start()
+                self._request_deactivate()
                 break
             if next_start - time.monotonic() > 0.5 * period:
                 gc.collect(0)
         sys.setswitchinterval(switch_interval)
         gc.enable()
+
+    def _request_deactivate(self):
+        """Deactivate (then, failed, ErrorProcessing) from outside the control thread, which
+        the transition joins: on the node's executor, where it runs as transitions requested
+        over the lifecycle services do; a subscription destroyed by another thread while the
+        executor builds its wait set raises InvalidHandle in the executor and stops it
+        (ros2/rclpy#1284). A node on no executor gets a thread of its own."""
+        executor = self.executor
+        if executor is not None:
+            executor.create_task(self.trigger_deactivate)
+        else:
+            threading.Thread(target=self.trigger_deactivate, daemon=True).start()
 
     def _publish_result(self, result, ros_start):
         if result.action is not None:

@@ -15,7 +15,7 @@ rclpy = pytest.importorskip('rclpy', reason='rclpy (the ros extra) is not instal
 
 from diagnostic_msgs.msg import DiagnosticArray  # noqa: E402,I100
 from geometry_msgs.msg import Twist  # noqa: E402
-from rclpy.executors import MultiThreadedExecutor  # noqa: E402
+from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.lifecycle import TransitionCallbackReturn  # noqa: E402
 from rclpy.node import Node  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
@@ -29,14 +29,30 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 @pytest.fixture
 def executor():
-    """A fresh rclpy context and executor per test, so one test's DDS state cannot leak."""
+    """A fresh rclpy context and executor per test, so one test's DDS state cannot leak.
+
+    Single-threaded, as ``rclpy.spin`` runs the node, and lifecycle transitions run on it
+    (``transition``), as they do when they come over the node's services: a subscription
+    destroyed by one thread while another builds the executor's wait set raised
+    InvalidHandle in the executor thread and killed it (ros2/rclpy#1284).
+    """
     rclpy.init()
-    ex = MultiThreadedExecutor(num_threads=3)
+    ex = SingleThreadedExecutor()
     thread = threading.Thread(target=ex.spin, daemon=True)
     thread.start()
     yield ex
     ex.shutdown()
     rclpy.shutdown()
+
+
+def transition(node, name, timeout=60.0):
+    """Run ``node.trigger_<name>()`` on the node's executor thread; its result."""
+    task = node.executor.create_task(getattr(node, f'trigger_{name}'))
+    end = time.monotonic() + timeout
+    while not task.done():
+        assert time.monotonic() < end, f'{name} did not finish in {timeout} s'
+        time.sleep(0.01)
+    return task.result()
 
 
 class Recorder(Node):
@@ -73,10 +89,11 @@ def rig(executor):
     yield world, recorder, make
     for node in made:
         node._stop_loop()
-        executor.remove_node(node)
-        node.destroy_node()
-    for node in (world, recorder):
-        executor.remove_node(node)
+    # the executor stops (and its threads finish their callbacks) before any node is
+    # destroyed: destroying a node under a running callback raised "cannot use Destroyable
+    # because destruction was requested" in an executor thread now and then
+    executor.shutdown()
+    for node in (*made, world, recorder):
         node.destroy_node()
 
 
@@ -98,9 +115,9 @@ def wait_for_peers(node, inputs=4, timeout=30.0):
 
 def start(node, inputs=4):
     """Configure, wait for DDS discovery, activate."""
-    assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
+    assert transition(node, 'configure') == TransitionCallbackReturn.SUCCESS
     wait_for_peers(node, inputs)
-    node.trigger_activate()
+    transition(node, 'activate')
 
 
 def reasons(recorder):
@@ -116,7 +133,7 @@ def test_publishes_actions_at_the_rate(rig, tmp_path):
     cost = read_cost_model(cost_file)   # the node's calibration, as replay reads it
     assert cost.decode[0] > 0 and cost.prefill_ms(48, 100) > cost.decode_ms(100)
     time.sleep(4.0)
-    node.trigger_deactivate()
+    transition(node, 'deactivate')
     stats, refusals, _ = node.stats()
     assert stats['ticks'] >= 30, stats
     assert stats.get('actions', 0) >= 20, (stats, refusals)
@@ -142,11 +159,11 @@ def test_too_short_a_period_refuses_with_deadline_before_the_deadline(executor, 
     try:
         start(node)
         time.sleep(2.5)
-        node.trigger_deactivate()
+        transition(node, 'deactivate')
         stats, refusals, _ = node.stats()
     finally:
         node._stop_loop()
-        executor.remove_node(node)
+        executor.shutdown()   # its callbacks finish before the node goes (see rig)
         node.destroy_node()
         for proc in (world, peer):
             proc.send_signal(signal.SIGINT)
@@ -178,7 +195,7 @@ def test_missing_input_gives_stale_input(rig):
                                             '/detections'])
     start(node, inputs=3)
     time.sleep(1.5)
-    node.trigger_deactivate()
+    transition(node, 'deactivate')
     stats, refusals, _ = node.stats()
     assert refusals.get('stale_input', 0) >= 5 and stats.get('actions', 0) == 0
     assert 'stale_input' in reasons(recorder)
@@ -190,10 +207,10 @@ def test_broken_model_fails_configure_with_the_loader_message(rig, tmp_path):
     world, recorder, make = rig
     (tmp_path / 'config.json').write_text('{"architectures": ["GPT2LMHeadModel"]}')
     node = make(model_path=str(tmp_path))
-    assert node.trigger_configure() != TransitionCallbackReturn.SUCCESS
+    assert transition(node, 'configure') != TransitionCallbackReturn.SUCCESS
     assert 'GPT2LMHeadModel' in node.last_error and 'config.json' in node.last_error
     node2 = make(model_path=str(tmp_path / 'missing'))
-    assert node2.trigger_configure() != TransitionCallbackReturn.SUCCESS
+    assert transition(node2, 'configure') != TransitionCallbackReturn.SUCCESS
     assert 'not a checkpoint directory' in node2.last_error
 
 
@@ -202,17 +219,17 @@ def test_deactivate_stops_output_and_cleanup_then_configure_works(rig):
     node = make(rate_hz=10.0)
     start(node)
     time.sleep(1.0)
-    node.trigger_deactivate()
+    transition(node, 'deactivate')
     time.sleep(0.3)
     count = len(recorder.actions) + len(recorder.refusals)
     last = recorder.actions[-1][1]
     assert last.linear.x == 0.0 and last.angular.z == 0.0, 'deactivate sends a stop'
     time.sleep(1.0)
     assert len(recorder.actions) + len(recorder.refusals) == count, 'output after deactivate'
-    assert node.trigger_cleanup() == TransitionCallbackReturn.SUCCESS
+    assert transition(node, 'cleanup') == TransitionCallbackReturn.SUCCESS
     start(node)
     time.sleep(1.0)
-    node.trigger_deactivate()
+    transition(node, 'deactivate')
     assert len(recorder.actions) + len(recorder.refusals) > count
 
 
@@ -228,7 +245,7 @@ def test_invalid_parameters_are_rejected(rig):
         assert not result.successful, param.name
         assert result.reason
     assert node.set_parameters([Parameter('rate_hz', value=20.0)])[0].successful
-    assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
+    assert transition(node, 'configure') == TransitionCallbackReturn.SUCCESS
     result = node.set_parameters([Parameter('rate_hz', value=25.0)])[0]
     assert not result.successful and 'clean up' in result.reason
     assert node.set_parameters([Parameter('on_refusal', value='hold')])[0].successful
@@ -250,7 +267,7 @@ def test_repeated_backend_errors_go_through_error_processing(rig):
     assert 'backend_error' in reasons(recorder)
     last = recorder.actions[-1][1]
     assert last.linear.x == 0.0 and last.angular.z == 0.0, 'the robot is told to stop'
-    assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS, 'and can start over'
+    assert transition(node, 'configure') == TransitionCallbackReturn.SUCCESS, 'and can start over'
 
 
 def _fifo_permitted(priority):
