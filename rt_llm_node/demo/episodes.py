@@ -1,7 +1,7 @@
 """Expert episodes rendered to tokens exactly as the node renders them, and the BPE tokenizer.
 
 A tick's token stream is what ``TickEngine`` feeds the model: the segments of
-the inputs that changed (instruction once per goal, then /scan and
+the inputs that changed (instruction once per goal, then /scan, /odom,
 /detections), then the action segment (prefix, one word per field, newline).
 """
 
@@ -63,8 +63,8 @@ def episode_texts(seed, noise=0.0):
         v, w = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
                               msgs['/detections'].data, last_w)
         lines.append(f'act v{v:+.1f} w{w:+.2f}')
-        last_w = w + noise * rng.normal()
-        world.step(v + noise * rng.normal(), last_w)
+        ev, last_w = v + noise * rng.normal(), w + noise * rng.normal()
+        world.step(ev, last_w)
     return lines
 
 
