@@ -89,7 +89,7 @@ def rig(executor):
     yield world, recorder, make
     for node in made:
         node._stop_loop()
-    # the executor stops (and its threads finish their callbacks) before any node is
+    # the executor stops (and finishes the callback it runs) before any node is
     # destroyed: destroying a node under a running callback raised "cannot use Destroyable
     # because destruction was requested" in an executor thread now and then
     executor.shutdown()

@@ -142,8 +142,7 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
                 {'linear.x': ev, 'angular.z': ew})).ids
         else:
             episode.ticks[-1].executed_ids = action_ids
-            ev, ew = grammar.fields[0].quantize(ev), grammar.fields[1].quantize(ew)
-        last_w = ew
+        last_w = ew   # quantized either way: noiseless, ev and ew are qv and qw
         world.step(ev, ew)
     episode.results = list(world.results)
     episode.final_pose = (world.x, world.y, world.yaw)
