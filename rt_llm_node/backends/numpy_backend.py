@@ -73,10 +73,13 @@ def attention(q, k, v, start):
     if n > 1:  # causal: only the new block needs a mask, older keys are all visible
         scores.reshape(n_kv, n, group, t)[..., start:] += causal_mask(n)[:, None, :]
     scores -= scores.max(axis=2, keepdims=True)
-    np.exp(scores, out=scores)
-    scores *= np.float32(1.0) / scores.sum(axis=2, keepdims=True)        # probabilities
+    np.exp(scores, out=scores)                                          # unnormalized
+    inv = np.float32(1.0) / scores.sum(axis=2, keepdims=True)           # [kv, n*g, 1]
+    # normalized after the products, not before: the [kv, n*g, d] output and one vector
+    # instead of another pass over the [kv, n*g, T] scores
     out = np.matmul(scores, v.transpose(1, 0, 2))                       # [kv, n*g, d]
-    mass = np.ones(n_kv * n * group, np.float32) @ scores.reshape(-1, t)  # rows summed
+    out *= inv
+    mass = inv.reshape(-1) @ scores.reshape(-1, t)                      # probabilities summed
     return out.reshape(n_kv, n, group, d).transpose(1, 0, 2, 3).reshape(n, n_heads, d), mass
 
 
@@ -162,9 +165,13 @@ class NumpyBackend:
             out, layer_mass = attention(qk[:, :cfg.num_heads], self.k[i, :end],
                                         self.v[i, :end], start)
             mass += layer_mass
-            x += out.reshape(n, cfg.q_size) @ layer.wo.T
+            if i == len(self.layers) - 1 and n > 1:
+                # past the last layer's attention only the last token matters (its logits);
+                # the others' keys, values and attention mass are already in hand
+                x, out = x[-1:], out[-1:]
+            x += out.reshape(len(x), cfg.q_size) @ layer.wo.T
             h = rmsnorm(x, layer.mlp_norm, cfg.rms_norm_eps)
-            gate_up = h @ layer.wgate_up.T                                  # [n, 2*inter]
+            gate_up = h @ layer.wgate_up.T                                  # [., 2*inter]
             act = silu(gate_up[:, :cfg.intermediate_size])
             act *= gate_up[:, cfg.intermediate_size:]
             x += act @ layer.wdown.T
@@ -212,10 +219,14 @@ class NumpyBackend:
         m = len(keep)
         if m and (keep[-1] >= self.length or np.any(np.diff(keep) <= 0) or keep[0] < 0):
             raise BackendError('compact needs ascending slots below the cache length')
-        delta = self.capacity + np.arange(m) - keep                         # new - old
-        cos, sin = self.cos[delta], self.sin[delta]                         # [m, d/2]
-        for i in range(self.config.num_layers):
-            self.k[i, :m] = apply_rope(self.k[i, keep], cos, sin)
-            self.v[i, :m] = self.v[i, keep]
+        # slots before the first gap stay where they are: nothing to move or rotate
+        first = int(np.argmax(keep != np.arange(m))) if m and np.any(keep != np.arange(m)) else m
+        moved = keep[first:]
+        delta = self.capacity + np.arange(first, m) - moved                 # new - old
+        cos, sin = self.cos[delta], self.sin[delta]                         # [m - first, d/2]
+        if len(moved):
+            for i in range(self.config.num_layers):
+                self.k[i, first:m] = apply_rope(self.k[i, moved], cos, sin)
+                self.v[i, first:m] = self.v[i, moved]
         self.length = m
         self._mass = self._mass[keep]  # invariant: len(self._mass) == self.length
