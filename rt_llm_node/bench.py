@@ -160,6 +160,9 @@ def main(argv=None):
     parser.add_argument('--repeats', type=int, default=300)
     parser.add_argument('--ticks', type=int, default=10000)
     parser.add_argument('--no-hf', action='store_true', help='skip HF transformers')
+    parser.add_argument('--prefill-matmul', default='t16', choices=('t16', 'g32'),
+                        help='the prefill matmul kernels of every column but the side-by-side '
+                             '"prefill 48 ms, other matmul" one, which has the other kind')
     parser.add_argument('--write', action='store_true', help='write BENCHMARKS.md sections')
     args = parser.parse_args(argv)
     from rt_llm_node.backends import cuda_available
@@ -171,7 +174,8 @@ def main(argv=None):
     bandwidth = read_bandwidth(KernelSet('F32'))
     print(f'read bandwidth: {bandwidth / 1e12:.2f} TB/s')
     header = ['shape', 'weights MB', 'floor us', 'ours us @256 (p99)', 'ours us @1024 (p99)',
-              'host step us @256', 'prefill 48 ms', 'serial launch us @256 / prefill ms',
+              'host step us @256', 'prefill 48 ms', 'prefill 48 ms, other matmul',
+              'serial launch us @256 / prefill ms',
               'HF compile us @256 (p99)', 'HF / ours']
     rows = []
     tick_ms = None
@@ -180,7 +184,13 @@ def main(argv=None):
             directory = write_random_checkpoint(tmp, shape, seed=0)
             checkpoint = load_checkpoint(directory)
             nbytes = weight_bytes(checkpoint)
-            backend = CudaBackend(checkpoint, max(CONTEXTS) + 64)
+            other = 'g32' if args.prefill_matmul == 't16' else 't16'
+            backend = CudaBackend(checkpoint, max(CONTEXTS) + 64, prefill_matmul=other)
+            other_prefill = measure_ours(backend, checkpoint.config.vocab_size,
+                                         args.repeats, contexts=(256,))['prefill']
+            del backend
+            backend = CudaBackend(checkpoint, max(CONTEXTS) + 64,
+                                  prefill_matmul=args.prefill_matmul)
             ours = measure_ours(backend, checkpoint.config.vocab_size, args.repeats)
             serial = None   # the same graphs without programmatic dependent launch
             if backend.dependent_launch:
@@ -201,7 +211,7 @@ def main(argv=None):
         row = [shape, f'{nbytes / 1e6:.0f}', f'{floor_us:.0f}',
                f'{ours[256][0]:.0f} ({ours[256][1]:.0f})',
                f'{ours[1024][0]:.0f} ({ours[1024][1]:.0f})', f'{ours[256][2]:.0f}',
-               f"{ours['prefill']:.2f}",
+               f"{ours['prefill']:.2f}", f'{other_prefill:.2f} ({other})',
                '-' if serial is None else f"{serial[256][0]:.0f} / {serial['prefill']:.2f}",
                '-' if hf is None else f'{hf[0] * 1e3:.0f} ({hf[1] * 1e3:.0f})',
                '-' if hf is None else f'{hf[0] * 1e3 / ours[256][0]:.2f}x']
@@ -214,7 +224,9 @@ def main(argv=None):
             '(CUDA events), median (p99); host step = decode + constrained argmax as Python '
             'calls them, wall clock. Serial launch: the same graphs captured without '
             'programmatic dependent launch (each kernel starts only when the previous one '
-            'has ended), same run. HF: transformers, bf16, StaticCache, '
+            'has ended), same run. Prefill matmul: the kernels of the prefill graphs, '
+            f'{args.prefill_matmul!r} in every column but the other one (matmul.cu). '
+            'HF: transformers, bf16, StaticCache, '
             "torch.compile(mode='reduce-overhead'), one decode step, CUDA events.\n\n"
             + markdown_table(header, rows))
     if tick_ms is not None:

@@ -26,9 +26,9 @@ def rel_err(a, b):
     return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
 
 
-def cuda_backend(checkpoint, capacity):
+def cuda_backend(checkpoint, capacity, **options):
     from rt_llm_node.backends.cuda_backend import CudaBackend
-    return CudaBackend(checkpoint, capacity)
+    return CudaBackend(checkpoint, capacity, **options)
 
 
 def run_steps(backend, prompt, steps):
@@ -48,11 +48,13 @@ def shape_dirs(tmp_path_factory):
     return {name: write_random_checkpoint(root / name, name, seed=5) for name in SHAPES}
 
 
+@pytest.mark.parametrize('prefill_matmul', ['t16', 'g32'])
 @pytest.mark.parametrize('shape', SHAPES)
-def test_shapes_match_numpy_backend(shape, shape_dirs):
+def test_shapes_match_numpy_backend(shape, prefill_matmul, shape_dirs):
     checkpoint = load_checkpoint(shape_dirs[shape])
     prompt = np.random.default_rng(1).integers(0, checkpoint.config.vocab_size, 150)
-    ours = run_steps(cuda_backend(checkpoint, 256), prompt, 4)   # 150 > one prefill chunk
+    ours = run_steps(cuda_backend(checkpoint, 256, prefill_matmul=prefill_matmul), prompt,
+                     4)   # 150 > one prefill chunk
     ref = run_steps(NumpyBackend(checkpoint, 256), prompt, 4)
     for step in range(4):
         assert rel_err(ours[0][step], ref[0][step]) < REL, (shape, step)

@@ -66,6 +66,19 @@ def i32(v):
 NULL = np.uint64(0)
 
 
+def matmul_kernel(k, family, tt):
+    """``family`` (e.g. 'matmul_residual') with tile tt: 1 and 16 (_t1, _t16), 32 the
+    shared-memory tiled prefill kernel (_g32)."""
+    return k.functions[f'{family}_g32' if tt == 32 else f'{family}_t{tt}']
+
+
+def matmul_grid(units, split, tt, n_rows=32):
+    """The grid the backend gives each matmul kernel over ``n_rows`` tokens of x."""
+    if tt == 32:
+        return ((units + 31) // 32, (n_rows + 31) // 32)
+    return ((units * split + 3) // 4, (n_rows + tt - 1) // tt)
+
+
 def test_embed_gather(kit):
     cp, k, dtype = kit
     rng = np.random.default_rng()
@@ -85,7 +98,8 @@ def test_embed_gather(kit):
 @pytest.mark.parametrize('n,tt,K,split', [(1, 1, 96, 1), (1, 1, 96, 2), (1, 1, 600, 4),
                                           (1, 1, 4104, 1), (1, 1, 4104, 2), (1, 1, 2600, 4),
                                           (1, 1, 36, 2), (13, 16, 96, 1), (20, 16, 36, 1),
-                                          (5, 16, 600, 1)])
+                                          (5, 16, 600, 1), (13, 32, 96, 1), (32, 32, 36, 1),
+                                          (5, 32, 600, 1), (30, 32, 4104, 1)])
 def test_matmul_residual(kit, n, tt, K, split):
     cp, k, dtype = kit
     rng = np.random.default_rng()
@@ -95,12 +109,33 @@ def test_matmul_residual(kit, n, tt, K, split):
     out0 = rng.standard_normal((32, rows)).astype(np.float32)
     out = cp.asarray(out0)
     units = (rows + 1) // 2   # 39: with split 2 or 4 the last block has idle warps
-    grid = ((units * split + 3) // 4, (32 + tt - 1) // tt)
-    k.functions[f'matmul_residual_t{tt}'](grid, (128,), (
+    grid = matmul_grid(units, split, tt)
+    matmul_kernel(k, 'matmul_residual', tt)(grid, (128,), (
         state(cp, 3, n), w, i32(rows), i32(K), cp.asarray(x), NULL, np.float32(1e-5), out,
         i32(units), i32(0), i32(split)))
     ref = out0.copy()
     ref[:n] += x[:n] @ wf.T
+    close(out.get(), ref)
+
+
+@pytest.mark.parametrize('n', [33, 70, 96])
+def test_matmul_g32_tiles_cover_every_row_and_token(kit, n):
+    """Several token tiles (the last one partial), a partial unit tile, RMSNorm on the fly;
+    tokens past n and the tiles of a bigger bucket leave the output alone."""
+    cp, k, dtype = kit
+    rng = np.random.default_rng()
+    rows, K, n_max = 203, 264, 128
+    w, wf = weights(cp, dtype, (rows, K), rng)
+    nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
+    x = rng.standard_normal((n_max, K)).astype(np.float32)
+    out0 = rng.standard_normal((n_max, rows)).astype(np.float32)
+    out = cp.asarray(out0)
+    units = (rows + 1) // 2
+    k.matmul_residual_g32(matmul_grid(units, 1, 32, n_max), (128,), (
+        state(cp, 0, n), w, i32(rows), i32(K), cp.asarray(x), nw, np.float32(1e-5), out,
+        i32(units), i32(0), i32(1)))
+    ref = out0.copy()
+    ref[:n] += rmsnorm(x[:n], nwf, 1e-5) @ wf.T
     close(out.get(), ref)
 
 
@@ -128,7 +163,8 @@ def test_matmul_store_last_token_with_rmsnorm(kit, split):
     assert st.get()[4] & 1
 
 
-@pytest.mark.parametrize('n,tt,split', [(1, 1, 1), (1, 1, 2), (11, 16, 1), (30, 16, 1)])
+@pytest.mark.parametrize('n,tt,split', [(1, 1, 1), (1, 1, 2), (11, 16, 1), (30, 16, 1),
+                                        (11, 32, 1), (32, 32, 1)])
 def test_matmul_swiglu(kit, n, tt, split):
     cp, k, dtype = kit
     rng = np.random.default_rng()
@@ -137,8 +173,8 @@ def test_matmul_swiglu(kit, n, tt, split):
     nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
     x = rng.standard_normal((32, K)).astype(np.float32)
     act = poisoned(cp, (32, inter))
-    grid = ((inter * split + 3) // 4, (32 + tt - 1) // tt)
-    k.functions[f'matmul_swiglu_t{tt}'](grid, (128,), (
+    grid = matmul_grid(inter, split, tt)
+    matmul_kernel(k, 'matmul_swiglu', tt)(grid, (128,), (
         state(cp, 0, n), w, i32(2 * inter), i32(K), cp.asarray(x), nw, np.float32(1e-5), act,
         i32(inter), i32(0), i32(split)))
     gu = rmsnorm(x[:n], nwf, 1e-5) @ wf.T
@@ -146,7 +182,8 @@ def test_matmul_swiglu(kit, n, tt, split):
 
 
 @pytest.mark.parametrize('n,tt,bias,split', [(1, 1, True, 1), (1, 1, False, 2),
-                                             (10, 16, False, 1), (20, 16, True, 1)])
+                                             (10, 16, False, 1), (20, 16, True, 1),
+                                             (10, 32, False, 1), (32, 32, True, 1)])
 def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias, split):
     cp, k, dtype = kit
     rng = np.random.default_rng()
@@ -161,8 +198,8 @@ def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias, split):
     q = poisoned(cp, (32, heads * d))
     kc, vc = poisoned(cp, (cap, kv, d)), poisoned(cp, (cap, kv, d))
     units = rows // 2
-    grid = ((units * split + 3) // 4, (32 + tt - 1) // tt)
-    k.functions[f'matmul_qkv_rope_t{tt}'](grid, (128,), (
+    grid = matmul_grid(units, split, tt)
+    matmul_kernel(k, 'matmul_qkv_rope', tt)(grid, (128,), (
         state(cp, start, n), w, i32(rows), i32(K), cp.asarray(x), nw, np.float32(1e-5),
         i32(units), b if bias else NULL, q, kc, vc, cp.asarray(cos), cp.asarray(sin),
         i32(heads), i32(kv), i32(d), i32(cap), i32(split)))

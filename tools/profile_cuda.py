@@ -21,11 +21,12 @@ def main():
     parser.add_argument('--repeats', type=int, default=50)
     parser.add_argument('--prefill', action='store_true', help='profile a 48-token prefill')
     parser.add_argument('--chain', type=int, default=32, help='launches per kernel graph')
+    parser.add_argument('--prefill-matmul', default='t16', choices=('t16', 'g32'))
     args = parser.parse_args()
     import cupy as cp
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = load_checkpoint(write_random_checkpoint(tmp, args.shape))
-    backend = CudaBackend(checkpoint, 1088)
+    backend = CudaBackend(checkpoint, 1088, prefill_matmul=args.prefill_matmul)
     vocab = checkpoint.config.vocab_size
     backend.prefill(np.random.default_rng(0).integers(0, vocab, args.context))
     backend.attention_mass()

@@ -29,7 +29,9 @@ TOKEN, START, N, MASS_ACC, FLAGS, RESULT, COUNTER = range(7)
 
 
 NULL = np.uint64(0)  # a null device pointer argument
-MATMUL_WARPS = 4     # warps per block of the matmul kernels
+MATMUL_WARPS = 4     # warps per block of the matmul kernels (the _g32 tiles need 4)
+PREFILL_MATMULS = ('t16', 'g32')
+G32_UNITS, G32_TOKENS = 32, 32   # a _g32 block's tile: row pairs x tokens (matmul.cu)
 
 
 def matvec_split(units, k, mv_batch, n_sm, warps=MATMUL_WARPS):
@@ -98,13 +100,21 @@ class CudaBackend:
 
     name = 'cuda'
 
-    def __init__(self, checkpoint, capacity, device_id=0, dependent_launch=None):
+    def __init__(self, checkpoint, capacity, device_id=0, dependent_launch=None,
+                 prefill_matmul='t16'):
         """``dependent_launch``: launch each kernel of a forward with programmatic dependent
         launch, so that it loads its weights while the previous one finishes (None: where
-        the device has it, compute capability 9.0 and later)."""
+        the device has it, compute capability 9.0 and later). ``prefill_matmul``: the
+        prefill's matmul kernels, 't16' (a warp per row pair and 16-token tile) or 'g32'
+        (shared-memory tiles of 64 rows x 32 tokens, register-blocked; not yet run on a
+        GPU, hence not the default)."""
         import cupy as cp
         self.cp = cp
         cfg = checkpoint.config
+        if prefill_matmul not in PREFILL_MATMULS:
+            raise ValueError(f'prefill_matmul must be one of {PREFILL_MATMULS}, '
+                             f'got {prefill_matmul!r}')
+        self.prefill_matmul = prefill_matmul
         if not 1 <= capacity <= cfg.max_position_embeddings:
             raise ValueError(f'kv capacity {capacity} must be in 1..{cfg.max_position_embeddings} '
                              "(the model's trained length)")
@@ -253,7 +263,8 @@ class CudaBackend:
         decode = n_max == 1
         tt = 1 if decode else 16
         tiles = (n_max + tt - 1) // tt
-        sfx = '_t1' if decode else '_t16'
+        tiled = not decode and self.prefill_matmul == 'g32'
+        sfx = '_t1' if decode else '_' + self.prefill_matmul
         hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         eps = np.float32(cfg.rms_norm_eps)
         warps = MATMUL_WARPS
@@ -263,6 +274,8 @@ class CudaBackend:
         def mm(units, k, one_token=decode):
             """(grid, split) of a matmul over ``units`` row pairs of length ``k``; the
             one-token (_t1) kernels may split K, the 16-token tiles never do."""
+            if tiled and not one_token:
+                return ((-(-units // G32_UNITS), -(-n_max // G32_TOKENS)), _i32(1))
             split = matvec_split(units, k, mv_batch, self.n_sm) if one_token else 1
             return ((units * split + warps - 1) // warps, 1 if one_token else tiles), _i32(split)
 
