@@ -17,6 +17,7 @@ training.json (command, seed, data size, steps, final loss).
 import argparse
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
+import copy
 import json
 import multiprocessing
 import os
@@ -48,6 +49,9 @@ MODEL = {'vocab_size': 1280, 'hidden_size': 192, 'intermediate_size': 512,
          'head_dim': 32, 'max_position_embeddings': 1024, 'rms_norm_eps': 1e-5,
          'rope_theta': 10000.0, 'tie_word_embeddings': True}
 BUDGETS = (128, 192, 256, 384, 512, 768, 1024)
+# --select-episodes validates on these seeds: neither training (seed * 100000 + i, DAgger
+# seeds after them) nor held out for evaluation (rt-llm-eval, 1000000 and up)
+VALIDATION_SEED0 = 900_000
 
 
 def _texts(seed):
@@ -70,6 +74,15 @@ def _rollout(job):
     checkpoint = _checkpoint(model)
     result = run_model_episode(checkpoint, seed, 'meaning', capacity, max_ticks=max_ticks)
     return seed, result['executed']
+
+
+def _validate(job):
+    """(goals reached, goals) of one closed-loop validation episode on the numpy backend."""
+    model, seed, capacity = job
+    from rt_llm_node.demo.evaluate import _checkpoint
+    from rt_llm_node.demo.evaluate import run_model_episode
+    results = run_model_episode(_checkpoint(model), seed, 'meaning', capacity)['results']
+    return sum(r == 'reached' for r in results), len(results)
 
 
 def _one_cycle_lrs(schedule, step):
@@ -223,6 +236,13 @@ def main():
                              'round restarts a one-cycle schedule, and a restart at --lr '
                              'undoes part of what the round before learned (loss 0.38 -> 0.51 '
                              'at the start of a round; rounds of 65 s did not recover)')
+    parser.add_argument('--select-episodes', type=int, default=0,
+                        help='after each round, drive this many validation episodes (seeds '
+                             f'{VALIDATION_SEED0} on, meaning eviction at --select-capacity) '
+                             'and export the round that reached most goals, not the last '
+                             '(0: off). Closed-loop success moved by 0.3-0.4 between runs '
+                             'whose losses differed by 0.06')
+    parser.add_argument('--select-capacity', type=int, default=256)
     parser.add_argument('--dagger-ticks', type=int, default=300,
                         help='ticks per rollout (the first goal or two)')
     parser.add_argument('--dagger-capacity', type=int, default=1024,
@@ -272,6 +292,11 @@ def main():
     # fifth for each round once starved round 0: 18 s of 490 with --dagger-rounds 4)
     if not rollout_s and end_by is not None and args.dagger_rounds:
         rollout_s = 0.2 * (end_by - time.time()) / args.dagger_rounds
+    # and a twentieth of it for each round's validation, until the first one is timed
+    validate_s = 0.0
+    if args.select_episodes and end_by is not None:
+        validate_s = 0.05 * (end_by - time.time()) / (1 + args.dagger_rounds)
+    best = None   # (success, round, weights) of the best validated round
     rounds = []
     for round_ in range(1 + args.dagger_rounds):
         if round_:   # DAgger: the model of the round before drives, the expert labels
@@ -291,11 +316,28 @@ def main():
         seconds = None
         if end_by is not None:
             left = 1 + args.dagger_rounds - round_
-            seconds = (end_by - time.time() - (rollout_s or 0.0) * (left - 1)) / left
+            seconds = (end_by - time.time() - (rollout_s or 0.0) * (left - 1)
+                       - validate_s * left) / left
             if seconds <= 0:
                 sys.exit(f'--max-minutes {args.max_minutes}: no time left for round {round_}')
         rounds.append(_train_round(model, episodes, system, args, round_, seconds, device,
                                    started))
+        if args.select_episodes:
+            t0 = time.time()
+            success = _validation(model, tokenizer, args)
+            validate_s = time.time() - t0
+            rounds[-1]['validation'] = {
+                'success': round(success, 4), 'episodes': args.select_episodes,
+                'capacity': args.select_capacity, 'seeds': [
+                    VALIDATION_SEED0, VALIDATION_SEED0 + args.select_episodes - 1],
+                'seconds': round(validate_s, 1)}
+            print(f'round {round_}: validation success {success:.3f} at '
+                  f'{args.select_capacity} tokens, {validate_s:.0f} s', flush=True)
+            if best is None or success >= best[0]:   # a tie goes to the later round
+                best = (success, round_, copy.deepcopy(model.state_dict()))
+    if best is not None:
+        model.load_state_dict(best[2])
+        print(f'exporting round {best[1]} (validation success {best[0]:.3f})', flush=True)
     out = Path(args.out)
     _export(model, tokenizer, out)
     ticks = sum(len(e.ticks) for e in episodes)
@@ -317,7 +359,9 @@ def main():
         'batch': args.batch, 'lr': args.lr, 'dagger_lr': args.dagger_lr or args.lr,
         'parameters': n_params,
         'noise': [args.noise_v, args.noise_w], 'hold_rate': args.hold_rate,
-        'final_loss': rounds[-1]['final_loss'], 'wall_s': round(time.time() - started, 1),
+        'selected_round': None if best is None else best[1],
+        'final_loss': rounds[-1 if best is None else best[1]]['final_loss'],
+        'wall_s': round(time.time() - started, 1),
         'device': torch.cuda.get_device_name() if device == 'cuda' else 'cpu',
         'torch': torch.__version__, 'transformers': transformers.__version__,
     }
@@ -349,9 +393,19 @@ def _dagger_episodes(pool, models, first, args, tokenizer_json):
     return _with_goal_starts(list(pool.map(_episode, jobs, chunksize=8))), first
 
 
+def _validation(model, tokenizer, args):
+    """Goal success of ``model`` over the validation episodes (forked numpy workers)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _export(model, tokenizer, tmp)
+        jobs = [(tmp, VALIDATION_SEED0 + i, args.select_capacity)
+                for i in range(args.select_episodes)]
+        with ProcessPoolExecutor(args.workers, mp_context=_FORK) as pool:
+            results = list(pool.map(_validate, jobs))
+    return sum(r for r, _ in results) / max(1, sum(g for _, g in results))
+
+
 def _export(model, tokenizer, path):
     """An HF-layout checkpoint (bf16) of ``model``, which stays as it is."""
-    import copy
     import torch
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
