@@ -266,8 +266,9 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
     copies = {}
     for connection in reader.connections:
         if connection.msgtype in store.types:
-            copies[connection.id] = writer.add_connection(connection.topic, connection.msgtype,
-                                                          typestore=store)
+            copies[connection.id] = writer.add_connection(
+                connection.topic, connection.msgtype, typestore=store,
+                offered_qos_profiles=getattr(connection.ext, 'offered_qos_profiles', ()) or ())
     action_type = values['action_type']
     action_conn = writer.add_connection(values['action_topic'], action_type, typestore=store)
     refusal_conn = writer.add_connection(REFUSAL_TOPIC, 'diagnostic_msgs/msg/DiagnosticArray',
@@ -502,11 +503,34 @@ def read_cost_model(path):
 
 
 # -- live mode ---------------------------------------------------------------------------------
+def recorded_qos(connection):
+    """{'reliable', 'transient_local', 'depth'} a player should offer for ``connection``,
+    from the QoS its publishers offered when the bag was recorded; None if none recorded.
+
+    As ``ros2 bag play`` does: reliable only if every recorded publisher was, transient
+    local only if every one was (a best-effort or volatile publisher among them could not
+    have served a subscriber that needs more), the deepest history of them.
+    """
+    from rosbags.rosbag2.metadata import QosDurability
+    from rosbags.rosbag2.metadata import QosReliability
+    ext = getattr(connection, 'ext', None)
+    profiles = list(getattr(ext, 'offered_qos_profiles', None) or ())
+    if not profiles:
+        return None
+    return {'reliable': all(p.reliability == QosReliability.RELIABLE for p in profiles),
+            'transient_local': all(p.durability == QosDurability.TRANSIENT_LOCAL
+                                   for p in profiles),
+            'depth': max(1, max(int(p.depth) for p in profiles))}
+
+
 def live(bag, remaps=None, publish_clock=False, rate=1.0, delay=1.0, log=print, warn=None):
     """Publish the bag's messages on their topics with the bag's timing (real rclpy)."""
     import importlib
     import rclpy
+    from rclpy.qos import DurabilityPolicy
     from rclpy.qos import qos_profile_sensor_data
+    from rclpy.qos import QoSProfile
+    from rclpy.qos import ReliabilityPolicy
     from rclpy.serialization import deserialize_message
     from rt_llm_node.node import INSTRUCTION_QOS
     warn = warn or (lambda text: print(f'rt-llm-replay: warning: {text}', file=sys.stderr))
@@ -523,11 +547,23 @@ def live(bag, remaps=None, publish_clock=False, rate=1.0, delay=1.0, log=print, 
             except (ImportError, AttributeError):
                 warn(f'skipping {connection.topic}: {connection.msgtype} is not importable here')
                 continue
-            sensor = package == 'sensor_msgs' or connection.topic in ('/odom', '/detections')
-            # the rest (an instruction) reliable and transient local, as the node subscribes
-            # it: a volatile publisher does not match that subscription, and a late joiner
-            # still gets the instruction sent before it came up
-            qos = qos_profile_sensor_data if sensor else INSTRUCTION_QOS
+            recorded = recorded_qos(connection)
+            if recorded is not None:   # what the robot's publishers offered
+                qos = QoSProfile(
+                    depth=recorded['depth'],
+                    reliability=(ReliabilityPolicy.RELIABLE if recorded['reliable']
+                                 else ReliabilityPolicy.BEST_EFFORT),
+                    durability=(DurabilityPolicy.TRANSIENT_LOCAL if recorded['transient_local']
+                                else DurabilityPolicy.VOLATILE))
+            else:
+                # a bag without recorded QoS: sensor QoS for sensor data, the rest (an
+                # instruction) reliable and transient local, as the node subscribes it (a
+                # volatile publisher would not match that subscription)
+                sensor = (package == 'sensor_msgs'
+                          or connection.topic in ('/odom', '/detections'))
+                qos = qos_profile_sensor_data if sensor else INSTRUCTION_QOS
+                warn(f'{connection.topic}: no QoS recorded in the bag; publishing '
+                     f"{'best effort (sensor data)' if sensor else 'reliable, transient local'}")
             topic = inverse.get(connection.topic, connection.topic)
             publishers[connection.id] = node.create_publisher(cls, topic, qos)
             classes[connection.id] = cls

@@ -19,6 +19,7 @@ from rosbags.typesys import Stores  # noqa: E402
 
 from rt_llm_node.demo.recorder import record_demo_bag  # noqa: E402
 from rt_llm_node.replay import main  # noqa: E402
+from rt_llm_node.replay import recorded_qos  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_PARAMS = str(ROOT / 'config' / 'demo.yaml')
@@ -72,6 +73,23 @@ def test_output_bag_holds_inputs_actions_refusals_and_records(bags, tmp_path, ca
     if first['decision'] == 'action':
         assert twists[0].angular.z == pytest.approx(first['values']['angular.z'])
     assert all(np.isfinite(t.linear.x) and -0.2 <= t.linear.x <= 0.8 for t in twists)
+
+
+@pytest.mark.parametrize('storage', ['mcap', 'sqlite3'])
+def test_bags_carry_the_offered_qos_and_replays_keep_it(bags, storage, tmp_path, capsys):
+    """The recorder writes the QoS the demo world offers, as ros2 bag record does; --live
+    publishes with it, and the replay's output bag keeps it for its copies of the inputs."""
+    sensor = {'reliable': False, 'transient_local': False, 'depth': 5}
+    expected = {'/scan': sensor, '/odom': sensor, '/detections': sensor,
+                '/instruction': {'reliable': True, 'transient_local': True, 'depth': 10}}
+    with Reader(bags[storage]) as reader:
+        assert {c.topic: recorded_qos(c) for c in reader.connections} == expected
+    code, _, err = run([bags[storage], '--params', DEMO_PARAMS, '--out', tmp_path, '--end',
+                        '0.5'], capsys)
+    assert code == 0, err
+    with Reader(tmp_path / 'replay') as reader:
+        copied = {c.topic: recorded_qos(c) for c in reader.connections if c.topic in expected}
+    assert copied == expected
 
 
 def test_sqlite3_bags_replay_too(bags, tmp_path, capsys):
@@ -213,7 +231,8 @@ def test_bad_params_and_cost_model_are_clear_errors(bags, tmp_path, capsys):
     assert code == 2 and 'not a cost model' in err
 
 
-def test_live_mode_publishes_to_a_real_subscriber(bags):
+@pytest.mark.parametrize('qos', ['recorded', 'not recorded'])
+def test_live_mode_publishes_to_a_real_subscriber(bags, qos, tmp_path):
     rclpy = pytest.importorskip('rclpy', reason='rclpy is needed for --live')
     from rclpy.qos import qos_profile_sensor_data
     from rclpy.qos import QoSProfile
@@ -239,7 +258,11 @@ def test_live_mode_publishes_to_a_real_subscriber(bags):
     try:
         # --delay 4: time for DDS discovery before the first message (with 2 s a busy 2-core
         # machine matched /scan late now and then and the first quarter of the scans was lost)
-        proc = subprocess.Popen([sys.executable, '-m', 'rt_llm_node.replay', str(bags['mcap']),
+        bag = bags['mcap']
+        if qos == 'not recorded':   # an older bag: sensor QoS by type, the rest the node's
+            bag = write_bag_with_extra_topic(tmp_path / 'bag', bag, 9, StoragePlugin.MCAP,
+                                             'string text\nint32 level\n', True)
+        proc = subprocess.Popen([sys.executable, '-m', 'rt_llm_node.replay', str(bag),
                                  '--live', '--delay', '4'], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         while proc.poll() is None:
@@ -249,6 +272,7 @@ def test_live_mode_publishes_to_a_real_subscriber(bags):
         out, err = proc.communicate()
         assert proc.returncode == 0, err
         assert 'published' in out
+        assert ('no QoS recorded' in err) == (qos == 'not recorded'), err
         assert got['instruction'] and got['instruction'][0].startswith('go to the ')
         assert got['scan'] >= 0.8 * SECONDS * 30, got   # best effort over loopback
     finally:

@@ -29,6 +29,25 @@ TYPES = {
 }
 FRAMES = {'/scan': 'base_scan', '/odom': 'odom'}
 SENSOR_DELAY_NS = 4_000_000   # messages are logged a little after the world tick
+# the QoS rt-llm-demo-world offers (sensor data; the instruction reliable and transient
+# local, depth 10), recorded in the bag's metadata as ros2 bag record does
+SENSOR_QOS = ('best_effort', 'volatile', 5)
+INSTRUCTION_QOS = ('reliable', 'transient_local', 10)
+
+
+def offered_qos(topic):
+    """The rosbags Qos list rt-llm-demo-world offers on ``topic``."""
+    from rosbags.rosbag2.metadata import Qos
+    from rosbags.rosbag2.metadata import QosDurability
+    from rosbags.rosbag2.metadata import QosHistory
+    from rosbags.rosbag2.metadata import QosLiveliness
+    from rosbags.rosbag2.metadata import QosReliability
+    from rosbags.rosbag2.metadata import QosTime
+    reliability, durability, depth = INSTRUCTION_QOS if topic == '/instruction' else SENSOR_QOS
+    unspecified = QosTime(0, 0)
+    return [Qos(QosHistory.KEEP_LAST, depth, QosReliability[reliability.upper()],
+                QosDurability[durability.upper()], unspecified, unspecified,
+                QosLiveliness.AUTOMATIC, unspecified, False)]
 
 
 def record_demo_bag(path, seconds=10.0, seed=1_000_000, storage='mcap'):
@@ -50,7 +69,8 @@ def record_demo_bag(path, seconds=10.0, seed=1_000_000, storage='mcap'):
     writer = Writer(path, version=9, storage_plugin=plugin)
     writer.open()
     try:
-        connections = {topic: writer.add_connection(topic, msgtype, typestore=store)
+        connections = {topic: writer.add_connection(topic, msgtype, typestore=store,
+                                                    offered_qos_profiles=offered_qos(topic))
                        for topic, msgtype in TYPES.items()}
         instruction, w = '', 0.0   # w: the turn rate last commanded
         for tick in range(int(round(seconds / world.config.dt))):
