@@ -174,6 +174,21 @@ __device__ __forceinline__ void unit_rows(int u, int rows, const QkvArgs& qa, in
   }
 }
 
+// inv_rms[t] = 1 / rms of token t of the tile (1 without a norm), t < count: a warp per
+// token, then one barrier for the whole block.
+__device__ __forceinline__ void tile_inv_rms(const float* xt, int K, const wt* norm_w, float eps,
+                                             int n_t, int count, float* inv_rms) {
+  const int lane = threadIdx.x % WARP;
+  for (int t = threadIdx.x / WARP; t < count; t += blockDim.x / WARP) {
+    float ss = 0.f;
+    if (norm_w && t < n_t)
+      for (int k = lane; k < K; k += WARP) ss = fmaf(xt[(long long)t * K + k], xt[(long long)t * K + k], ss);
+    ss = warp_sum(ss);
+    if (lane == 0) inv_rms[t] = norm_w ? 1.f / sqrtf(ss / K + eps) : 1.f;
+  }
+  __syncthreads();
+}
+
 template <int TT, int EPI>
 __device__ void matmul_body(int* __restrict__ state, const wt* __restrict__ W, int rows, int K,
                             const float* __restrict__ x, const wt* __restrict__ norm_w, float eps,
@@ -187,15 +202,7 @@ __device__ void matmul_body(int* __restrict__ state, const wt* __restrict__ W, i
   if (n_t <= 0) return;  // the whole block leaves together
   const float* xt = x + (long long)t0 * K;
   const int lane = threadIdx.x % WARP;
-  // 1 / rms of each token: a warp per token, one barrier for the whole tile
-  for (int t = threadIdx.x / WARP; t < TT; t += blockDim.x / WARP) {
-    float ss = 0.f;
-    if (norm_w && t < n_t)
-      for (int k = lane; k < K; k += WARP) ss = fmaf(xt[(long long)t * K + k], xt[(long long)t * K + k], ss);
-    ss = warp_sum(ss);
-    if (lane == 0) inv_rms[t] = norm_w ? 1.f / sqrtf(ss / K + eps) : 1.f;
-  }
-  __syncthreads();
+  tile_inv_rms(xt, K, norm_w, eps, n_t, TT, inv_rms);
   const int u = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
   if (u >= units) return;
   int r0, r1, kind;
@@ -231,7 +238,7 @@ __device__ void gemm_body(int* __restrict__ state, const wt* __restrict__ W, int
   const int n_t = min(GT_TOK, n - t0);
   if (n_t <= 0) return;  // the whole block leaves together
   const int u0 = blockIdx.x * GT_UNITS;
-  const int tid = threadIdx.x, lane = tid % WARP;
+  const int tid = threadIdx.x;
   if (tid < 2 * GT_UNITS) {
     const int u = u0 + tid / 2;
     int r0 = -1, r1 = -1, kind;
@@ -239,14 +246,7 @@ __device__ void gemm_body(int* __restrict__ state, const wt* __restrict__ W, int
     row_of[tid] = (tid & 1) ? r1 : r0;
   }
   const float* xt = x + (long long)t0 * K;
-  for (int t = tid / WARP; t < GT_TOK; t += GT_THREADS / WARP) {   // 1 / rms: a warp a token
-    float ss = 0.f;
-    if (norm_w && t < n_t)
-      for (int k = lane; k < K; k += WARP) ss = fmaf(xt[(long long)t * K + k], xt[(long long)t * K + k], ss);
-    ss = warp_sum(ss);
-    if (lane == 0) inv_rms[t] = norm_w ? 1.f / sqrtf(ss / K + eps) : 1.f;
-  }
-  __syncthreads();
+  tile_inv_rms(xt, K, norm_w, eps, n_t, GT_TOK, inv_rms);
   const int rg = tid % 16;   // local rows 4 rg .. 4 rg + 3: units 2 rg and 2 rg + 1
   const int tg = tid / 16;   // tokens 4 tg .. 4 tg + 3
   const bool vec = (K & 7) == 0;
