@@ -512,15 +512,18 @@ def recorded_qos(connection):
     have served a subscriber that needs more), the deepest history of them.
     """
     from rosbags.rosbag2.metadata import QosDurability
+    from rosbags.rosbag2.metadata import QosHistory
     from rosbags.rosbag2.metadata import QosReliability
     ext = getattr(connection, 'ext', None)
     profiles = list(getattr(ext, 'offered_qos_profiles', None) or ())
     if not profiles:
         return None
+    # a keep-all publisher recorded depth 0: give the player a deep queue instead
+    keep_all = any(p.history == QosHistory.KEEP_ALL for p in profiles)
     return {'reliable': all(p.reliability == QosReliability.RELIABLE for p in profiles),
             'transient_local': all(p.durability == QosDurability.TRANSIENT_LOCAL
                                    for p in profiles),
-            'depth': max(1, max(int(p.depth) for p in profiles))}
+            'depth': 1000 if keep_all else max(1, max(int(p.depth) for p in profiles))}
 
 
 def live(bag, remaps=None, publish_clock=False, rate=1.0, delay=1.0, log=print, warn=None):

@@ -42,6 +42,7 @@ from rt_llm_node.demo.episodes import expert_episode  # noqa: E402
 from rt_llm_node.demo.episodes import success_rate  # noqa: E402
 from rt_llm_node.demo.episodes import system_ids  # noqa: E402
 from rt_llm_node.demo.episodes import train_tokenizer  # noqa: E402
+from rt_llm_node.demo.evaluate import HELD_OUT_SEED0  # noqa: E402
 from rt_llm_node.demo.task import whole_words  # noqa: E402
 
 MODEL = {'vocab_size': 1280, 'hidden_size': 192, 'intermediate_size': 512,
@@ -249,10 +250,19 @@ def main():
                         help='KV budget of the rollouts (1024: the full cache, where the '
                              'shipped policy fails)')
     args = parser.parse_args()
+    dagger_models = [m for m in (args.dagger or '').split(',') if m]
+    # training and DAgger seeds run up from seed * 100000; they must stay below the
+    # validation seeds (when selecting) and the held-out ones
+    last = (args.seed * 100000 + args.episodes
+            + (args.dagger_rounds + len(dagger_models)) * args.dagger_episodes)
+    limit = VALIDATION_SEED0 if args.select_episodes else HELD_OUT_SEED0
+    if args.seed < 0 or last > limit:
+        which = 'validation' if args.select_episodes else 'held-out'
+        parser.error(f'--seed {args.seed} with these episode counts uses seeds up to '
+                     f'{last - 1}, which reach the {which} seeds ({limit} on)')
     import torch
     import transformers
     started = time.time()
-    dagger_models = [m for m in (args.dagger or '').split(',') if m]
     torch.manual_seed(args.seed)
     seeds = list(range(args.seed * 100000, args.seed * 100000 + args.episodes))
     with ProcessPoolExecutor(args.workers) as pool:
