@@ -67,23 +67,16 @@ def _episode(job):
     return expert_episode(seed, tokenizer, noise=noise, hold_rate=hold_rate)
 
 
-def _rollout(job):
-    """(seed, what the policy executed) for one DAgger rollout on the numpy backend."""
+def _drive(job):
+    """One closed-loop episode of the model under meaning eviction (numpy backend): (seed,
+    what it executed, goals reached, goals). DAgger rollouts and validation both use it."""
     model, seed, capacity, max_ticks = job
     from rt_llm_node.demo.evaluate import _checkpoint
     from rt_llm_node.demo.evaluate import run_model_episode
-    checkpoint = _checkpoint(model)
-    result = run_model_episode(checkpoint, seed, 'meaning', capacity, max_ticks=max_ticks)
-    return seed, result['executed']
-
-
-def _validate(job):
-    """(goals reached, goals) of one closed-loop validation episode on the numpy backend."""
-    model, seed, capacity = job
-    from rt_llm_node.demo.evaluate import _checkpoint
-    from rt_llm_node.demo.evaluate import run_model_episode
-    results = run_model_episode(_checkpoint(model), seed, 'meaning', capacity)['results']
-    return sum(r == 'reached' for r in results), len(results)
+    result = run_model_episode(_checkpoint(model), seed, 'meaning', capacity,
+                               max_ticks=max_ticks)
+    results = result['results']
+    return seed, result['executed'], sum(r == 'reached' for r in results), len(results)
 
 
 def _one_cycle_lrs(schedule, step):
@@ -394,9 +387,9 @@ def _dagger_episodes(pool, models, first, args, tokenizer_json):
     expert labels every state reached. Returns (episodes, the next unused seed)."""
     jobs = []
     for model in models:
-        rollouts = list(pool.map(_rollout, [
+        rollouts = [(seed, executed) for seed, executed, _, _ in pool.map(_drive, [
             (model, seed, args.dagger_capacity, args.dagger_ticks)
-            for seed in range(first, first + args.dagger_episodes)]))
+            for seed in range(first, first + args.dagger_episodes)])]
         first += args.dagger_episodes
         jobs += [(seed, tokenizer_json, (0.0, 0.0), 0.0, executed)
                  for seed, executed in rollouts]
@@ -407,11 +400,11 @@ def _validation(model, tokenizer, args):
     """Goal success of ``model`` over the validation episodes (forked numpy workers)."""
     with tempfile.TemporaryDirectory() as tmp:
         _export(model, tokenizer, tmp)
-        jobs = [(tmp, VALIDATION_SEED0 + i, args.select_capacity)
+        jobs = [(tmp, VALIDATION_SEED0 + i, args.select_capacity, None)
                 for i in range(args.select_episodes)]
         with ProcessPoolExecutor(args.workers, mp_context=_FORK) as pool:
-            results = list(pool.map(_validate, jobs))
-    return sum(r for r, _ in results) / max(1, sum(g for _, g in results))
+            results = list(pool.map(_drive, jobs))
+    return sum(r[2] for r in results) / max(1, sum(r[3] for r in results))
 
 
 def _export(model, tokenizer, path):

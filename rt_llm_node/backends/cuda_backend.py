@@ -263,7 +263,6 @@ class CudaBackend:
         decode = n_max == 1
         tt = 1 if decode else 16
         tiles = (n_max + tt - 1) // tt
-        tiled = not decode and self.prefill_matmul == 'g32'
         sfx = '_t1' if decode else '_' + self.prefill_matmul
         hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         eps = np.float32(cfg.rms_norm_eps)
@@ -274,7 +273,7 @@ class CudaBackend:
         def mm(units, k, one_token=decode):
             """(grid, split) of a matmul over ``units`` row pairs of length ``k``; the
             one-token (_t1) kernels may split K, the 16-token tiles never do."""
-            if tiled and not one_token:
+            if sfx == '_g32' and not one_token:
                 return ((-(-units // G32_UNITS), -(-n_max // G32_TOKENS)), _i32(1))
             split = matvec_split(units, k, mv_batch, self.n_sm) if one_token else 1
             return ((units * split + warps - 1) // warps, 1 if one_token else tiles), _i32(split)

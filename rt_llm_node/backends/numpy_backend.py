@@ -220,7 +220,8 @@ class NumpyBackend:
         if m and (keep[-1] >= self.length or np.any(np.diff(keep) <= 0) or keep[0] < 0):
             raise BackendError('compact needs ascending slots below the cache length')
         # slots before the first gap stay where they are: nothing to move or rotate
-        first = int(np.argmax(keep != np.arange(m))) if m and np.any(keep != np.arange(m)) else m
+        gap = keep != np.arange(m)
+        first = int(np.argmax(gap)) if gap.any() else m
         moved = keep[first:]
         delta = self.capacity + np.arange(first, m) - moved                 # new - old
         cos, sin = self.cos[delta], self.sin[delta]                         # [m - first, d/2]
