@@ -12,12 +12,6 @@
 // weights is needed to start).
 // Dtypes: W, bias, norm_w: wt; x, outputs and sums: fp32; cache slots fp32.
 //
-// Suffix _g32 (prefill, tiled): block = 128 threads, a tile of 32 units (64 weight rows) x
-// 32 tokens, K in steps of 32 staged in shared memory (weights widened to fp32, x normalized
-// once per element instead of once per row), each thread 4 rows x 4 tokens in registers;
-// grid = (ceil(units / 32), ceil(n_max / 32)); tiles at or past state[STATE_N] exit.
-// Same arguments and epilogues as _t16 (split ignored).
-//
 // Epilogues (one extern "C" wrapper each):
 //   matmul_residual  units = ceil(rows / 2), rows 2u and 2u + 1: out[t, r] += y  (o, down)
 //   matmul_store     same units: out[t, r] = y; a non-finite y sets bit 0 of
@@ -216,101 +210,6 @@ __device__ void matmul_body(int* __restrict__ state, const wt* __restrict__ W, i
   }
 }
 
-// Tiled prefill matmul (_g32): see the header. Same sums as dot_rows in fp32, in another
-// order: every product is w * (x * inv_rms * norm_w), accumulated over K in steps of one.
-#define GT_UNITS 32
-#define GT_TOK 32
-#define GT_BK 32
-#define GT_THREADS 128
-
-template <int EPI>
-__device__ void gemm_body(int* __restrict__ state, const wt* __restrict__ W, int rows, int K,
-                          const float* __restrict__ x, const wt* __restrict__ norm_w, float eps,
-                          float* __restrict__ out, int units, int /* last_only: 0 */,
-                          QkvArgs qa, int /* split: 1 */) {
-  __shared__ __align__(16) float ws[GT_BK][2 * GT_UNITS];   // [k][local row 2 * lu + 0/1]
-  __shared__ __align__(16) float xs[GT_BK][GT_TOK];         // [k][token], normalized
-  __shared__ float inv_rms[GT_TOK];
-  __shared__ int row_of[2 * GT_UNITS];                      // weight row, -1 past the units
-  pdl_wait_then_release();
-  const int n = state[STATE_N], start = state[STATE_START];
-  const int t0 = blockIdx.y * GT_TOK;
-  const int n_t = min(GT_TOK, n - t0);
-  if (n_t <= 0) return;  // the whole block leaves together
-  const int u0 = blockIdx.x * GT_UNITS;
-  const int tid = threadIdx.x;
-  if (tid < 2 * GT_UNITS) {
-    const int u = u0 + tid / 2;
-    int r0 = -1, r1 = -1, kind;
-    if (u < units) unit_rows<EPI>(u, rows, qa, &r0, &r1, &kind);
-    row_of[tid] = (tid & 1) ? r1 : r0;
-  }
-  const float* xt = x + (long long)t0 * K;
-  tile_inv_rms(xt, K, norm_w, eps, n_t, GT_TOK, inv_rms);
-  const int rg = tid % 16;   // local rows 4 rg .. 4 rg + 3: units 2 rg and 2 rg + 1
-  const int tg = tid / 16;   // tokens 4 tg .. 4 tg + 3
-  const bool vec = (K & 7) == 0;
-  float acc[4][4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
-  for (int k0 = 0; k0 < K; k0 += GT_BK) {
-    // weights: 64 rows x 4 chunks of 8; 4 neighbouring threads read 64 bytes of one row
-    for (int c = tid; c < 2 * GT_UNITS * (GT_BK / 8); c += GT_THREADS) {
-      const int kc = c % (GT_BK / 8), lr = c / (GT_BK / 8);
-      const int k = k0 + 8 * kc, r = row_of[lr];
-      float w[8];
-      if (r >= 0 && vec && k < K) {
-        load8(W + (long long)r * K + k, w);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) w[j] = (r >= 0 && k + j < K) ? w2f(W[(long long)r * K + k + j]) : 0.f;
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) ws[8 * kc + j][lr] = w[j];
-    }
-    // activations: 32 tokens x 8 quads; 8 neighbouring threads read 128 bytes of one token
-    for (int c = tid; c < GT_TOK * (GT_BK / 4); c += GT_THREADS) {
-      const int kq = c % (GT_BK / 4), t = c / (GT_BK / 4);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int k = k0 + 4 * kq + j;
-        float v = 0.f;
-        if (t < n_t && k < K)
-          v = xt[(long long)t * K + k] * inv_rms[t] * (norm_w ? w2f(norm_w[k]) : 1.f);
-        xs[4 * kq + j][t] = v;
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < GT_BK; ++kk) {
-      const float4 a = *reinterpret_cast<const float4*>(&ws[kk][4 * rg]);
-      const float4 b = *reinterpret_cast<const float4*>(&xs[kk][4 * tg]);
-      const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
-    }
-    __syncthreads();
-  }
-#pragma unroll
-  for (int p = 0; p < 2; ++p) {
-    const int u = u0 + 2 * rg + p;
-    if (u >= units) continue;
-    int r0, r1, kind;
-    unit_rows<EPI>(u, rows, qa, &r0, &r1, &kind);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int t = 4 * tg + j;
-      if (t < n_t)
-        epilogue<EPI>(state, t0 + t, u, rows, r0, r1, kind, acc[2 * p][j], acc[2 * p + 1][j],
-                      out, 0, start, qa);
-    }
-  }
-}
-
 #ifndef MV_BATCH  // chunks of 8 weights per lane and batch: set by the loader (cuda_kernels.py)
 #error "MV_BATCH must be defined by the build options"
 #endif
@@ -421,7 +320,7 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
     epilogue<EPI>(state, tok, u, rows, r0, r1, kind, a0, a1, out, last_only, start, qa, true, rc, rs);
 }
 
-// Every wrapper takes `split` last (warps per unit); the _t16 and _g32 bodies need it to be 1.
+// Every wrapper takes `split` last (warps per unit); the _t16 bodies need it to be 1.
 #define MATMUL_PLAIN(NAME, BODY)                                                            \
   extern "C" __global__ void __launch_bounds__(256)                                        \
   NAME(int* state, const wt* W, int rows, int K, const float* x, const wt* norm_w,          \
@@ -435,8 +334,6 @@ MATMUL_PLAIN(matmul_residual_t16, (matmul_body<16, EPI_RESIDUAL>))
 MATMUL_PLAIN(matmul_store_t1, matvec_body<EPI_STORE>)
 MATMUL_PLAIN(matmul_swiglu_t1, matvec_body<EPI_SWIGLU>)
 MATMUL_PLAIN(matmul_swiglu_t16, (matmul_body<16, EPI_SWIGLU>))
-MATMUL_PLAIN(matmul_residual_g32, gemm_body<EPI_RESIDUAL>)
-MATMUL_PLAIN(matmul_swiglu_g32, gemm_body<EPI_SWIGLU>)
 
 #define MATMUL_QKV(NAME, BODY)                                                              \
   extern "C" __global__ void __launch_bounds__(256)                                        \
@@ -451,4 +348,3 @@ MATMUL_PLAIN(matmul_swiglu_g32, gemm_body<EPI_SWIGLU>)
 
 MATMUL_QKV(matmul_qkv_rope_t1, matvec_body<EPI_QKV_ROPE>)
 MATMUL_QKV(matmul_qkv_rope_t16, (matmul_body<16, EPI_QKV_ROPE>))
-MATMUL_QKV(matmul_qkv_rope_g32, gemm_body<EPI_QKV_ROPE>)

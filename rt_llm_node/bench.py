@@ -160,9 +160,6 @@ def main(argv=None):
     parser.add_argument('--repeats', type=int, default=300)
     parser.add_argument('--ticks', type=int, default=10000)
     parser.add_argument('--no-hf', action='store_true', help='skip HF transformers')
-    parser.add_argument('--prefill-matmul', default='t16', choices=('t16', 'g32'),
-                        help='the prefill matmul kernels of every column but the side-by-side '
-                             '"prefill 48 ms, other matmul" one, which has the other kind')
     parser.add_argument('--write', action='store_true', help='write BENCHMARKS.md sections')
     args = parser.parse_args(argv)
     from rt_llm_node.backends import cuda_available
@@ -174,7 +171,7 @@ def main(argv=None):
     bandwidth = read_bandwidth(KernelSet('F32'))
     print(f'read bandwidth: {bandwidth / 1e12:.2f} TB/s')
     header = ['shape', 'weights MB', 'floor us', 'ours us @256 (p99)', 'ours us @1024 (p99)',
-              'host step us @256', 'prefill 48 ms', 'prefill 48 ms, other matmul',
+              'host step us @256', 'prefill 48 ms', 'persistent step us @256 (p99)',
               'serial launch us @256 / prefill ms',
               'HF compile us @256 (p99)', 'HF / ours']
     rows = []
@@ -184,22 +181,22 @@ def main(argv=None):
             directory = write_random_checkpoint(tmp, shape, seed=0)
             checkpoint = load_checkpoint(directory)
             nbytes = weight_bytes(checkpoint)
-            other = 'g32' if args.prefill_matmul == 't16' else 't16'
-            backend = CudaBackend(checkpoint, max(CONTEXTS) + 64, prefill_matmul=other)
-            other_prefill = measure_ours(backend, checkpoint.config.vocab_size,
-                                         args.repeats, contexts=(256,))['prefill']
-            del backend
-            backend = CudaBackend(checkpoint, max(CONTEXTS) + 64,
-                                  prefill_matmul=args.prefill_matmul)
-            ours = measure_ours(backend, checkpoint.config.vocab_size, args.repeats)
-            serial = None   # the same graphs without programmatic dependent launch
+            vocab = checkpoint.config.vocab_size
+            backend = CudaBackend(checkpoint, max(CONTEXTS) + 64)
+            ours = measure_ours(backend, vocab, args.repeats)
+            if shape == 'smollm2-135m' and args.ticks:
+                tick_ms = full_ticks(backend, vocab, args.ticks)
+            # side by side: the same graphs without programmatic dependent launch (each
+            # kernel starts when the previous one has ended), then the decode step as one
+            # persistent launch
+            persistent = serial = None
             if backend.dependent_launch:
                 backend.set_dependent_launch(False)
-                serial = measure_ours(backend, checkpoint.config.vocab_size, args.repeats,
-                                      contexts=(256,))
+                serial = measure_ours(backend, vocab, args.repeats, contexts=(256,))
                 backend.set_dependent_launch(True)
-            if shape == 'smollm2-135m' and args.ticks:
-                tick_ms = full_ticks(backend, checkpoint.config.vocab_size, args.ticks)
+            if backend.persistent_decode_problem() is None:
+                backend.set_persistent_decode(True)
+                persistent = measure_ours(backend, vocab, args.repeats, contexts=(256,))
             del backend
             hf = None
             if not args.no_hf:
@@ -211,7 +208,9 @@ def main(argv=None):
         row = [shape, f'{nbytes / 1e6:.0f}', f'{floor_us:.0f}',
                f'{ours[256][0]:.0f} ({ours[256][1]:.0f})',
                f'{ours[1024][0]:.0f} ({ours[1024][1]:.0f})', f'{ours[256][2]:.0f}',
-               f"{ours['prefill']:.2f}", f'{other_prefill:.2f} ({other})',
+               f"{ours['prefill']:.2f}",
+               '-' if persistent is None else
+               f'{persistent[256][0]:.0f} ({persistent[256][1]:.0f})',
                '-' if serial is None else f"{serial[256][0]:.0f} / {serial['prefill']:.2f}",
                '-' if hf is None else f'{hf[0] * 1e3:.0f} ({hf[1] * 1e3:.0f})',
                '-' if hf is None else f'{hf[0] * 1e3 / ours[256][0]:.2f}x']
@@ -221,11 +220,13 @@ def main(argv=None):
     print_table(header, rows)
     body = (f'Read bandwidth measured by our read_sum kernel: {bandwidth / 1e12:.2f} TB/s. '
             'Floor = weight bytes / that bandwidth. Ours: GPU time of one decode-graph replay '
-            '(CUDA events), median (p99); host step = decode + constrained argmax as Python '
-            'calls them, wall clock. Serial launch: the same graphs captured without '
-            'programmatic dependent launch (each kernel starts only when the previous one '
-            'has ended), same run. Prefill matmul: the kernels of the prefill graphs, '
-            f'{args.prefill_matmul!r} in every column but the other one (matmul.cu). '
+            '(CUDA events), median (p99), five kernels a layer under programmatic dependent '
+            'launch; host step = decode + constrained argmax as Python calls them, wall '
+            'clock. Side by side in the same run: the persistent step (one cooperative '
+            'launch of decode_persistent, persistent.cu, the backend option persistent_decode'
+            '), and serial launch (the same graphs without programmatic dependent '
+            'launch: each kernel starts only when the previous one has ended), with its '
+            'prefill. '
             'HF: transformers, bf16, StaticCache, '
             "torch.compile(mode='reduce-overhead'), one decode step, CUDA events.\n\n"
             + markdown_table(header, rows))

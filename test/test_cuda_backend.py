@@ -9,6 +9,7 @@ import pytest
 from rt_llm_node.backends import cuda_available
 from rt_llm_node.backends.numpy_backend import NumpyBackend
 from rt_llm_node.model import load_checkpoint
+from rt_llm_node.model.config import ModelConfig
 from rt_llm_node.model.synthetic import random_weights
 from rt_llm_node.model.synthetic import shape_config
 from rt_llm_node.model.synthetic import word_tokenizer
@@ -48,12 +49,12 @@ def shape_dirs(tmp_path_factory):
     return {name: write_random_checkpoint(root / name, name, seed=5) for name in SHAPES}
 
 
-@pytest.mark.parametrize('prefill_matmul', ['t16', 'g32'])
+@pytest.mark.parametrize('persistent', [False, True])
 @pytest.mark.parametrize('shape', SHAPES)
-def test_shapes_match_numpy_backend(shape, prefill_matmul, shape_dirs):
+def test_shapes_match_numpy_backend(shape, persistent, shape_dirs):
     checkpoint = load_checkpoint(shape_dirs[shape])
     prompt = np.random.default_rng(1).integers(0, checkpoint.config.vocab_size, 150)
-    ours = run_steps(cuda_backend(checkpoint, 256, prefill_matmul=prefill_matmul), prompt,
+    ours = run_steps(cuda_backend(checkpoint, 256, persistent_decode=persistent), prompt,
                      4)   # 150 > one prefill chunk
     ref = run_steps(NumpyBackend(checkpoint, 256), prompt, 4)
     for step in range(4):
@@ -119,6 +120,82 @@ def test_dependent_launch_changes_timing_not_results(shape_dirs):
         for step in range(24):
             np.testing.assert_array_equal(run[0][step], serial[0][step])
             np.testing.assert_array_equal(run[2][step], serial[2][step])
+
+
+# head_dim 32: the smallest shape decode_persistent takes (tiny's head_dim 16 does not)
+PERSISTENT_CONFIG = {'family': 'llama', 'vocab_size': 512, 'hidden_size': 128,
+                     'intermediate_size': 160, 'num_layers': 2, 'num_heads': 4,
+                     'num_kv_heads': 2, 'max_position_embeddings': 2048,
+                     'tie_word_embeddings': True}
+
+
+@pytest.mark.parametrize('shape', SHAPES)
+def test_persistent_decode_matches_a_kernel_per_phase(shape, shape_dirs):
+    """One cooperative launch per step against the five-kernels-a-layer forward: same
+    tokens, logits and attention mass, over steps that cross a 32-key attention split."""
+    checkpoint = load_checkpoint(shape_dirs[shape])
+    backend = cuda_backend(checkpoint, 320, persistent_decode=True)
+    assert backend.persistent_decode, backend.persistent_decode_problem()
+    prompt = np.random.default_rng(7).integers(0, checkpoint.config.vocab_size, 60)
+    runs = []
+    for enabled in (False, True):
+        backend.set_persistent_decode(enabled)
+        assert backend.persistent_decode == enabled
+        runs.append(run_steps(backend, prompt, 8))   # positions 60 .. 67
+    per_phase, persistent = runs
+    assert persistent[1] == per_phase[1]
+    for step in range(8):
+        assert rel_err(persistent[0][step], per_phase[0][step]) < REL / 10, (shape, step)
+        np.testing.assert_allclose(persistent[2][step], per_phase[2][step], rtol=1e-4,
+                                   atol=1e-6)
+
+
+def test_persistent_decode_is_repeatable_bit_for_bit(shape_dirs):
+    """Every output of decode_persistent has one writer and a fixed order of sums, so two
+    runs of the same tokens agree bit for bit, however the blocks were scheduled."""
+    checkpoint = load_checkpoint(shape_dirs['smollm2-135m'])
+    backend = cuda_backend(checkpoint, 320, persistent_decode=True)
+    assert backend.persistent_decode
+    prompt = np.random.default_rng(8).integers(0, checkpoint.config.vocab_size, 100)
+    first = run_steps(backend, prompt, 24)
+    backend.rollback(0)
+    second = run_steps(backend, prompt, 24)
+    assert first[1] == second[1]
+    for step in range(24):
+        np.testing.assert_array_equal(first[0][step], second[0][step])
+        np.testing.assert_array_equal(first[2][step], second[2][step])
+
+
+def test_persistent_decode_after_compaction_matches_numpy(tmp_path):
+    config = ModelConfig(**PERSISTENT_CONFIG)
+    checkpoint = load_checkpoint(write_random_checkpoint(tmp_path, config, seed=8))
+    rng = np.random.default_rng(8)
+    cuda = cuda_backend(checkpoint, 128, persistent_decode=True)
+    ref = NumpyBackend(checkpoint, 128)
+    assert cuda.persistent_decode, cuda.persistent_decode_problem()
+    prompt = rng.integers(0, config.vocab_size, 90)
+    keep = np.sort(rng.choice(85, 25, replace=False))
+    tokens = rng.integers(0, config.vocab_size, 70)
+    for backend in (cuda, ref):
+        backend.prefill(prompt)
+        backend.rollback(85)
+        backend.compact(keep)
+    for step, token in enumerate(tokens):   # lengths 26 .. 95: splits 1 .. 3
+        for backend in (cuda, ref):
+            backend.decode(int(token))
+        assert rel_err(cuda.logits(), ref.logits()) < REL, step
+        np.testing.assert_allclose(cuda.attention_mass(), ref.attention_mass(), rtol=1e-3,
+                                   atol=1e-4)
+
+
+def test_persistent_decode_refuses_shapes_it_cannot_run(tiny_checkpoint):
+    from rt_llm_node.backends import BackendError
+    checkpoint = load_checkpoint(tiny_checkpoint)   # head_dim 16
+    backend = cuda_backend(checkpoint, 32)
+    assert not backend.persistent_decode
+    assert 'head_dim 16' in backend.persistent_decode_problem()
+    with pytest.raises(BackendError, match='head_dim 16'):
+        cuda_backend(checkpoint, 32, persistent_decode=True)
 
 
 @pytest.mark.parametrize('dtype', ['BF16', 'F16'])

@@ -15,6 +15,7 @@ import numpy as np
 from rt_llm_node.backends import BackendError
 from rt_llm_node.backends import CacheOverflowError
 from rt_llm_node.backends.cuda_kernels import ATT_MAX_SPLITS
+from rt_llm_node.backends.cuda_kernels import CooperativeLauncher
 from rt_llm_node.backends.cuda_kernels import DependentLauncher
 from rt_llm_node.backends.cuda_kernels import KernelSet
 from rt_llm_node.backends.cuda_kernels import MV_BATCH
@@ -29,9 +30,9 @@ TOKEN, START, N, MASS_ACC, FLAGS, RESULT, COUNTER = range(7)
 
 
 NULL = np.uint64(0)  # a null device pointer argument
-MATMUL_WARPS = 4     # warps per block of the matmul kernels (the _g32 tiles need 4)
-PREFILL_MATMULS = ('t16', 'g32')
-G32_UNITS, G32_TOKENS = 32, 32   # a _g32 block's tile: row pairs x tokens (matmul.cu)
+MATMUL_WARPS = 4     # warps per block of the matmul kernels
+PD_THREADS, PD_KEYS = 256, 32    # decode_persistent's block and attention split (persistent.cu)
+PD_MAX_SHARED = 40 * 1024        # its dynamic shared memory: the largest input vector
 
 
 def matvec_split(units, k, mv_batch, n_sm, warps=MATMUL_WARPS):
@@ -101,20 +102,17 @@ class CudaBackend:
     name = 'cuda'
 
     def __init__(self, checkpoint, capacity, device_id=0, dependent_launch=None,
-                 prefill_matmul='t16'):
+                 persistent_decode=False):
         """``dependent_launch``: launch each kernel of a forward with programmatic dependent
         launch, so that it loads its weights while the previous one finishes (None: where
-        the device has it, compute capability 9.0 and later). ``prefill_matmul``: the
-        prefill's matmul kernels, 't16' (a warp per row pair and 16-token tile) or 'g32'
-        (shared-memory tiles of 64 rows x 32 tokens, register-blocked; not yet run on a
-        GPU, hence not the default)."""
+        the device has it, compute capability 9.0 and later). ``persistent_decode``: run a
+        decode step as one cooperative launch of ``decode_persistent`` (grid-wide barriers
+        between its phases) instead of five kernels a layer; off by default, as it measured
+        slower on the H200 for the SmolLM2 and Qwen2.5 shapes (BENCHMARKS.md). None: where
+        the model's shape allows it; True raises where it does not."""
         import cupy as cp
         self.cp = cp
         cfg = checkpoint.config
-        if prefill_matmul not in PREFILL_MATMULS:
-            raise ValueError(f'prefill_matmul must be one of {PREFILL_MATMULS}, '
-                             f'got {prefill_matmul!r}')
-        self.prefill_matmul = prefill_matmul
         if not 1 <= capacity <= cfg.max_position_embeddings:
             raise ValueError(f'kv capacity {capacity} must be in 1..{cfg.max_position_embeddings} '
                              "(the model's trained length)")
@@ -137,6 +135,7 @@ class CudaBackend:
             self.kernels = KernelSet(self.weight_dtype, device_id)
             self.stream = cp.cuda.Stream(non_blocking=True)
             self._choose_launch(dependent_launch)
+            self._choose_persistent(persistent_decode)
             self._warm_up_and_capture()
 
     @property
@@ -154,6 +153,74 @@ class CudaBackend:
             raise BackendError('programmatic dependent launch needs compute capability 9.0, '
                                f'this device has {self.kernels.arch / 10:.1f}')
         self._dependent = DependentLauncher() if enabled else None
+
+    def persistent_decode_problem(self):
+        """Why decode_persistent cannot run this model here, or None when it can."""
+        cfg = self.config
+        if cfg.head_dim not in (32, 64, 128):
+            return f'head_dim {cfg.head_dim} is not 32, 64 or 128'
+        widths = (cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
+        if any(w % 8 for w in widths):
+            return f'hidden, q and intermediate sizes {widths} are not multiples of 8'
+        if 4 * max(widths) > PD_MAX_SHARED:
+            return (f'a {max(widths)}-wide input vector does not fit {PD_MAX_SHARED} B of '
+                    'shared memory')
+        if not self.device.attributes.get('CooperativeLaunch', 1):
+            return 'the device has no cooperative launch'
+        from cupy_backends.cuda.api import driver
+        resident = driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            self.kernels.functions['decode_persistent'].ptr, PD_THREADS, self._pd_shared())
+        if resident < 1:
+            return 'decode_persistent does not fit on a multiprocessor'
+        return None
+
+    def _pd_shared(self):
+        cfg = self.config
+        return 4 * max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
+
+    @property
+    def persistent_decode(self):
+        """Whether a decode step is one persistent launch."""
+        return self._pd_args is not None
+
+    def _choose_persistent(self, enabled):
+        problem = self.persistent_decode_problem()
+        if enabled and problem:
+            raise BackendError(f'persistent decode not possible: {problem}')
+        self._pd_args = None
+        if enabled is False or problem:
+            return
+        import struct
+        cp, cfg, cap = self.cp, self.config, self.capacity
+        ptr = lambda a: 0 if a is None else a.data.ptr   # noqa: E731
+        words = []
+        for i, layer in enumerate(self.layers):
+            words += [ptr(layer.attn_norm), ptr(layer.wqkv), ptr(layer.bqkv), ptr(layer.wo),
+                      ptr(layer.mlp_norm), ptr(layer.wgate_up), ptr(layer.wdown),
+                      ptr(self.k[i]), ptr(self.v[i]), ptr(self.scores_dec[i]),
+                      ptr(self.ml_dec[i])]
+        self._pd_layers = cp.asarray(np.array(words, np.uint64))
+        self._pd_bar = cp.zeros(2, np.uint32)   # grid_sync: arrivals, blocks out
+        n_splits = -(-cap // PD_KEYS)
+        assert self.part_ml.size >= cfg.num_heads * n_splits * 2
+        assert self.part_o.size >= cfg.num_heads * n_splits * cfg.head_dim
+        packed = struct.pack(
+            '<16Q9i2f', ptr(self._pd_layers), ptr(self.embed), ptr(self.final_norm),
+            ptr(self.lm_head), ptr(self.cos), ptr(self.sin), ptr(self.x), ptr(self.q),
+            ptr(self.attn_out), ptr(self.act), ptr(self.part_ml), ptr(self.part_o),
+            ptr(self.logits_buf), ptr(self.mass), ptr(self.counters), ptr(self._pd_bar),
+            cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+            cfg.head_dim, cap, cfg.vocab_size, cfg.num_layers, n_splits,
+            cfg.rms_norm_eps, 1.0 / np.sqrt(cfg.head_dim))
+        self._pd_args = cp.asarray(np.frombuffer(packed, np.uint8))
+        self._cooperative = CooperativeLauncher()
+
+    @reports_device_errors
+    def set_persistent_decode(self, enabled):
+        """Switch the persistent decode step and recapture the graphs (clears the cache)."""
+        with self.device:
+            self._choose_persistent(enabled)
+            self._warm_up_and_capture()
 
     @reports_device_errors
     def set_dependent_launch(self, enabled):
@@ -263,7 +330,7 @@ class CudaBackend:
         decode = n_max == 1
         tt = 1 if decode else 16
         tiles = (n_max + tt - 1) // tt
-        sfx = '_t1' if decode else '_' + self.prefill_matmul
+        sfx = '_t1' if decode else '_t16'
         hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         eps = np.float32(cfg.rms_norm_eps)
         warps = MATMUL_WARPS
@@ -273,13 +340,16 @@ class CudaBackend:
         def mm(units, k, one_token=decode):
             """(grid, split) of a matmul over ``units`` row pairs of length ``k``; the
             one-token (_t1) kernels may split K, the 16-token tiles never do."""
-            if sfx == '_g32' and not one_token:
-                return ((-(-units // G32_UNITS), -(-n_max // G32_TOKENS)), _i32(1))
             split = matvec_split(units, k, mv_batch, self.n_sm) if one_token else 1
             return ((units * split + warps - 1) // warps, 1 if one_token else tiles), _i32(split)
 
         def launch(name, grid, block, *args, shared=0):   # every kernel after the first
             self._launch(name, grid, block, *args, shared=shared, dependent=True)
+        if decode and self._pd_args is not None:
+            self._cooperative(self.kernels.functions['decode_persistent'], (self.n_sm,),
+                              (PD_THREADS,), (self.state, self._pd_args), self._pd_shared(),
+                              self.stream)
+            return
         self._launch('embed_gather', (n_max,), (256,), self.state, self.ids, self.embed, self.x,
                      _i32(hid), _i32(1 if decode else 0))
         qkv_rows = cfg.q_size + 2 * cfg.kv_size

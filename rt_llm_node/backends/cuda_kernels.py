@@ -24,11 +24,11 @@ KERNELS = (
     'embed_gather',
     'matmul_residual_t1', 'matmul_residual_t16', 'matmul_store_t1',
     'matmul_swiglu_t1', 'matmul_swiglu_t16', 'matmul_qkv_rope_t1', 'matmul_qkv_rope_t16',
-    'matmul_residual_g32', 'matmul_swiglu_g32', 'matmul_qkv_rope_g32',
     'attn_partial', 'attn_combine', 'attn_decode', 'attn_mass',
     'argmax_masked',
     'compact_gather', 'compact_store',
     'read_sum',
+    'grid_sync_probe', 'decode_persistent',
 )
 
 
@@ -119,7 +119,8 @@ class KernelSet:
 # the next kernel's blocks start (and load their weights) while this one finishes. The
 # kernels pair it with griddepcontrol.wait before they read what the previous one wrote
 # (pdl_wait_then_release in common.cuh). Stream capture keeps it as a programmatic edge.
-PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CUlaunchAttributeID, cuda.h
+COOPERATIVE = 2                         # CUlaunchAttributeID, cuda.h
+PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 def _launch_structs():
@@ -154,10 +155,10 @@ def _kernel_argument(value):
                     'np.int32, np.float32 or np.uint64')
 
 
-class DependentLauncher:
-    """Launch a kernel with programmatic dependent launch allowed on its stream."""
+class LaunchWithAttribute:
+    """Launch a kernel through cuLaunchKernelEx with one integer launch attribute set to 1."""
 
-    def __init__(self):
+    def __init__(self, attribute_id):
         import ctypes
         self._ctypes = ctypes
         self._attribute_type, self._config_type = _launch_structs()
@@ -166,7 +167,7 @@ class DependentLauncher:
         self._launch.restype = ctypes.c_int
         self._launch.argtypes = [ctypes.POINTER(self._config_type), ctypes.c_void_p,
                                  ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-        self._attribute = self._attribute_type(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+        self._attribute = self._attribute_type(id=attribute_id)
         self._attribute.value.i = 1
 
     def __call__(self, function, grid, block, args, shared_mem, stream):
@@ -182,3 +183,18 @@ class DependentLauncher:
         if status != 0:
             from cupy_backends.cuda.api.driver import CUDADriverError
             raise CUDADriverError(status)
+
+
+class DependentLauncher(LaunchWithAttribute):
+    """Launch a kernel with programmatic dependent launch allowed on its stream."""
+
+    def __init__(self):
+        super().__init__(PROGRAMMATIC_STREAM_SERIALIZATION)
+
+
+class CooperativeLauncher(LaunchWithAttribute):
+    """Launch a kernel cooperatively: the driver refuses a grid whose blocks cannot all be
+    resident at once (the persistent kernels' grid_sync needs that), also in a graph."""
+
+    def __init__(self):
+        super().__init__(COOPERATIVE)
