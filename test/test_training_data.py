@@ -107,3 +107,71 @@ def test_batches_depend_on_the_round_and_step_only(data):
     # padding is masked and never taught
     assert np.all(labels[attention == 0] == -100)
     assert np.all(ids[attention == 0] == 0)
+    # with --keyframe-weight the same batch comes with its loss weights
+    train_demo_policy._EPISODES, train_demo_policy._SYSTEM = [episode], system
+    train_demo_policy._KEYFRAME = 2.0
+    try:
+        weighted = train_demo_policy._build_batch((0, 1, 5, 4))
+    finally:
+        train_demo_policy._EPISODES = train_demo_policy._SYSTEM = None
+        train_demo_policy._KEYFRAME = None
+    assert all(np.array_equal(x, y) for x, y in zip(a, weighted[:3]))
+    weights = weighted[3]
+    assert weights.dtype == np.float32 and weights.shape == labels.shape
+    assert np.array_equal(weights > 0, labels != -100)
+    assert set(np.unique(weights[labels != -100])) <= {1.0, 2.0}
+
+
+def test_keyframe_weights_mark_the_ticks_whose_label_changes_the_command(data):
+    """--keyframe-weight: the same contexts (no extra random draws), and a loss weight per
+    position: 0 off the labels, K on the label of a tick whose expert command differs from
+    the command executed the tick before, 1 on the others."""
+    episode, system = data
+    ticks = episode.ticks
+    seen = set()
+    for seed in range(40):
+        end = int(np.random.default_rng(seed).integers(1, len(ticks)))
+        plain = train_demo_policy.build_sample(episode, system, end, 1024,
+                                               np.random.default_rng(seed))
+        ids, labels, weights = train_demo_policy.build_sample(
+            episode, system, end, 1024, np.random.default_rng(seed), keyframe_weight=3.0)
+        assert (ids, labels) == plain
+        assert len(weights) == len(ids)
+        assert all((w == 0) == (x == -100) for w, x in zip(weights, labels))
+        for a, b in _runs(labels):   # one tick's label: one weight
+            assert len(set(weights[a:b])) == 1 and weights[a] in (1.0, 3.0)
+            seen.add(weights[a])
+        n = ticks[end].n_prefix
+        changed = ticks[end].action_ids[n:] != ticks[end - 1].executed_ids[n:]
+        assert weights[-1] == (3.0 if changed else 1.0)
+    assert seen == {1.0, 3.0}
+
+
+def test_weighted_loss_is_the_model_loss_under_unit_weights():
+    torch = pytest.importorskip('torch')
+    transformers = pytest.importorskip('transformers')
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 50, (3, 12))
+    attention = torch.ones_like(ids)
+    attention[2, 9:] = 0
+    labels = torch.full_like(ids, -100)
+    labels[:, 4:8] = ids[:, 4:8]
+    labels[1, 10] = ids[1, 10]
+    weights = (labels != -100).float()
+    with torch.no_grad():
+        own = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        ours = train_demo_policy.weighted_loss(model, ids, attention, labels, weights)
+        assert torch.allclose(own, ours, atol=1e-6)
+        # weight 3 on the second sample's labels: the mean counts them three times
+        weights[1] *= 3
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 50), labels[:, 1:].reshape(-1),
+                                               ignore_index=-100, reduction='none').reshape(3, 11)
+        mask = labels[:, 1:] != -100
+        expected = (ce[mask] * weights[:, 1:][mask]).sum() / weights[:, 1:][mask].sum()
+        assert torch.allclose(train_demo_policy.weighted_loss(model, ids, attention, labels,
+                                                              weights), expected, atol=1e-6)

@@ -93,14 +93,21 @@ def _one_cycle_lrs(schedule, step):
         schedule.last_epoch = saved
 
 
-def build_sample(episode, system, end, budget, rng):
-    """Token ids and labels (-100: no loss) of one context ending at tick ``end``.
+def build_sample(episode, system, end, budget, rng, keyframe_weight=None):
+    """Token ids and labels (-100: no loss) of one context ending at tick ``end``; with
+    ``keyframe_weight``, also each position's loss weight (0 off the labels).
 
     Every tick of the context whose observation segments are all present is
     supervised, not only the last: its action position shows what the robot
     executed (DART noise, held random commands) while its label is the expert's
     clean command for that observation, so copying the shown history is never the
     label and each context teaches a dozen decisions instead of one.
+
+    Keyframes: a supervised tick whose label differs from the command executed the tick
+    before (what the context shows last, and what a copying policy would repeat) weighs
+    ``keyframe_weight``, every other one 1 ("Keyframe-focused visual imitation
+    learning", Wen et al. 2021: up-weighting the changes fights a learner that copies its
+    own last action).
     """
     ticks = episode.ticks
     # the instruction in force at ``end``
@@ -112,12 +119,17 @@ def build_sample(episode, system, end, budget, rng):
             break
     p_drop_obs = rng.choice([0.0, 0.0, 0.5, 0.8, 1.0])
     p_drop_act = 1.0 if rng.random() < 0.2 else rng.choice([0.0, 0.3, 0.7])
-    pieces = []          # reversed chronological list of (tick, ids, labels)
+    pieces = []          # reversed chronological list of (tick, ids, labels, weights)
     used = len(system) + (len(instr[1]) if instr else 0)
     for t in range(end, -1, -1):
         tick = ticks[t]
         chunk, labels = [], []
         complete = instr is not None and t >= instr[0]
+        n = tick.n_prefix
+        key = 1.0
+        if keyframe_weight is not None and t > 0 and \
+                tick.action_ids[n:] != ticks[t - 1].executed_ids[n:]:
+            key = keyframe_weight
         for kind, _, ids in tick.segments:
             if kind == 'instruction':
                 continue
@@ -126,7 +138,6 @@ def build_sample(episode, system, end, budget, rng):
                 continue
             chunk += ids
             labels += [-100] * len(ids)
-        n = tick.n_prefix
         if t == end:  # the newest tick: the expert's command is also what the context shows
             a = tick.action_ids
             chunk += a
@@ -141,28 +152,34 @@ def build_sample(episode, system, end, budget, rng):
         if used + len(chunk) > budget:
             break
         used += len(chunk)
-        pieces.append((t, chunk, labels))
+        pieces.append((t, chunk, labels, [0.0 if x == -100 else key for x in labels]))
     pieces.reverse()
-    ids, out = list(system), [-100] * len(system)
+    ids, out, weights = list(system), [-100] * len(system), [0.0] * len(system)
     placed = False
-    for t, chunk, labels in pieces:
+    for t, chunk, labels, wts in pieces:
         if instr and not placed and t >= instr[0]:
             ids += instr[1]
             out += [-100] * len(instr[1])
+            weights += [0.0] * len(instr[1])
             placed = True
         ids += chunk
         out += labels
+        weights += wts
     if instr and not placed:
         ids += instr[1]
         out += [-100] * len(instr[1])
-    return ids, out
+        weights += [0.0] * len(instr[1])
+    if keyframe_weight is None:
+        return ids, out
+    return ids, out, weights
 
 
-_EPISODES, _SYSTEM = None, None   # set before the batch builders fork
+_EPISODES, _SYSTEM, _KEYFRAME = None, None, None   # set before the batch builders fork
 
 
 def _build_batch(job):
-    """One training batch, built in a worker: (ids, labels, attention) int64 [batch, width].
+    """One training batch, built in a worker: (ids, labels, attention) int64 [batch, width],
+    and with keyframe weights (--keyframe-weight) their float32 loss weights too.
 
     Step ``step`` of round ``round_`` of run ``seed`` draws from its own generator, so a
     run's batches do not depend on how many workers built them or in what order they
@@ -170,7 +187,7 @@ def _build_batch(job):
     seed, round_, step, size = job
     rng = np.random.default_rng((seed, round_, step))
     episodes = _EPISODES
-    batch_ids, batch_labels = [], []
+    batch_ids, batch_labels, batch_weights = [], [], []
     budget = int(rng.choice(BUDGETS))
     for _ in range(size):
         episode = episodes[rng.integers(len(episodes))]
@@ -179,20 +196,26 @@ def _build_batch(job):
             end = min(len(episode.ticks) - 1, start + int(rng.integers(30)))
         else:
             end = int(rng.integers(len(episode.ticks)))
-        ids, labels = build_sample(episode, _SYSTEM, end, budget, rng)
-        if all(x == -100 for x in labels):  # the newest tick alone outgrew the budget
-            ids, labels = build_sample(episode, _SYSTEM, end, max(BUDGETS), rng)
-        batch_ids.append(ids)
-        batch_labels.append(labels)
+        sample = build_sample(episode, _SYSTEM, end, budget, rng, _KEYFRAME)
+        if all(x == -100 for x in sample[1]):  # the newest tick alone outgrew the budget
+            sample = build_sample(episode, _SYSTEM, end, max(BUDGETS), rng, _KEYFRAME)
+        batch_ids.append(sample[0])
+        batch_labels.append(sample[1])
+        batch_weights.append(sample[2] if _KEYFRAME is not None else None)
     width = max(len(i) for i in batch_ids)
     ids = np.zeros((size, width), np.int64)
     labels = np.full((size, width), -100, np.int64)
     attention = np.zeros((size, width), np.int64)
-    for b, (i, lab) in enumerate(zip(batch_ids, batch_labels)):
+    weights = np.zeros((size, width), np.float32)
+    for b, (i, lab, wts) in enumerate(zip(batch_ids, batch_labels, batch_weights)):
         ids[b, :len(i)] = i
         labels[b, :len(i)] = lab
         attention[b, :len(i)] = 1
-    return ids, labels, attention
+        if wts is not None:
+            weights[b, :len(i)] = wts
+    if _KEYFRAME is None:
+        return ids, labels, attention
+    return ids, labels, attention, weights
 
 
 def main():
@@ -237,6 +260,11 @@ def main():
                              '(0: off). Closed-loop success moved by 0.3-0.4 between runs '
                              'whose losses differed by 0.06')
     parser.add_argument('--select-capacity', type=int, default=256)
+    parser.add_argument('--keyframe-weight', type=float, default=None,
+                        help='loss weight of a tick whose label differs from the command '
+                             'executed the tick before (others weigh 1; default: no '
+                             'weights: the model loss as it is). The shipped policy repeats '
+                             'its last turn rate where the expert would change it')
     parser.add_argument('--dagger-ticks', type=int, default=300,
                         help='ticks per rollout (the first goal or two)')
     parser.add_argument('--dagger-capacity', type=int, default=1024,
@@ -244,6 +272,8 @@ def main():
                              'shipped policy fails)')
     args = parser.parse_args()
     dagger_models = [m for m in (args.dagger or '').split(',') if m]
+    if args.keyframe_weight is not None and not args.keyframe_weight > 0:
+        parser.error(f'--keyframe-weight must be positive, got {args.keyframe_weight}')
     # training and DAgger seeds run up from seed * 100000; they must stay below the
     # validation seeds (when selecting) and the held-out ones
     last = (args.seed * 100000 + args.episodes
@@ -362,6 +392,7 @@ def main():
         'batch': args.batch, 'lr': args.lr, 'dagger_lr': args.dagger_lr or args.lr,
         'parameters': n_params,
         'noise': [args.noise_v, args.noise_w], 'hold_rate': args.hold_rate,
+        'keyframe_weight': args.keyframe_weight,
         'selected_round': None if best is None else best[1],
         'final_loss': rounds[-1 if best is None else best[1]]['final_loss'],
         'wall_s': round(time.time() - started, 1),
@@ -419,13 +450,27 @@ def _export(model, tokenizer, path):
             (path / extra).unlink()
 
 
+def weighted_loss(model, ids, attention, labels, weights):
+    """Cross-entropy of the next token at every labelled position, weighted: sum(w * ce) /
+    sum(w), with the same shift as the model's own loss (position i predicts label i + 1);
+    all weights 1 give the model's own mean."""
+    import torch
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+    target, w = labels[:, 1:], weights[:, 1:]
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           target.reshape(-1), ignore_index=-100,
+                                           reduction='none')
+    w = w.reshape(-1) * (target.reshape(-1) != -100)
+    return (ce * w).sum() / w.sum().clamp_min(1e-6)
+
+
 def _train_round(model, episodes, system, args, round_, seconds, device, started):
     """One round of ``args.steps`` steps (or ``seconds``): fresh AdamW and one-cycle
     schedule; batches built by forked workers (the episodes are inherited, not pickled),
     kept two per worker ahead of the GPU, which otherwise waited on Python."""
     import torch
-    global _EPISODES, _SYSTEM
-    _EPISODES, _SYSTEM = episodes, system
+    global _EPISODES, _SYSTEM, _KEYFRAME
+    _EPISODES, _SYSTEM, _KEYFRAME = episodes, system, args.keyframe_weight
     builders = ProcessPoolExecutor(args.workers, mp_context=_FORK)
     batches = deque(builders.submit(_build_batch, (args.seed, round_, step, args.batch))
                     for step in range(min(args.steps, 2 * args.workers)))
@@ -449,7 +494,8 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
                 for group, lr in zip(optimizer.param_groups,
                                      _one_cycle_lrs(schedule, position)):
                     group['lr'] = lr
-            ids, labels, attention = (torch.from_numpy(a) for a in batches.popleft().result())
+            ids, labels, attention, *weights = (torch.from_numpy(a)
+                                                for a in batches.popleft().result())
             tokens_seen += int(attention.sum())
             if step + len(batches) + 1 < args.steps:
                 batches.append(builders.submit(
@@ -457,7 +503,10 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
             ids, labels, attention = ids.to(device), labels.to(device), attention.to(device)
             with torch.autocast(device_type=device, dtype=torch.bfloat16,
                                 enabled=device == 'cuda'):
-                loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+                if weights:
+                    loss = weighted_loss(model, ids, attention, labels, weights[0].to(device))
+                else:
+                    loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
