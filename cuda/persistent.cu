@@ -5,11 +5,12 @@
 // grid_sync: every block of a launch arrives, then all leave. bar[0] counts arrivals up
 // through the launch; the k-th barrier of a launch waits until it reaches k * gridDim.x.
 // bar[1] counts blocks out at the launch's end (grid_sync_reset), and the last one zeroes
-// both words for the next launch, which starts only after this one ends. The blocks must all be resident at once: launch
-// cooperatively (the driver refuses a grid that cannot be). A barrier that waits past
-// ~2^25 polls (seconds) traps, so a launch that could never complete fails instead of hanging.
-// Data written by other blocks of the launch is read through L2 (ld_cg*; never through
-// the non-coherent path, so no activation pointer here is const __restrict__).
+// both words for the next launch, which starts only after this one ends. The blocks must
+// all be resident at once: launch cooperatively (the driver refuses a grid that cannot
+// be). A barrier that waits past ~2^25 polls (seconds) traps, so a launch that could never
+// complete fails instead of hanging. Data written by other blocks of the launch is read
+// through L2 (__ldcg; never through the non-coherent path, so no activation pointer here
+// is const __restrict__).
 //
 // decode_persistent  grid = SMs (one block of 256 threads each), dynamic shared memory
 //   4 * max(hidden, q_size, inter) bytes. Phases of layer l, each after a grid_sync:
@@ -112,7 +113,7 @@ struct DecodeLayer {   // one layer's pointers; the backend packs these 11 words
   float *k, *v, *scores, *ml;
 };
 
-struct DecodeArgs {    // packed by the backend (cuda_backend.py, PersistentDecode)
+struct DecodeArgs {    // packed by the backend (CudaBackend._choose_persistent)
   const DecodeLayer* layers;
   const wt *embed, *final_norm, *lm_head;
   const float *cos_t, *sin_t;
