@@ -175,3 +175,30 @@ def test_weighted_loss_is_the_model_loss_under_unit_weights():
         expected = (ce[mask] * weights[:, 1:][mask]).sum() / weights[:, 1:][mask].sum()
         assert torch.allclose(train_demo_policy.weighted_loss(model, ids, attention, labels,
                                                               weights), expected, atol=1e-6)
+
+
+def test_further_training_from_the_shipped_model_exports_a_loadable_checkpoint(tmp_path):
+    """The tool end to end on the CPU, tiny: --init keeps the shipped tokenizer and starts from
+    its weights (a low first loss), --keyframe-weight trains, the export loads in numpy."""
+    pytest.importorskip('torch')
+    pytest.importorskip('transformers')
+    import json
+    import subprocess
+    import sys
+    from rt_llm_node.backends.numpy_backend import NumpyBackend
+    shipped = Path(default_model_path())
+    out = tmp_path / 'model'
+    run = subprocess.run(
+        [sys.executable, str(Path(train_demo_policy.__file__)), '--init', str(shipped),
+         '--out', str(out), '--episodes', '4', '--steps', '3', '--batch', '2', '--workers',
+         '1', '--keyframe-weight', '2', '--lr', '1e-5'],
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    record = json.loads((out / 'training.json').read_text())
+    assert record['init'] == str(shipped) and record['keyframe_weight'] == 2.0
+    assert record['steps'] == 3
+    assert record['rounds'][0]['final_loss'] < 1.0   # from scratch it starts near ln(1280)
+    assert (out / 'tokenizer.json').read_bytes() == (shipped / 'tokenizer.json').read_bytes()
+    backend = NumpyBackend(load_checkpoint(out), 64)
+    backend.prefill([1, 2, 3])
+    assert np.isfinite(backend.logits()).all()

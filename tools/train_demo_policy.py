@@ -260,6 +260,11 @@ def main():
                              '(0: off). Closed-loop success moved by 0.3-0.4 between runs '
                              'whose losses differed by 0.06')
     parser.add_argument('--select-capacity', type=int, default=256)
+    parser.add_argument('--init', default=None, metavar='MODEL',
+                        help='start from this checkpoint, its weights and its tokenizer, '
+                             'instead of from scratch (e.g. DAgger rounds or '
+                             '--keyframe-weight on the shipped model, which from-scratch '
+                             'retrains have not matched)')
     parser.add_argument('--keyframe-weight', type=float, default=None,
                         help='loss weight of a tick whose label differs from the command '
                              'executed the tick before (others weigh 1; default: no '
@@ -289,8 +294,12 @@ def main():
     torch.manual_seed(args.seed)
     seeds = list(range(args.seed * 100000, args.seed * 100000 + args.episodes))
     with ProcessPoolExecutor(args.workers) as pool:
-        texts = [line for lines in pool.map(_texts, seeds[:200]) for line in lines]
-        tokenizer = train_tokenizer(texts, MODEL['vocab_size'], whole_words=whole_words())
+        if args.init:   # the checkpoint's own token ids
+            tokenizer = Tokenizer.from_file(str(Path(args.init) / 'tokenizer.json'))
+        else:
+            texts = [line for lines in pool.map(_texts, seeds[:200]) for line in lines]
+            tokenizer = train_tokenizer(texts, MODEL['vocab_size'],
+                                        whole_words=whole_words())
         tokenizer_json = tokenizer.to_str()
         noisy = ((args.noise_v, args.noise_w), args.hold_rate)
         jobs = [(s, tokenizer_json, *(noisy if i % 4 else ((0.0, 0.0), 0.0)), None)
@@ -314,8 +323,12 @@ def main():
           flush=True)
     system = system_ids(tokenizer)
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
-    config = transformers.LlamaConfig(**MODEL, bos_token_id=None, eos_token_id=None)
-    model = transformers.LlamaForCausalLM(config).to(device)
+    if args.init:
+        model = transformers.LlamaForCausalLM.from_pretrained(
+            args.init, dtype=torch.float32).to(device)
+    else:
+        config = transformers.LlamaConfig(**MODEL, bos_token_id=None, eos_token_id=None)
+        model = transformers.LlamaForCausalLM(config).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     # Under --max-minutes each round's one-cycle schedule follows whichever runs out first,
     # its steps or its share of the time left (15 s kept for the export, and the expected
@@ -392,7 +405,7 @@ def main():
         'batch': args.batch, 'lr': args.lr, 'dagger_lr': args.dagger_lr or args.lr,
         'parameters': n_params,
         'noise': [args.noise_v, args.noise_w], 'hold_rate': args.hold_rate,
-        'keyframe_weight': args.keyframe_weight,
+        'keyframe_weight': args.keyframe_weight, 'init': args.init,
         'selected_round': None if best is None else best[1],
         'final_loss': rounds[-1 if best is None else best[1]]['final_loss'],
         'wall_s': round(time.time() - started, 1),
