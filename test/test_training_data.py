@@ -63,7 +63,7 @@ def test_contexts_keep_the_rules_the_bounded_cache_keeps(data):
     for _ in range(60):
         end = int(rng.integers(len(episode.ticks)))
         budget = int(rng.choice(train_demo_policy.BUDGETS))
-        ids, labels = train_demo_policy.build_sample(episode, system, end, budget, rng)
+        ids, labels, _ = train_demo_policy.build_sample(episode, system, end, budget, rng)
         assert len(ids) == len(labels)
         assert ids[:len(system)] == system                    # the pinned system prompt
         runs = _runs(labels)
@@ -99,7 +99,7 @@ def test_batches_depend_on_the_round_and_step_only(data):
         d = train_demo_policy._build_batch((0, 2, 5, 4))
     finally:
         train_demo_policy._EPISODES = train_demo_policy._SYSTEM = None
-    ids, labels, attention = a
+    ids, labels, attention, _ = a
     assert ids.shape == labels.shape == attention.shape and ids.shape[0] == 4
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
     for other in (c, d):   # another step, or the same step of another round
@@ -114,7 +114,7 @@ def test_batches_depend_on_the_round_and_step_only(data):
         weighted = train_demo_policy._build_batch((0, 1, 5, 4))
     finally:
         train_demo_policy._EPISODES = train_demo_policy._SYSTEM = None
-        train_demo_policy._KEYFRAME = None
+        train_demo_policy._KEYFRAME = 1.0
     assert all(np.array_equal(x, y) for x, y in zip(a, weighted[:3]))
     weights = weighted[3]
     assert weights.dtype == np.float32 and weights.shape == labels.shape
@@ -135,7 +135,8 @@ def test_keyframe_weights_mark_the_ticks_whose_label_changes_the_command(data):
                                                np.random.default_rng(seed))
         ids, labels, weights = train_demo_policy.build_sample(
             episode, system, end, 1024, np.random.default_rng(seed), keyframe_weight=3.0)
-        assert (ids, labels) == plain
+        assert (ids, labels) == plain[:2]
+        assert all(w == (0.0 if x == -100 else 1.0) for w, x in zip(plain[2], labels))
         assert len(weights) == len(ids)
         assert all((w == 0) == (x == -100) for w, x in zip(weights, labels))
         for a, b in _runs(labels):   # one tick's label: one weight

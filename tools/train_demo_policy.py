@@ -93,9 +93,9 @@ def _one_cycle_lrs(schedule, step):
         schedule.last_epoch = saved
 
 
-def build_sample(episode, system, end, budget, rng, keyframe_weight=None):
-    """Token ids and labels (-100: no loss) of one context ending at tick ``end``; with
-    ``keyframe_weight``, also each position's loss weight (0 off the labels).
+def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0):
+    """Token ids, labels (-100: no loss) and loss weights (0 off the labels) of one
+    context ending at tick ``end``.
 
     Every tick of the context whose observation segments are all present is
     supervised, not only the last: its action position shows what the robot
@@ -126,10 +126,8 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=None):
         chunk, labels = [], []
         complete = instr is not None and t >= instr[0]
         n = tick.n_prefix
-        key = 1.0
-        if keyframe_weight is not None and t > 0 and \
-                tick.action_ids[n:] != ticks[t - 1].executed_ids[n:]:
-            key = keyframe_weight
+        changed = t > 0 and tick.action_ids[n:] != ticks[t - 1].executed_ids[n:]
+        key = keyframe_weight if changed else 1.0
         for kind, _, ids in tick.segments:
             if kind == 'instruction':
                 continue
@@ -169,17 +167,15 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=None):
         ids += instr[1]
         out += [-100] * len(instr[1])
         weights += [0.0] * len(instr[1])
-    if keyframe_weight is None:
-        return ids, out
     return ids, out, weights
 
 
-_EPISODES, _SYSTEM, _KEYFRAME = None, None, None   # set before the batch builders fork
+_EPISODES, _SYSTEM, _KEYFRAME = None, None, 1.0   # set before the batch builders fork
 
 
 def _build_batch(job):
-    """One training batch, built in a worker: (ids, labels, attention) int64 [batch, width],
-    and with keyframe weights (--keyframe-weight) their float32 loss weights too.
+    """One training batch, built in a worker: (ids, labels, attention) int64 and the loss
+    weights float32, each [batch, width].
 
     Step ``step`` of round ``round_`` of run ``seed`` draws from its own generator, so a
     run's batches do not depend on how many workers built them or in what order they
@@ -201,7 +197,7 @@ def _build_batch(job):
             sample = build_sample(episode, _SYSTEM, end, max(BUDGETS), rng, _KEYFRAME)
         batch_ids.append(sample[0])
         batch_labels.append(sample[1])
-        batch_weights.append(sample[2] if _KEYFRAME is not None else None)
+        batch_weights.append(sample[2])
     width = max(len(i) for i in batch_ids)
     ids = np.zeros((size, width), np.int64)
     labels = np.full((size, width), -100, np.int64)
@@ -211,10 +207,7 @@ def _build_batch(job):
         ids[b, :len(i)] = i
         labels[b, :len(i)] = lab
         attention[b, :len(i)] = 1
-        if wts is not None:
-            weights[b, :len(i)] = wts
-    if _KEYFRAME is None:
-        return ids, labels, attention
+        weights[b, :len(i)] = wts
     return ids, labels, attention, weights
 
 
@@ -483,7 +476,8 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
     kept two per worker ahead of the GPU, which otherwise waited on Python."""
     import torch
     global _EPISODES, _SYSTEM, _KEYFRAME
-    _EPISODES, _SYSTEM, _KEYFRAME = episodes, system, args.keyframe_weight
+    _EPISODES, _SYSTEM = episodes, system
+    _KEYFRAME = 1.0 if args.keyframe_weight is None else args.keyframe_weight
     builders = ProcessPoolExecutor(args.workers, mp_context=_FORK)
     batches = deque(builders.submit(_build_batch, (args.seed, round_, step, args.batch))
                     for step in range(min(args.steps, 2 * args.workers)))
@@ -507,8 +501,8 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
                 for group, lr in zip(optimizer.param_groups,
                                      _one_cycle_lrs(schedule, position)):
                     group['lr'] = lr
-            ids, labels, attention, *weights = (torch.from_numpy(a)
-                                                for a in batches.popleft().result())
+            ids, labels, attention, weights = (torch.from_numpy(a)
+                                               for a in batches.popleft().result())
             tokens_seen += int(attention.sum())
             if step + len(batches) + 1 < args.steps:
                 batches.append(builders.submit(
@@ -516,8 +510,8 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
             ids, labels, attention = ids.to(device), labels.to(device), attention.to(device)
             with torch.autocast(device_type=device, dtype=torch.bfloat16,
                                 enabled=device == 'cuda'):
-                if weights:
-                    loss = weighted_loss(model, ids, attention, labels, weights[0].to(device))
+                if args.keyframe_weight is not None:
+                    loss = weighted_loss(model, ids, attention, labels, weights.to(device))
                 else:
                     loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
             optimizer.zero_grad(set_to_none=True)

@@ -184,11 +184,13 @@ class CudaBackend:
         return self._pd_args is not None
 
     def _choose_persistent(self, enabled):
-        problem = self.persistent_decode_problem()
-        if enabled and problem:
-            raise BackendError(f'persistent decode not possible: {problem}')
         self._pd_args = None
-        if enabled is False or problem:
+        if enabled is False:
+            return
+        problem = self.persistent_decode_problem()
+        if problem:
+            if enabled:
+                raise BackendError(f'persistent decode not possible: {problem}')
             return
         import struct
         cp, cfg, cap = self.cp, self.config, self.capacity
