@@ -2,14 +2,16 @@
 // with the layer's epilogue fused in. xhat = x, or rmsnorm(x) * norm_w when norm_w is
 // given: each block first computes 1 / rms of its tokens, then normalizes on the fly.
 //
-// Geometry: block = 32 * w threads (w warps, at most 8); a warp owns one unit (two output
-// rows) for a tile of TT tokens; grid = (ceil(units / w), ceil(n_max / TT)); tiles at or past
-// state[STATE_N] tokens exit. The _t1 kernels may give a unit to `split` warps (1, 2 or 4,
-// dividing w) that share its K: grid.x = ceil(units * split / w). Suffix _t16 (prefill,
-// TT = 16) and _t1 (one token: decode, and the LM head's last token). The _t1 kernels
-// issue a warp's first MV_BATCH weight loads per row and lane before the norm's block
-// reduction, so the weights stream in while the block waits on it (nothing but the
-// weights is needed to start).
+// Geometry: block = 32 * w threads (w warps: at most 8 for _t16, exactly 4 for _t1, whose
+// launch bounds say 128 threads); a warp owns one unit (two output rows) for a tile of TT
+// tokens. _t16 (prefill, TT = 16): grid = (ceil(units / w),
+// ceil(n_max / TT)); tiles at or past state[STATE_N] tokens exit. _t1 (one token: decode,
+// and the LM head's last token): a unit may go to `split` warps (1, 2 or 4, dividing w)
+// that share its K, and the grid may be smaller than ceil(units * split / w): the blocks
+// stride over the row groups (grid-stride), each warp loading its next unit's weights
+// while it sums the current one. The _t1 kernels issue a warp's first MV_BATCH weight
+// loads per row and lane before the wait for the previous kernel, so the weights stream
+// in while the block waits (nothing but the weights is needed to start).
 // Dtypes: W, bias, norm_w: wt; x, outputs and sums: fp32; cache slots fp32.
 //
 // Epilogues (one extern "C" wrapper each):
@@ -214,18 +216,23 @@ __device__ void matmul_body(int* __restrict__ state, const wt* __restrict__ W, i
 #error "MV_BATCH must be defined by the build options"
 #endif
 
-// One token (decode, or the last token for the LM head): the weights' first batch is
-// loaded before the norm, the rest batch by batch, every load of a batch issued first.
+// One token (decode, or the last token for the LM head), grid-stride: block b takes the
+// unit groups b, b + gridDim.x, ... (a group = blockDim / 32 / split units), so a grid
+// sized to what is resident streams the whole matrix without waves of block exits and
+// launches, and the norm's reduction is paid once a block. The first unit's first batch of
+// weights is loaded before the wait for the previous kernel; each later unit's first batch
+// is issued while the unit before it is being summed (a register freed by the conversion
+// to fp32 takes the next load at once), so a warp always has loads in flight.
 // split (1, 2 or 4, dividing the block's warps): warps per unit, each taking a contiguous
 // 1/split of K, their sums added in shared memory, so that a long row is one batch of
-// loads per lane (all in flight before the wait) and a short matrix covers more SMs.
+// loads per lane and a short matrix covers more SMs.
 template <int EPI>
 __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, int rows, int K,
                             const float* __restrict__ x, const wt* __restrict__ norm_w,
                             float eps, float* __restrict__ out, int units, int last_only,
                             QkvArgs qa, int split) {
   __shared__ float scratch[WARP];
-  __shared__ float2 part_sums[8];   // [warp]: a0, a1 of its share of K (<= 8 warps)
+  __shared__ float2 part_sums[2][8];   // [round parity][warp]: a0, a1 of its share of K
   const int n = state[STATE_N], start = state[STATE_START];
   const int tok = last_only ? n - 1 : blockIdx.y;   // grid.y: one block row per token
   if (tok >= n) {  // the whole block leaves together
@@ -234,30 +241,25 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
   }
   const float* xt = x + (long long)tok * K;
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-  const int u = blockIdx.x * (blockDim.x / WARP / split) + warp / split, part = warp % split;
-  const bool active = u < units, vec = (K & 7) == 0;
+  const int per_group = blockDim.x / WARP / split, part = warp % split;
+  const int stride = gridDim.x * per_group;   // units between a warp's rounds
+  const bool vec = (K & 7) == 0;
   // this warp's chunks of 8 weights: [c_begin, c_end) of K / 8
   const int per_part = (K / 8 + split - 1) / split;
   const int c_begin = part * per_part, c_end = min(K / 8, c_begin + per_part);
+  const int half = qa.head_dim / 2, q_size = qa.n_heads * qa.head_dim;
+  int u = blockIdx.x * per_group + warp / split;
   int r0 = 0, r1 = 0, kind = 0;
-  if (active) unit_rows<EPI>(u, rows, qa, &r0, &r1, &kind);
-  const wt* w0 = W + (long long)r0 * K;
-  const wt* w1 = W + (long long)r1 * K;
+  if (u < units) unit_rows<EPI>(u, rows, qa, &r0, &r1, &kind);
   w8raw wa[MV_BATCH], wb[MV_BATCH];
-  if (active && vec) {
+  if (u < units && vec) {
+    const wt* w0 = W + (long long)r0 * K;
+    const wt* w1 = W + (long long)r1 * K;
 #pragma unroll
     for (int b = 0; b < MV_BATCH; ++b) {
       const int c = c_begin + lane + b * WARP;
       if (c < c_end) { wa[b] = load_w8(w0 + 8 * c); wb[b] = load_w8(w1 + 8 * c); }
     }
-  }
-  float rc = 0.f, rs = 0.f;   // qkv: this pair's rotation, loaded early too
-  if (EPI == EPI_QKV_ROPE && active && kind < 2 && lane == 0 && part == 0) {
-    const int half = qa.head_dim / 2, q_size = qa.n_heads * qa.head_dim;
-    const int i = (kind == 0 ? r0 : r0 - q_size) % qa.head_dim;
-    const long long at = (long long)(qa.cap + start + tok) * half + i;
-    rc = qa.cos_t[at];
-    rs = qa.sin_t[at];
   }
   pdl_wait_then_release();   // the weights are in flight; x comes from the previous kernel
   float inv_rms = 1.f;
@@ -267,76 +269,115 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
     ss = block_sum(ss, scratch);
     inv_rms = 1.f / sqrtf(ss / K + eps);
   }
-  if (split == 1 && !active) return;   // with split > 1 every warp meets the barrier below
-  float a0 = 0.f, a1 = 0.f;
-  if (active && vec) {
-    for (int base = c_begin; base < c_end; base += MV_BATCH * WARP) {
-      if (base != c_begin) {
+  // rounds: every warp of the block runs the same count (the split's barrier needs it)
+  for (int round = 0, base_u = blockIdx.x * per_group; base_u < units;
+       ++round, base_u += stride, u += stride) {
+    const bool active = u < units;
+    const int nu = u + stride;   // this warp's next unit
+    int n0 = 0, n1 = 0, nkind = 0;
+    if (nu < units) unit_rows<EPI>(nu, rows, qa, &n0, &n1, &nkind);
+    float rc = 0.f, rs = 0.f;   // qkv: this pair's rotation
+    if (EPI == EPI_QKV_ROPE && active && kind < 2 && lane == 0 && part == 0) {
+      const int i = (kind == 0 ? r0 : r0 - q_size) % qa.head_dim;
+      const long long at = (long long)(qa.cap + start + tok) * half + i;
+      rc = qa.cos_t[at];
+      rs = qa.sin_t[at];
+    }
+    const wt* w0 = W + (long long)r0 * K;
+    const wt* w1 = W + (long long)r1 * K;
+    const wt* nw0 = W + (long long)n0 * K;
+    const wt* nw1 = W + (long long)n1 * K;
+    float a0 = 0.f, a1 = 0.f;
+    if (active && vec) {
+      for (int base = c_begin; base < c_end; base += MV_BATCH * WARP) {
+        if (base != c_begin) {
+#pragma unroll
+          for (int b = 0; b < MV_BATCH; ++b) {
+            const int c = base + lane + b * WARP;
+            if (c < c_end) { wa[b] = load_w8(w0 + 8 * c); wb[b] = load_w8(w1 + 8 * c); }
+          }
+        }
+        // the last batch of this unit: each register, once converted, loads the next
+        // unit's first batch (the whole next unit when a unit is one batch)
+        const bool last = base + MV_BATCH * WARP >= c_end;
 #pragma unroll
         for (int b = 0; b < MV_BATCH; ++b) {
-          const int c = base + lane + b * WARP;
-          if (c < c_end) { wa[b] = load_w8(w0 + 8 * c); wb[b] = load_w8(w1 + 8 * c); }
-        }
-      }
+          const int c = base + lane + b * WARP, cn = c_begin + lane + b * WARP;
+          const bool have = c < c_end;
+          float fa[8], fb[8];
+          if (have) {
+            w8_floats(wa[b], fa);
+            w8_floats(wb[b], fb);
+          }
+          if (last && nu < units && cn < c_end) {
+            wa[b] = load_w8(nw0 + 8 * cn);
+            wb[b] = load_w8(nw1 + 8 * cn);
+          }
+          if (have) {
+            const int k = 8 * c;
+            float xv[8], nw[8];
+            load8f(xt + k, xv);
+            load_norm8(norm_w, k, nw);
 #pragma unroll
-      for (int b = 0; b < MV_BATCH; ++b) {
-        const int c = base + lane + b * WARP;
-        if (c < c_end) {
-          const int k = 8 * c;
-          float fa[8], fb[8], xv[8], nw[8];
-          w8_floats(wa[b], fa);
-          w8_floats(wb[b], fb);
-          load8f(xt + k, xv);
-          load_norm8(norm_w, k, nw);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const float xn = xv[j] * inv_rms * nw[j];
-            a0 = fmaf(fa[j], xn, a0);
-            a1 = fmaf(fb[j], xn, a1);
+            for (int j = 0; j < 8; ++j) {
+              const float xn = xv[j] * inv_rms * nw[j];
+              a0 = fmaf(fa[j], xn, a0);
+              a1 = fmaf(fb[j], xn, a1);
+            }
           }
         }
       }
+    } else if (active) {  // rows not 16-byte aligned: scalar loads, the parts interleaved
+      for (int k = part * WARP + lane; k < K; k += WARP * split) {
+        const float nw = norm_w ? w2f(norm_w[k]) : 1.f;
+        const float xn = xt[k] * inv_rms * nw;
+        a0 = fmaf(w2f(w0[k]), xn, a0);
+        a1 = fmaf(w2f(w1[k]), xn, a1);
+      }
     }
-  } else if (active) {  // rows not 16-byte aligned: scalar loads, the parts interleaved
-    for (int k = part * WARP + lane; k < K; k += WARP * split) {
-      const float nw = norm_w ? w2f(norm_w[k]) : 1.f;
-      const float xn = xt[k] * inv_rms * nw;
-      a0 = fmaf(w2f(w0[k]), xn, a0);
-      a1 = fmaf(w2f(w1[k]), xn, a1);
+    a0 = warp_sum(a0);
+    a1 = warp_sum(a1);
+    bool mine = active && lane == 0;
+    if (split > 1) {
+      if (lane == 0) part_sums[round & 1][warp] = make_float2(a0, a1);
+      __syncthreads();
+      mine = mine && part == 0;
+      if (mine)
+        for (int p = 1; p < split; ++p) {
+          a0 += part_sums[round & 1][warp + p].x;
+          a1 += part_sums[round & 1][warp + p].y;
+        }
     }
+    if (mine)
+      epilogue<EPI>(state, tok, u, rows, r0, r1, kind, a0, a1, out, last_only, start, qa, true,
+                    rc, rs);
+    r0 = n0; r1 = n1; kind = nkind;
   }
-  a0 = warp_sum(a0);
-  a1 = warp_sum(a1);
-  if (split > 1) {
-    if (lane == 0) part_sums[warp] = make_float2(a0, a1);
-    __syncthreads();
-    if (!active || part != 0) return;
-    for (int p = 1; p < split; ++p) {
-      a0 += part_sums[warp + p].x;
-      a1 += part_sums[warp + p].y;
-    }
-  }
-  if (lane == 0)
-    epilogue<EPI>(state, tok, u, rows, r0, r1, kind, a0, a1, out, last_only, start, qa, true, rc, rs);
 }
 
+#ifndef MV_MIN_BLOCKS  // blocks of 128 threads a _t1 kernel must fit an SM: set by the loader
+#error "MV_MIN_BLOCKS must be defined by the build options"
+#endif
+#define BOUNDS_t1 __launch_bounds__(128, MV_MIN_BLOCKS)   // the backend's matmul block
+#define BOUNDS_t16 __launch_bounds__(256)
+
 // Every wrapper takes `split` last (warps per unit); the _t16 bodies need it to be 1.
-#define MATMUL_PLAIN(NAME, BODY)                                                            \
-  extern "C" __global__ void __launch_bounds__(256)                                        \
+#define MATMUL_PLAIN(NAME, BOUNDS, BODY)                                                    \
+  extern "C" __global__ void BOUNDS                                                         \
   NAME(int* state, const wt* W, int rows, int K, const float* x, const wt* norm_w,          \
        float eps, float* out, int units, int last_only, int split) {                        \
     QkvArgs none = {};                                                                      \
     BODY(state, W, rows, K, x, norm_w, eps, out, units, last_only, none, split);            \
   }
 
-MATMUL_PLAIN(matmul_residual_t1, matvec_body<EPI_RESIDUAL>)
-MATMUL_PLAIN(matmul_residual_t16, (matmul_body<16, EPI_RESIDUAL>))
-MATMUL_PLAIN(matmul_store_t1, matvec_body<EPI_STORE>)
-MATMUL_PLAIN(matmul_swiglu_t1, matvec_body<EPI_SWIGLU>)
-MATMUL_PLAIN(matmul_swiglu_t16, (matmul_body<16, EPI_SWIGLU>))
+MATMUL_PLAIN(matmul_residual_t1, BOUNDS_t1, matvec_body<EPI_RESIDUAL>)
+MATMUL_PLAIN(matmul_residual_t16, BOUNDS_t16, (matmul_body<16, EPI_RESIDUAL>))
+MATMUL_PLAIN(matmul_store_t1, BOUNDS_t1, matvec_body<EPI_STORE>)
+MATMUL_PLAIN(matmul_swiglu_t1, BOUNDS_t1, matvec_body<EPI_SWIGLU>)
+MATMUL_PLAIN(matmul_swiglu_t16, BOUNDS_t16, (matmul_body<16, EPI_SWIGLU>))
 
-#define MATMUL_QKV(NAME, BODY)                                                              \
-  extern "C" __global__ void __launch_bounds__(256)                                        \
+#define MATMUL_QKV(NAME, BOUNDS, BODY)                                                      \
+  extern "C" __global__ void BOUNDS                                                         \
   NAME(int* state, const wt* W, int rows, int K, const float* x, const wt* norm_w,          \
        float eps, int units, const wt* bias, float* q_out, float* k_cache, float* v_cache,  \
        const float* cos_t, const float* sin_t, int n_heads, int n_kv, int head_dim,         \
@@ -346,5 +387,5 @@ MATMUL_PLAIN(matmul_swiglu_t16, (matmul_body<16, EPI_SWIGLU>))
     BODY(state, W, rows, K, x, norm_w, eps, nullptr, units, 0, qa, split);                  \
   }
 
-MATMUL_QKV(matmul_qkv_rope_t1, matvec_body<EPI_QKV_ROPE>)
-MATMUL_QKV(matmul_qkv_rope_t16, (matmul_body<16, EPI_QKV_ROPE>))
+MATMUL_QKV(matmul_qkv_rope_t1, BOUNDS_t1, matvec_body<EPI_QKV_ROPE>)
+MATMUL_QKV(matmul_qkv_rope_t16, BOUNDS_t16, (matmul_body<16, EPI_QKV_ROPE>))

@@ -122,6 +122,27 @@ def test_dependent_launch_changes_timing_not_results(shape_dirs):
             np.testing.assert_array_equal(run[2][step], serial[2][step])
 
 
+@pytest.mark.parametrize('shape', SHAPES)
+def test_grid_stride_changes_the_layout_not_results(shape, shape_dirs):
+    """A one-token matmul's warp sums its rows in the same order whatever the grid, so a
+    block per row group (False), the resident grid (True) and 3 blocks that each loop over
+    hundreds of row groups (the split's shared sums reused round after round, every next
+    row's weights loaded while the current one is summed) give the same bits."""
+    checkpoint = load_checkpoint(shape_dirs[shape])
+    backend = cuda_backend(checkpoint, 320, grid_stride=False)
+    prompt = np.random.default_rng(7).integers(0, checkpoint.config.vocab_size, 100)
+    runs = []
+    for layout in (False, True, 3):
+        backend.set_grid_stride(layout)
+        assert backend.grid_stride is layout
+        runs.append(run_steps(backend, prompt, 6))
+    for run in runs[1:]:
+        assert run[1] == runs[0][1]
+        for step in range(6):
+            np.testing.assert_array_equal(run[0][step], runs[0][0][step])
+            np.testing.assert_array_equal(run[2][step], runs[0][2][step])
+
+
 # head_dim 32: the smallest shape decode_persistent takes (tiny's head_dim 16 does not)
 PERSISTENT_CONFIG = {'family': 'llama', 'vocab_size': 512, 'hidden_size': 128,
                      'intermediate_size': 160, 'num_layers': 2, 'num_heads': 4,

@@ -55,3 +55,16 @@ def test_program_source_inlines_the_common_header_once():
 def test_matvec_split(units, k, mv_batch, expected):
     from rt_llm_node.backends.cuda_backend import matvec_split
     assert matvec_split(units, k, mv_batch, n_sm=132) == expected
+
+
+@pytest.mark.parametrize('bad', [0, -2, 2.5, 'yes', None])
+def test_grid_stride_option_refuses_nonsense(bad):
+    from rt_llm_node.backends.cuda_backend import CudaBackend
+    with pytest.raises(ValueError, match='grid_stride'):
+        CudaBackend._check_grid_stride(bad)
+
+
+@pytest.mark.parametrize('good', [True, False, 1, 64])
+def test_grid_stride_option_takes_flags_and_block_counts(good):
+    from rt_llm_node.backends.cuda_backend import CudaBackend
+    assert CudaBackend._check_grid_stride(good) is good

@@ -102,10 +102,13 @@ class CudaBackend:
     name = 'cuda'
 
     def __init__(self, checkpoint, capacity, device_id=0, dependent_launch=None,
-                 persistent_decode=False):
+                 persistent_decode=False, grid_stride=True):
         """``dependent_launch``: launch each kernel of a forward with programmatic dependent
         launch, so that it loads its weights while the previous one finishes (None: where
-        the device has it, compute capability 9.0 and later). ``persistent_decode``: run a
+        the device has it, compute capability 9.0 and later). ``grid_stride``: size the
+        grid of each one-token matmul to the blocks that fit on the device at once, each
+        block looping over its share of the rows (False: a block per group of rows, the
+        layout before stop 18, kept to compare). ``persistent_decode``: run a
         decode step as one cooperative launch of ``decode_persistent`` (grid-wide barriers
         between its phases) instead of five kernels a layer; off by default, as it measured
         slower on the H200 for the SmolLM2 and Qwen2.5 shapes (BENCHMARKS.md). None: where
@@ -134,6 +137,8 @@ class CudaBackend:
             self._allocate(checkpoint)
             self.kernels = KernelSet(self.weight_dtype, device_id)
             self.stream = cp.cuda.Stream(non_blocking=True)
+            self._resident = {}
+            self._grid_stride = self._check_grid_stride(grid_stride)
             self._choose_launch(dependent_launch)
             self._choose_persistent(persistent_decode)
             self._warm_up_and_capture()
@@ -153,6 +158,36 @@ class CudaBackend:
             raise BackendError('programmatic dependent launch needs compute capability 9.0, '
                                f'this device has {self.kernels.arch / 10:.1f}')
         self._dependent = DependentLauncher() if enabled else None
+
+    def _resident_blocks(self, name):
+        """Blocks of kernel ``name`` (a matmul's 128 threads) that fit on one multiprocessor
+        at once."""
+        if name not in self._resident:
+            from cupy_backends.cuda.api import driver
+            self._resident[name] = max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                self.kernels.functions[name].ptr, 32 * MATMUL_WARPS, 0))
+        return self._resident[name]
+
+    @staticmethod
+    def _check_grid_stride(value):
+        if isinstance(value, (bool, np.bool_)):
+            return bool(value)
+        if isinstance(value, (int, np.integer)) and value >= 1:
+            return int(value)
+        raise ValueError(f'grid_stride must be True, False or a block count >= 1, got {value!r}')
+
+    @property
+    def grid_stride(self):
+        """True, False or the block cap of the one-token matmuls (see the constructor)."""
+        return self._grid_stride
+
+    @reports_device_errors
+    def set_grid_stride(self, value):
+        """Switch the one-token matmuls' grid layout and recapture the graphs (clears the
+        cache)."""
+        self._grid_stride = self._check_grid_stride(value)
+        with self.device:
+            self._warm_up_and_capture()
 
     def persistent_decode_problem(self):
         """Why decode_persistent cannot run this model here, or None when it can."""
@@ -339,11 +374,19 @@ class CudaBackend:
         block = (32 * warps,)
         mv_batch = MV_BATCH[self.weight_dtype]
 
-        def mm(units, k, one_token=decode):
+        def mm(units, k, kernel, one_token=decode):
             """(grid, split) of a matmul over ``units`` row pairs of length ``k``; the
-            one-token (_t1) kernels may split K, the 16-token tiles never do."""
-            split = matvec_split(units, k, mv_batch, self.n_sm) if one_token else 1
-            return ((units * split + warps - 1) // warps, 1 if one_token else tiles), _i32(split)
+            one-token (_t1) kernels may split K, the 16-token tiles never do; with
+            grid_stride a one-token grid is at most what is resident."""
+            if not one_token:
+                return ((units + warps - 1) // warps, tiles), _i32(1)
+            split = matvec_split(units, k, mv_batch, self.n_sm)
+            blocks = (units * split + warps - 1) // warps
+            if self._grid_stride is not False:
+                cap = (self._resident_blocks(kernel + '_t1') * self.n_sm
+                       if self._grid_stride is True else self._grid_stride)
+                blocks = min(blocks, cap)
+            return (blocks, 1), _i32(split)
 
         def launch(name, grid, block, *args, shared=0):   # every kernel after the first
             self._launch(name, grid, block, *args, shared=shared, dependent=True)
@@ -358,7 +401,7 @@ class CudaBackend:
         qkv_units = qkv_rows // 2
         for i, layer in enumerate(self.layers):
             kc, vc = self.k[i], self.v[i]
-            grid, split = mm(qkv_units, hid)
+            grid, split = mm(qkv_units, hid, 'matmul_qkv_rope')
             launch('matmul_qkv_rope' + sfx, grid, block, self.state,
                    layer.wqkv, _i32(qkv_rows), _i32(hid), self.x, layer.attn_norm, eps,
                    _i32(qkv_units), layer.bqkv if layer.bqkv is not None else NULL,
@@ -383,15 +426,15 @@ class CudaBackend:
                        _i32(n_max), _i32(cfg.num_heads), _i32(d), _i32(cap),
                        _i32(self.n_splits), _i32(self.chunk))
                 self._enqueue_mass(self.scores, cfg.num_heads * n_max, n_max, first=i == 0)
-            grid, split = mm((hid + 1) // 2, cfg.q_size)
+            grid, split = mm((hid + 1) // 2, cfg.q_size, 'matmul_residual')
             launch('matmul_residual' + sfx, grid, block,
                    self.state, layer.wo, _i32(hid), _i32(cfg.q_size), self.attn_out,
                    NULL, eps, self.x, _i32((hid + 1) // 2), _i32(0), split)
-            grid, split = mm(inter, hid)
+            grid, split = mm(inter, hid, 'matmul_swiglu')
             launch('matmul_swiglu' + sfx, grid, block, self.state,
                    layer.wgate_up, _i32(2 * inter), _i32(hid), self.x, layer.mlp_norm,
                    eps, self.act, _i32(inter), _i32(0), split)
-            grid, split = mm((hid + 1) // 2, inter)
+            grid, split = mm((hid + 1) // 2, inter, 'matmul_residual')
             launch('matmul_residual' + sfx, grid, block, self.state,
                    layer.wdown, _i32(hid), _i32(inter), self.act, NULL, eps, self.x,
                    _i32((hid + 1) // 2), _i32(0), split)
@@ -399,7 +442,7 @@ class CudaBackend:
             self._enqueue_mass(self.scores_dec, cfg.num_layers * cfg.num_heads, 1, first=True,
                                row_ml=self.ml_dec)
         vocab_units = (cfg.vocab_size + 1) // 2
-        grid, split = mm(vocab_units, hid, one_token=True)   # the last token only
+        grid, split = mm(vocab_units, hid, 'matmul_store', one_token=True)   # last token only
         launch('matmul_store_t1', grid, block,
                self.state, self.lm_head, _i32(cfg.vocab_size), _i32(hid), self.x,
                self.final_norm, eps, self.logits_buf, _i32(vocab_units), _i32(1), split)

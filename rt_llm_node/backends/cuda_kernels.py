@@ -16,9 +16,14 @@ COMMON = 'common.cuh'
 # Most splits of the cache length one attention row merges (one weight each in shared
 # memory); passed to the kernels as -DATT_MAX_SPLITS, checked by the backend.
 ATT_MAX_SPLITS = 1024
-# Chunks of 8 weights a lane of a one-token matmul loads in one batch (-DMV_BATCH): 16-byte
-# loads for 16-bit weights, 32-byte for fp32 (16 registers each for a row pair).
-MV_BATCH = {'BF16': 8, 'F16': 8, 'F32': 4}
+# Chunks of 8 weights a lane of a one-token matmul loads in one batch (-DMV_BATCH), and the
+# blocks of 128 threads such a kernel must fit on one multiprocessor (-DMV_MIN_BLOCKS, its
+# __launch_bounds__; caps its registers at 65536 / (128 * this)). Two 16-byte chunks
+# (bf16, fp16) keep a _t1 kernel at 96 registers, five blocks an SM: on the H200 that beat
+# 4 and 8 chunks at three blocks (132-152 registers) and 4-8 chunks squeezed by the launch
+# bounds, by 3-17% a decode step (tools/sweep_matvec.py, BENCHMARKS.md).
+MV_BATCH = {'BF16': 2, 'F16': 2, 'F32': 1}
+MV_MIN_BLOCKS = 1
 # Every kernel the backend launches; get_function on each forces the module to load.
 KERNELS = (
     'embed_gather',
@@ -74,7 +79,7 @@ def compile_options(arch, weight_dtype):
         raise KernelBuildError(f'no kernels for weight dtype {weight_dtype!r}')
     return [f'--gpu-architecture=sm_{arch}', '--std=c++17', f'-DRT_WEIGHT_{weight_dtype}',
             f'-DATT_MAX_SPLITS={ATT_MAX_SPLITS}', f'-DMV_BATCH={MV_BATCH[weight_dtype]}',
-            '--restrict', '-lineinfo']
+            f'-DMV_MIN_BLOCKS={MV_MIN_BLOCKS}', '--restrict', '-lineinfo']
 
 
 def compile_cubin(arch, weight_dtype, folder=None):
