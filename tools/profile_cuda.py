@@ -21,6 +21,8 @@ def main():
     parser.add_argument('--repeats', type=int, default=50)
     parser.add_argument('--prefill', action='store_true', help='profile a 48-token prefill')
     parser.add_argument('--chain', type=int, default=32, help='launches per kernel graph')
+    parser.add_argument('--sweep-blocks', type=lambda v: [int(k) for k in v.split(',') if k],
+                        default=[], help='also time grid_stride caps of K blocks an SM (K,K,..)')
     args = parser.parse_args()
     import cupy as cp
     with tempfile.TemporaryDirectory() as tmp:
@@ -70,6 +72,13 @@ def main():
         backend.set_persistent_decode(False)   # the kernels below are the per-phase ones
         backend.prefill(np.random.default_rng(0).integers(0, vocab, args.context))
     print(f'  gpu: decode graph replay, a kernel per phase {replay_us():.1f} us')
+    # side by side: the one-token matmuls' grid layouts (block caps of k blocks an SM)
+    for layout in [False] + [k * backend.n_sm for k in args.sweep_blocks] + [True]:
+        backend.set_grid_stride(layout)
+        backend.prefill(np.random.default_rng(0).integers(0, vocab, args.context))
+        print(f'  gpu: decode graph replay, grid_stride={layout} {replay_us():.1f} us')
+    print('  resident blocks an SM: '
+          + ', '.join(f'{k}: {v}' for k, v in sorted(backend._resident.items())))
     # per kernel: each launch of the forward's first layer (and the LM head) captured
     # `--chain` times back to back in one graph, launched as in the forward (dependent
     # where the backend uses it), so a row is the kernel's time in a chain of its own kind
