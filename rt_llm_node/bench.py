@@ -172,7 +172,7 @@ def main(argv=None):
     print(f'read bandwidth: {bandwidth / 1e12:.2f} TB/s')
     header = ['shape', 'weights MB', 'floor us', 'ours us @256 (p99)', 'ours us @1024 (p99)',
               'host step us @256', 'prefill 48 ms', 'persistent step us @256 (p99)',
-              'serial launch us @256 / prefill ms',
+              'block per row group us @256 (p99)',
               'HF compile us @256 (p99)', 'HF / ours']
     rows = []
     tick_ms = None
@@ -186,14 +186,12 @@ def main(argv=None):
             ours = measure_ours(backend, vocab, args.repeats)
             if shape == 'smollm2-135m' and args.ticks:
                 tick_ms = full_ticks(backend, vocab, args.ticks)
-            # side by side: the same graphs without programmatic dependent launch (each
-            # kernel starts when the previous one has ended), then the decode step as one
-            # persistent launch
-            persistent = serial = None
-            if backend.dependent_launch:
-                backend.set_dependent_launch(False)
-                serial = measure_ours(backend, vocab, args.repeats, contexts=(256,))
-                backend.set_dependent_launch(True)
+            # side by side: the one-token matmuls on a block per row group (the grid before
+            # stop 18), then the decode step as one persistent launch
+            persistent = None
+            backend.set_grid_stride(False)
+            per_group = measure_ours(backend, vocab, args.repeats, contexts=(256,))
+            backend.set_grid_stride(True)
             if backend.persistent_decode_problem() is None:
                 backend.set_persistent_decode(True)
                 persistent = measure_ours(backend, vocab, args.repeats, contexts=(256,))
@@ -211,7 +209,7 @@ def main(argv=None):
                f"{ours['prefill']:.2f}",
                '-' if persistent is None else
                f'{persistent[256][0]:.0f} ({persistent[256][1]:.0f})',
-               '-' if serial is None else f"{serial[256][0]:.0f} / {serial['prefill']:.2f}",
+               f'{per_group[256][0]:.0f} ({per_group[256][1]:.0f})',
                '-' if hf is None else f'{hf[0] * 1e3:.0f} ({hf[1] * 1e3:.0f})',
                '-' if hf is None else f'{hf[0] * 1e3 / ours[256][0]:.2f}x']
         rows.append(row)
@@ -221,12 +219,12 @@ def main(argv=None):
     body = (f'Read bandwidth measured by our read_sum kernel: {bandwidth / 1e12:.2f} TB/s. '
             'Floor = weight bytes / that bandwidth. Ours: GPU time of one decode-graph replay '
             '(CUDA events), median (p99), five kernels a layer under programmatic dependent '
-            'launch; host step = decode + constrained argmax as Python calls them, wall '
+            'launch, the one-token matmuls on a resident grid that strides over the rows; '
+            'host step = decode + constrained argmax as Python calls them, wall '
             'clock. Side by side in the same run: the persistent step (one cooperative '
             'launch of decode_persistent, persistent.cu, the backend option persistent_decode'
-            '), and serial launch (the same graphs without programmatic dependent '
-            'launch: each kernel starts only when the previous one has ended), with its '
-            'prefill. '
+            '), and a block per row group (grid_stride=False: the same kernels on the grid layout '
+            'of before stop 18). '
             'HF: transformers, bf16, StaticCache, '
             "torch.compile(mode='reduce-overhead'), one decode step, CUDA events.\n\n"
             + markdown_table(header, rows))
