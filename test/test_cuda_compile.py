@@ -51,6 +51,10 @@ def test_program_source_inlines_the_common_header_once():
     (64128, 2048, 8, 1),   # an LM head
     (20, 64, 8, 1),        # a warp's share would be under 32 chunks
     (20, 36, 8, 1),        # scalar path: 36 weights
+    # the shipped batch for 16-bit weights (MV_BATCH 2: 64 chunks a warp in one batch)
+    (8192, 2048, 2, 4),    # Llama-3.2 gate/up: 256 chunks a row, 4 warps a row pair
+    (24576, 576, 2, 2),    # SmolLM2 LM head: 72 chunks, split while a share is >= 32
+    (768, 576, 2, 2),
 ])
 def test_matvec_split(units, k, mv_batch, expected):
     from rt_llm_node.backends.cuda_backend import matvec_split
