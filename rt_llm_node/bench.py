@@ -77,6 +77,24 @@ def time_graph(backend, length, repeats, call):
     return np.array(out)
 
 
+def time_decode_replay(backend, length, repeats):
+    """GPU ms of the decode graph's replay alone, per repeat: the run state is written and
+    synchronized before the timed span (tools/profile_cuda.py, tools/sweep_matvec.py)."""
+    import cupy as cp
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    out = []
+    for _ in range(repeats):
+        backend.rollback(length)
+        backend._write_state(7, length, 1, 0)
+        backend.stream.synchronize()
+        start.record(backend.stream)
+        backend.graphs[1].launch(backend.stream)
+        stop.record(backend.stream)
+        stop.synchronize()
+        out.append(cp.cuda.get_elapsed_time(start, stop))
+    return np.array(out)
+
+
 def measure_ours(backend, vocab, repeats, contexts=CONTEXTS):
     rng = np.random.default_rng(0)
     res = {}

@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from rt_llm_node.backends.cuda_backend import CudaBackend
+from rt_llm_node.bench import time_decode_replay
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.synthetic import write_random_checkpoint
 
@@ -56,17 +57,7 @@ def main():
     start, stop = cp.cuda.Event(), cp.cuda.Event()
 
     def replay_us():
-        graph_ms = []
-        for _ in range(args.repeats):
-            backend.rollback(args.context)
-            backend._write_state(7, args.context, 1, 0)
-            stream.synchronize()
-            start.record(stream)
-            backend.graphs[1].launch(stream)
-            stop.record(stream)
-            stop.synchronize()
-            graph_ms.append(cp.cuda.get_elapsed_time(start, stop))
-        return np.median(graph_ms) * 1e3
+        return np.median(time_decode_replay(backend, args.context, args.repeats)) * 1e3
     if backend.persistent_decode:
         print(f'  gpu: decode graph replay, persistent {replay_us():.1f} us')
         backend.set_persistent_decode(False)   # the kernels below are the per-phase ones

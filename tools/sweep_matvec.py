@@ -16,24 +16,9 @@ import numpy as np
 
 from rt_llm_node.backends import cuda_kernels
 from rt_llm_node.backends.cuda_backend import CudaBackend
+from rt_llm_node.bench import time_decode_replay
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.synthetic import write_random_checkpoint
-
-
-def replay_us(backend, context, repeats):
-    import cupy as cp
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        backend.rollback(context)
-        backend._write_state(7, context, 1, 0)
-        backend.stream.synchronize()
-        start.record(backend.stream)
-        backend.graphs[1].launch(backend.stream)
-        stop.record(backend.stream)
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3)
-    return float(np.median(times)), float(np.percentile(times, 99))
 
 
 def main():
@@ -64,7 +49,8 @@ def main():
                 os.environ['RT_LLM_CUDA_DIR'] = folder
             backend = CudaBackend(checkpoint, args.context + 64, grid_stride=not folder)
             backend.prefill(ids)
-            med, p99 = replay_us(backend, args.context, args.repeats)
+            times = time_decode_replay(backend, args.context, args.repeats) * 1e3
+            med, p99 = float(np.median(times)), float(np.percentile(times, 99))
             fn = backend.kernels.functions['matmul_swiglu_t1'].ptr
             regs = driver.funcGetAttribute(4, fn)    # CU_FUNC_ATTRIBUTE_NUM_REGS
             local = driver.funcGetAttribute(3, fn)   # CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
