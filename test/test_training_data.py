@@ -203,3 +203,33 @@ def test_further_training_from_the_shipped_model_exports_a_loadable_checkpoint(t
     backend = NumpyBackend(load_checkpoint(out), 64)
     backend.prefill([1, 2, 3])
     assert np.isfinite(backend.logits()).all()
+
+
+def test_size_sets_the_shape_of_a_from_scratch_model_and_rejects_bad_shapes(tmp_path):
+    """--size HIDDEN,LAYERS,HEADS,INTERMEDIATE reaches config.json (tiny CPU run); shapes the
+    loader could not run, or a --size beside --init, are refused before any work starts."""
+    pytest.importorskip('torch')
+    pytest.importorskip('transformers')
+    import json
+    import subprocess
+    import sys
+    tool = str(Path(train_demo_policy.__file__))
+    for bad in (['--size', '100,2,2,128'], ['--size', '96,2,3,128'], ['--size', '64,2,2'],
+                ['--size', '64,2,2,128', '--init', str(default_model_path())]):
+        run = subprocess.run([sys.executable, tool, '--out', str(tmp_path / 'x'), *bad],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and '--size' in run.stderr, (bad, run.stderr[-500:])
+        assert not (tmp_path / 'x').exists()
+    out = tmp_path / 'model'
+    run = subprocess.run(
+        [sys.executable, tool, '--size', '64,2,2,128', '--out', str(out), '--episodes', '4',
+         '--steps', '2', '--batch', '2', '--workers', '1'],
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    config = json.loads((out / 'config.json').read_text())
+    assert (config['hidden_size'], config['num_hidden_layers'], config['num_attention_heads'],
+            config['intermediate_size']) == (64, 2, 2, 128)
+    from rt_llm_node.backends.numpy_backend import NumpyBackend
+    backend = NumpyBackend(load_checkpoint(out), 32)
+    backend.prefill([1, 2, 3])
+    assert np.isfinite(backend.logits()).all()

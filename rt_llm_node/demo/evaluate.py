@@ -296,3 +296,7 @@ def main(argv=None):
                 "expert's on the same observation.\n\n![success by budget](docs/eviction.png)")
         write_section('eviction', 'Demo policy: eviction policies in closed loop', body)
     return 0
+
+
+if __name__ == '__main__':
+    main()
