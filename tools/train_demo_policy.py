@@ -15,6 +15,7 @@ training.json (command, seed, data size, steps, final loss).
 """
 
 import argparse
+import bisect
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 import copy
@@ -110,47 +111,47 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0):
     own last action).
     """
     ticks = episode.ticks
-    # the instruction in force at ``end``
-    instr = None
-    for t in range(end, -1, -1):
-        found = [s for s in ticks[t].segments if s[0] == 'instruction']
-        if found:
-            instr = (t, found[0][2])
-            break
+    observed, starts = _tick_tables(episode)
+    at = bisect.bisect_right(starts, end) - 1   # the instruction in force at ``end``
+    instr = (starts[at], observed[starts[at]][1]) if at >= 0 else None
     p_drop_obs = rng.choice([0.0, 0.0, 0.5, 0.8, 1.0])
     p_drop_act = 1.0 if rng.random() < 0.2 else rng.choice([0.0, 0.3, 0.7])
     pieces = []          # reversed chronological list of (tick, ids, labels, weights)
     used = len(system) + (len(instr[1]) if instr else 0)
     for t in range(end, -1, -1):
         tick = ticks[t]
-        chunk, labels = [], []
+        chunk = []
         complete = instr is not None and t >= instr[0]
         n = tick.n_prefix
-        changed = t > 0 and tick.action_ids[n:] != ticks[t - 1].executed_ids[n:]
-        key = keyframe_weight if changed else 1.0
-        for kind, _, ids in tick.segments:
-            if kind == 'instruction':
-                continue
+        for ids in observed[t][0]:
             if t != end and rng.random() < p_drop_obs:
                 complete = False
                 continue
             chunk += ids
-            labels += [-100] * len(ids)
+        n_obs = len(chunk)
+        labels = [-100] * n_obs
+        weights = [0.0] * n_obs
         if t == end:  # the newest tick: the expert's command is also what the context shows
             a = tick.action_ids
-            chunk += a
-            labels += [-100] * n + a[n:]
+            taught = a[n:]
         elif rng.random() >= p_drop_act:
-            shown = tick.executed_ids
-            chunk += shown
-            if complete and len(shown) == len(tick.action_ids):
-                labels += [-100] * n + tick.action_ids[n:]
+            a = tick.executed_ids
+            taught = tick.action_ids[n:] if complete and len(a) == len(tick.action_ids) else None
+        else:
+            a = taught = None
+        if a is not None:
+            chunk += a
+            if taught is None:
+                labels += [-100] * len(a)
+                weights += [0.0] * len(a)
             else:
-                labels += [-100] * len(shown)
+                changed = t > 0 and tick.action_ids[n:] != ticks[t - 1].executed_ids[n:]
+                labels += [-100] * n + taught
+                weights += [0.0] * n + [keyframe_weight if changed else 1.0] * len(taught)
         if used + len(chunk) > budget:
             break
         used += len(chunk)
-        pieces.append((t, chunk, labels, [0.0 if x == -100 else key for x in labels]))
+        pieces.append((t, chunk, labels, weights))
     pieces.reverse()
     ids, out, weights = list(system), [-100] * len(system), [0.0] * len(system)
     placed = False
@@ -168,6 +169,24 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0):
         out += [-100] * len(instr[1])
         weights += [0.0] * len(instr[1])
     return ids, out, weights
+
+
+def _tick_tables(episode):
+    """Per tick ([the ids of each segment but the instruction], the instruction's ids or
+    None), and the ticks that carry an instruction: made once per episode and kept on it
+    (a sample reads a dozen ticks; searching back for the instruction each time was most
+    of a batch's time)."""
+    tables = getattr(episode, '_tick_tables', None)
+    if tables is None or len(tables[0]) != len(episode.ticks):
+        observed = []
+        for tick in episode.ticks:
+            instruction = [ids for kind, _, ids in tick.segments if kind == 'instruction']
+            observed.append(([ids for kind, _, ids in tick.segments if kind != 'instruction'],
+                             instruction[0] if instruction else None))
+        starts = [t for t, (_, instruction) in enumerate(observed) if instruction is not None]
+        tables = (observed, starts)
+        episode._tick_tables = tables
+    return tables
 
 
 _EPISODES, _SYSTEM, _KEYFRAME = None, None, 1.0   # set before the batch builders fork
@@ -193,7 +212,7 @@ def _build_batch(job):
         else:
             end = int(rng.integers(len(episode.ticks)))
         sample = build_sample(episode, _SYSTEM, end, budget, rng, _KEYFRAME)
-        if all(x == -100 for x in sample[1]):  # the newest tick alone outgrew the budget
+        if max(sample[1]) == -100:  # the newest tick alone outgrew the budget
             sample = build_sample(episode, _SYSTEM, end, max(BUDGETS), rng, _KEYFRAME)
         batch_ids.append(sample[0])
         batch_labels.append(sample[1])
@@ -498,6 +517,8 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
     global _EPISODES, _SYSTEM, _KEYFRAME
     _EPISODES, _SYSTEM = episodes, system
     _KEYFRAME = 1.0 if args.keyframe_weight is None else args.keyframe_weight
+    for episode in episodes:   # made before the fork: every builder inherits them
+        _tick_tables(episode)
     builders = ProcessPoolExecutor(args.workers, mp_context=_FORK)
     batches = deque(builders.submit(_build_batch, (args.seed, round_, step, args.batch))
                     for step in range(min(args.steps, 2 * args.workers)))
