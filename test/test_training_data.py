@@ -233,3 +233,37 @@ def test_size_sets_the_shape_of_a_from_scratch_model_and_rejects_bad_shapes(tmp_
     backend = NumpyBackend(load_checkpoint(out), 32)
     backend.prefill([1, 2, 3])
     assert np.isfinite(backend.logits()).all()
+
+
+def test_distractor_ticks_are_flagged_and_weighted(data):
+    """TickTokens.distractor marks the ticks whose target is 30 deg or more off the heading
+    with another object within 15 deg of it (read back from the rendered detections), and
+    --distractor-weight multiplies the loss weight of exactly those ticks' labels."""
+    from rt_llm_node.demo.expert import parse_detections
+    from rt_llm_node.demo.expert import parse_instruction
+    episode, system = data
+    tokenizer = load_checkpoint(default_model_path()).tokenizer
+    instruction, flagged = None, 0
+    for tick in episode.ticks:
+        texts = {topic: tokenizer.decode(ids) for _, topic, ids in tick.segments}
+        if '/instruction' in texts:
+            instruction = texts['/instruction']
+        target = parse_instruction(instruction)
+        found = parse_detections(texts.get('/detections', ''))
+        seen = [d for d in found if d[:2] == target]
+        expected = bool(seen) and abs(seen[0][2]) >= 30 and any(
+            d[:2] != target and abs(d[2]) <= 15 for d in found)
+        assert tick.distractor == expected
+        flagged += expected
+    assert 0 < flagged < len(episode.ticks)
+    ticks = episode.ticks
+    for seed in range(40):
+        end = int(np.random.default_rng(seed).integers(1, len(ticks)))
+        plain = train_demo_policy.build_sample(episode, system, end, 1024,
+                                               np.random.default_rng(seed))
+        ids, labels, weights = train_demo_policy.build_sample(
+            episode, system, end, 1024, np.random.default_rng(seed), distractor_weight=4.0)
+        assert (ids, labels) == plain[:2]
+        assert weights[-1] == (4.0 if ticks[end].distractor else 1.0)
+        assert all(w in (0.0, 1.0, 4.0) and (w == 0) == (x == -100)
+                   for w, x in zip(weights, labels))

@@ -19,6 +19,7 @@ import math
 
 from rt_llm_node.demo.evaluate import HELD_OUT_SEED0
 from rt_llm_node.demo.evaluate import run_model_episode
+from rt_llm_node.demo.expert import distractor_ahead
 from rt_llm_node.demo.expert import parse_detections
 from rt_llm_node.demo.expert import parse_instruction
 from rt_llm_node.model import load_checkpoint
@@ -42,9 +43,8 @@ def situation(instruction, sectors, detections):
     if abs(bearing) >= OFF_AXIS_DEG:
         # another object near the heading while the target is off to one side: what a
         # policy that binds colour or shape alone, not both, drives toward
-        others = [d for d in parse_detections(detections)
-                  if d[:2] != parse_instruction(instruction) and abs(d[2]) <= AHEAD_DEG]
-        return 'target off-axis' + (', other object ahead' if others else '') + near
+        other = distractor_ahead(instruction, detections, OFF_AXIS_DEG, AHEAD_DEG)
+        return 'target off-axis' + (', other object ahead' if other else '') + near
     return 'target seen' + near
 
 

@@ -94,7 +94,7 @@ def _one_cycle_lrs(schedule, step):
         schedule.last_epoch = saved
 
 
-def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0):
+def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distractor_weight=1.0):
     """Token ids, labels (-100: no loss) and loss weights (0 off the labels) of one
     context ending at tick ``end``.
 
@@ -108,7 +108,9 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0):
     before (what the context shows last, and what a copying policy would repeat) weighs
     ``keyframe_weight``, every other one 1 ("Keyframe-focused visual imitation
     learning", Wen et al. 2021: up-weighting the changes fights a learner that copies its
-    own last action).
+    own last action). A supervised tick whose target is off to one side with another object
+    ahead (``TickTokens.distractor``) weighs ``distractor_weight`` times more again: where
+    the shipped policy steers at the wrong object (tools/diagnose_policy.py).
     """
     ticks = episode.ticks
     observed, starts = _tick_tables(episode)
@@ -147,7 +149,9 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0):
             else:
                 changed = t > 0 and tick.action_ids[n:] != ticks[t - 1].executed_ids[n:]
                 labels += [-100] * n + taught
-                weights += [0.0] * n + [keyframe_weight if changed else 1.0] * len(taught)
+                weight = (keyframe_weight if changed else 1.0) * (
+                    distractor_weight if tick.distractor else 1.0)
+                weights += [0.0] * n + [weight] * len(taught)
         if used + len(chunk) > budget:
             break
         used += len(chunk)
@@ -189,7 +193,7 @@ def _tick_tables(episode):
     return tables
 
 
-_EPISODES, _SYSTEM, _KEYFRAME = None, None, 1.0   # set before the batch builders fork
+_EPISODES, _SYSTEM, _KEYFRAME, _DISTRACTOR = None, None, 1.0, 1.0   # set before the fork
 
 
 def _build_batch(job):
@@ -211,9 +215,10 @@ def _build_batch(job):
             end = min(len(episode.ticks) - 1, start + int(rng.integers(30)))
         else:
             end = int(rng.integers(len(episode.ticks)))
-        sample = build_sample(episode, _SYSTEM, end, budget, rng, _KEYFRAME)
+        sample = build_sample(episode, _SYSTEM, end, budget, rng, _KEYFRAME, _DISTRACTOR)
         if max(sample[1]) == -100:  # the newest tick alone outgrew the budget
-            sample = build_sample(episode, _SYSTEM, end, max(BUDGETS), rng, _KEYFRAME)
+            sample = build_sample(episode, _SYSTEM, end, max(BUDGETS), rng, _KEYFRAME,
+                                  _DISTRACTOR)
         batch_ids.append(sample[0])
         batch_labels.append(sample[1])
         batch_weights.append(sample[2])
@@ -279,6 +284,11 @@ def main():
                              'instead of from scratch (e.g. DAgger rounds or '
                              '--keyframe-weight on the shipped model, which from-scratch '
                              'retrains have not matched)')
+    parser.add_argument('--distractor-weight', type=float, default=None,
+                        help='loss weight factor of a tick whose target is 30 deg or more off '
+                             'the heading while another object lies within 15 deg of it '
+                             '(default: none). The shipped policy turns toward the target '
+                             'on 26-30%% of its own such ticks, the expert on 72-81%%')
     parser.add_argument('--size', default=None, metavar='HIDDEN,LAYERS,HEADS,INTERMEDIATE',
                         help='model shape of a from-scratch run (default: '
                              f"{MODEL['hidden_size']},{MODEL['num_hidden_layers']},"
@@ -312,8 +322,10 @@ def main():
                          f'head count and HIDDEN = HEADS x {shape["head_dim"]}')
         shape.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                      intermediate_size=inter)
-    if args.keyframe_weight is not None and not args.keyframe_weight > 0:
-        parser.error(f'--keyframe-weight must be positive, got {args.keyframe_weight}')
+    for name in ('keyframe_weight', 'distractor_weight'):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
     # training and DAgger seeds run up from seed * 100000; they must stay below the
     # validation seeds (when selecting) and the held-out ones
     last = (args.seed * 100000 + args.episodes
@@ -440,7 +452,8 @@ def main():
         'batch': args.batch, 'lr': args.lr, 'dagger_lr': args.dagger_lr or args.lr,
         'parameters': n_params,
         'noise': [args.noise_v, args.noise_w], 'hold_rate': args.hold_rate,
-        'keyframe_weight': args.keyframe_weight, 'init': args.init,
+        'keyframe_weight': args.keyframe_weight, 'distractor_weight': args.distractor_weight,
+        'init': args.init,
         'selected_round': None if best is None else best[1],
         'final_loss': rounds[-1 if best is None else best[1]]['final_loss'],
         'wall_s': round(time.time() - started, 1),
@@ -517,9 +530,10 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
     schedule; batches built by forked workers (the episodes are inherited, not pickled),
     kept two per worker ahead of the GPU, which otherwise waited on Python."""
     import torch
-    global _EPISODES, _SYSTEM, _KEYFRAME
+    global _EPISODES, _SYSTEM, _KEYFRAME, _DISTRACTOR
     _EPISODES, _SYSTEM = episodes, system
     _KEYFRAME = 1.0 if args.keyframe_weight is None else args.keyframe_weight
+    _DISTRACTOR = 1.0 if args.distractor_weight is None else args.distractor_weight
     for episode in episodes:   # made before the fork: every builder inherits them
         _tick_tables(episode)
     builders = ProcessPoolExecutor(args.workers, mp_context=_FORK)
@@ -554,7 +568,7 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
             ids, labels, attention = (t.to(device).long() for t in (ids, labels, attention))
             with torch.autocast(device_type=device, dtype=torch.bfloat16,
                                 enabled=device == 'cuda'):
-                if args.keyframe_weight is not None:
+                if args.keyframe_weight is not None or args.distractor_weight is not None:
                     loss = weighted_loss(model, ids, attention, labels, weights.to(device))
                 else:
                     loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss

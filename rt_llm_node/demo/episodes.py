@@ -18,6 +18,7 @@ from tokenizers import trainers
 
 from rt_llm_node.codec import ObservationCodec
 from rt_llm_node.codec import scan_sectors
+from rt_llm_node.demo.expert import distractor_ahead
 from rt_llm_node.demo.expert import expert_command
 from rt_llm_node.demo.messages import MessageFactory
 from rt_llm_node.demo.task import action_grammar
@@ -36,6 +37,7 @@ class TickTokens:
     action_ids: list         # the expert's (clean) command: the training label
     n_prefix: int            # the action's first n_prefix ids are prefilled, not predicted
     executed_ids: list = None  # the command the robot executed (with DART noise), as rendered
+    distractor: bool = False   # the target off to one side, another object ahead (expert.py)
 
 
 @dataclass
@@ -121,7 +123,9 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
                               msgs['/detections'].data, last_w)
         values = {'linear.x': v, 'angular.z': w}
         action_ids = tokenizer.encode(grammar.render(values)).ids
-        episode.ticks.append(TickTokens(segments, action_ids, len(grammar.prefix_ids)))
+        episode.ticks.append(TickTokens(segments, action_ids, len(grammar.prefix_ids),
+                                        distractor=distractor_ahead(
+                                            instruction, msgs['/detections'].data)))
         if executed is not None:   # the policy's command, replayed
             ev, ew = executed[world.tick]
         else:

@@ -27,6 +27,20 @@ def parse_instruction(text):
     return (match.group(1), match.group(2)) if match else None
 
 
+def distractor_ahead(instruction, detections_text, off_axis_deg=30, ahead_deg=15):
+    """True when the instructed object is seen ``off_axis_deg`` or more off the heading
+    while another object lies within ``ahead_deg`` of it: the state where a policy that
+    binds the instruction's colour or shape alone, not both, steers at the wrong object
+    (tools/diagnose_policy.py; BENCHMARKS.md, why the demo policy fails)."""
+    target = parse_instruction(instruction)
+    if target is None:
+        return False
+    found = parse_detections(detections_text)
+    seen = [d for d in found if d[:2] == target]
+    return bool(seen) and abs(seen[0][2]) >= off_axis_deg and any(
+        d[:2] != target and abs(d[2]) <= ahead_deg for d in found)
+
+
 def _clip(value, limit):
     return max(-limit, min(limit, value))
 
