@@ -358,18 +358,19 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
 #if defined(RT_WEIGHT_BF16)
 // Prefill on tensor cores (bf16 weights; the _mma wrappers below): y = W . xhat for up to
 // MMA_TN tokens a block, with the same epilogues and unit layout as matmul_body.
-// Geometry: block = 128 threads (4 warps) owning MMA_UNITS (16) units, i.e. two m16 tiles
-// of weight rows: tile 0 holds rows r0 of the 16 units, tile 1 their rows r1, so each thread
-// ends with y0 and y1 of the same unit and token (the epilogues stay per unit); grid =
-// (ceil(units / 16), ceil(n_max / MMA_TN)). K is walked in chunks of MMA_KC: the block
-// stages xhat of its tokens for the chunk in shared memory as a bf16 pair hi + lo (hi =
-// bf16(xhat), lo = bf16(xhat - hi): ~16 mantissa bits, so the products match fp32 math to
-// ~1e-5), and warp w multiplies k32 block w of the chunk (warps split K; their sums are
-// added in shared memory at the end). Inside a k32 block K is permuted: a lane's one 16-byte
-// load of weights (k = 8q .. 8q+7, q = lane % 4) feeds both m16n8k16 steps, and the x
-// fragments use the same permutation (mma A: rows g and g+8, g = lane / 4; B: token g).
+// Geometry: block = 128 threads (4 warps) owning MMA_UNITS (8) units: one m16 tile whose
+// rows 0-7 are rows r0 of the 8 units and rows 8-15 their rows r1, so the lane that ends
+// with row g's sums (c0, c1) also has row g + 8's (c2, c3): y0 and y1 of unit g, and the
+// epilogues stay per unit. grid = (ceil(units / 8), ceil(n_max / MMA_TN)): small matrices
+// (576 x 576) still get 36 blocks. K is walked in chunks of MMA_KC: the block stages xhat of
+// its tokens for the chunk in shared memory as a bf16 pair hi + lo (hi = bf16(xhat), lo =
+// bf16(xhat - hi): ~16 mantissa bits, so the products match fp32 math to ~1e-5), and warp w
+// multiplies k32 block w of the chunk (the warps split K; their sums are added in shared
+// memory at the end). Inside a k32 block K is permuted: a lane's one 16-byte load of a row's
+// weights (k = 8q .. 8q+7, q = lane % 4) feeds both m16n8k16 steps, and the x fragments
+// (B: token g = lane / 4) follow the same permutation.
 // Needs K % 8 == 0 (16-byte rows); the backend uses it only then.
-#define MMA_UNITS 16
+#define MMA_UNITS 8
 #define MMA_TN 64
 #define MMA_KC 128
 #define MMA_PITCH (MMA_KC + 32)   // bf16 a staged row: 80 words, 16 mod 32 (no bank conflicts)
@@ -406,26 +407,18 @@ __device__ void mma_body(int* __restrict__ state, const wt* __restrict__ W, int 
   __shared__ float inv_rms[MMA_TN];
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
   const int g = lane / 4, q = lane % 4;
-  const int u_base = blockIdx.x * MMA_UNITS;
-  // this lane's four weight rows: r0 and r1 of units u_base + g and u_base + g + 8 (a unit
-  // past the end reads the last unit's rows; its sums are never stored)
-  int rr[2][2], kinds[2];
-  {
-    int r0, r1;
-    unit_rows<EPI>(min(u_base + g, units - 1), rows, qa, &r0, &r1, &kinds[0]);
-    rr[0][0] = r0; rr[1][0] = r1;
-    unit_rows<EPI>(min(u_base + g + 8, units - 1), rows, qa, &r0, &r1, &kinds[1]);
-    rr[0][1] = r0; rr[1][1] = r1;
-  }
+  // this lane's unit and its two weight rows (a unit past the end reads the last unit's
+  // rows; its sums are never stored)
+  const int u = blockIdx.x * MMA_UNITS + g;
+  int rr[2], kind;
+  unit_rows<EPI>(min(u, units - 1), rows, qa, &rr[0], &rr[1], &kind);
   const int n_chunks = (K + MMA_KC - 1) / MMA_KC;
   // the first chunk's weights load before the wait for the previous kernel
-  uint4 wa[2][2];
+  uint4 wa[2];
   {
     const int k = warp * 32 + 8 * q;
 #pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) wa[m][h] = load_w16(W + (long long)rr[m][h] * K + k, k < K);
+    for (int h = 0; h < 2; ++h) wa[h] = load_w16(W + (long long)rr[h] * K + k, k < K);
   }
   pdl_wait_then_release();
   const int n = state[STATE_N], start = state[STATE_START];
@@ -435,13 +428,11 @@ __device__ void mma_body(int* __restrict__ state, const wt* __restrict__ W, int 
   const float* xt = x + (long long)t0 * K;
   tile_inv_rms(xt, K, norm_w, eps, n_t, MMA_TN, inv_rms);
   const int n_tiles = (n_t + 7) / 8;   // token tiles of 8 with any valid token (block-uniform)
-  float acc[2][MMA_TN / 8][4];
+  float acc[MMA_TN / 8][4];
 #pragma unroll
-  for (int m = 0; m < 2; ++m)
+  for (int j = 0; j < MMA_TN / 8; ++j)
 #pragma unroll
-    for (int j = 0; j < MMA_TN / 8; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[m][j][r] = 0.f;
+    for (int r = 0; r < 4; ++r) acc[j][r] = 0.f;
   for (int c = 0; c < n_chunks; ++c) {
     const int kc = c * MMA_KC;
     // stage xhat[t][kc .. kc + MMA_KC) as hi and lo: items of 8 values, 16 a token row
@@ -467,75 +458,60 @@ __device__ void mma_body(int* __restrict__ state, const wt* __restrict__ W, int 
       *reinterpret_cast<uint4*>(&stage[1][t][kk]) = lo;
     }
     __syncthreads();
-    // k32 block `warp` of this chunk: two m16n8k16 steps (s) over the permuted K
-    const unsigned wv[2][2][4] = {
-        {{wa[0][0].x, wa[0][0].y, wa[0][0].z, wa[0][0].w},
-         {wa[0][1].x, wa[0][1].y, wa[0][1].z, wa[0][1].w}},
-        {{wa[1][0].x, wa[1][0].y, wa[1][0].z, wa[1][0].w},
-         {wa[1][1].x, wa[1][1].y, wa[1][1].z, wa[1][1].w}}};
+    // A: row g = r0 (wv[0]), row g + 8 = r1 (wv[1]); words 2s, 2s + 1 are step s's pairs
+    const unsigned wv[2][4] = {{wa[0].x, wa[0].y, wa[0].z, wa[0].w},
+                               {wa[1].x, wa[1].y, wa[1].z, wa[1].w}};
     // the next chunk's weights, in flight while this one is multiplied and staged
     if (c + 1 < n_chunks) {
       const int k = kc + MMA_KC + warp * 32 + 8 * q;
 #pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) wa[m][h] = load_w16(W + (long long)rr[m][h] * K + k, k < K);
+      for (int h = 0; h < 2; ++h) wa[h] = load_w16(W + (long long)rr[h] * K + k, k < K);
     }
 #pragma unroll
     for (int j = 0; j < MMA_TN / 8; ++j) {
       if (j >= n_tiles) break;
 #pragma unroll
       for (int part = 0; part < 2; ++part) {   // hi, then lo
-        const uint4 xb = *reinterpret_cast<const uint4*>(&stage[part][j * 8 + g][warp * 32 + 8 * q]);
+        const uint4 xb =
+            *reinterpret_cast<const uint4*>(&stage[part][j * 8 + g][warp * 32 + 8 * q]);
         const unsigned xw[4] = {xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
         for (int s = 0; s < 2; ++s)
-#pragma unroll
-          for (int m = 0; m < 2; ++m)
-            mma_bf16(acc[m][j], wv[m][0][2 * s], wv[m][1][2 * s], wv[m][0][2 * s + 1],
-                     wv[m][1][2 * s + 1], xw[2 * s], xw[2 * s + 1]);
+          mma_bf16(acc[j], wv[0][2 * s], wv[1][2 * s], wv[0][2 * s + 1], wv[1][2 * s + 1],
+                   xw[2 * s], xw[2 * s + 1]);
       }
     }
     __syncthreads();   // the stage is rewritten by the next chunk
   }
-  // add the four warps' sums: red[warp][value][lane] over the stage's memory (32 KB of 40)
+  // add the four warps' sums: red[warp][value][lane] over the stage's memory (16 KB of 40)
   float* red = reinterpret_cast<float*>(&stage[0][0][0]);
-  constexpr int VALS = 2 * (MMA_TN / 8) * 4;
+  constexpr int VALS = (MMA_TN / 8) * 4;
 #pragma unroll
-  for (int m = 0; m < 2; ++m)
+  for (int j = 0; j < MMA_TN / 8; ++j)
 #pragma unroll
-    for (int j = 0; j < MMA_TN / 8; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-        red[(warp * VALS + (m * (MMA_TN / 8) + j) * 4 + r) * WARP + lane] = acc[m][j][r];
+    for (int r = 0; r < 4; ++r) red[(warp * VALS + j * 4 + r) * WARP + lane] = acc[j][r];
   __syncthreads();
-  // warp w finishes token tiles 2w and 2w + 1: sums, then the epilogue per unit and token
+  if (u >= units) return;
+  // warp w finishes token tiles 2w and 2w + 1: c0, c1 = y0 (row r0), c2, c3 = y1 (row r1)
+  // of this lane's unit for tokens 2q and 2q + 1 of the tile
 #pragma unroll
   for (int jj = 0; jj < 2; ++jj) {
     const int j = 2 * warp + jj;
     if (j >= n_tiles) break;
-    float y[2][4];
+    float y[4];
 #pragma unroll
-    for (int m = 0; m < 2; ++m)
+    for (int r = 0; r < 4; ++r) {
+      float sum = 0.f;
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        float sum = 0.f;
+      for (int w = 0; w < 4; ++w) sum += red[(w * VALS + j * 4 + r) * WARP + lane];
+      y[r] = sum;
+    }
 #pragma unroll
-        for (int w = 0; w < 4; ++w)
-          sum += red[(w * VALS + (m * (MMA_TN / 8) + j) * 4 + r) * WARP + lane];
-        y[m][r] = sum;
-      }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {   // unit u_base + g (c0, c1), u_base + g + 8 (c2, c3)
-      const int u = u_base + g + 8 * h;
-      if (u >= units) continue;
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int t = j * 8 + 2 * q + e;
-        if (t >= n_t) continue;
-        epilogue<EPI>(state, t0 + t, u, rows, rr[0][h], rr[1][h], kinds[h], y[0][2 * h + e],
-                      y[1][2 * h + e], out, 0, start, qa);
-      }
+    for (int e = 0; e < 2; ++e) {
+      const int t = j * 8 + 2 * q + e;
+      if (t < n_t)
+        epilogue<EPI>(state, t0 + t, u, rows, rr[0], rr[1], kind, y[e], y[2 + e], out, 0,
+                      start, qa);
     }
   }
 }

@@ -187,8 +187,8 @@ def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias, split):
 
 
 def mma_grid(units, n_rows):
-    """The grid the backend gives a _mma prefill kernel (16 units, 64 tokens a block)."""
-    return ((units + 15) // 16, (n_rows + 63) // 64)
+    """The grid the backend gives a _mma prefill kernel (8 units, 64 tokens a block)."""
+    return ((units + 7) // 8, (n_rows + 63) // 64)
 
 
 def bf16_only(dtype):
@@ -203,7 +203,7 @@ def test_matmul_residual_mma(kit, n, K):
     cp, k, dtype = kit
     bf16_only(dtype)
     rng = np.random.default_rng()
-    rows = 77   # 39 units: three blocks, the last with 7 units
+    rows = 77   # 39 units: five blocks, the last with 7 units
     w, wf = weights(cp, dtype, (rows, K), rng)
     x = rng.standard_normal((192, K)).astype(np.float32)
     out0 = rng.standard_normal((192, rows)).astype(np.float32)

@@ -31,7 +31,7 @@ TOKEN, START, N, MASS_ACC, FLAGS, RESULT, COUNTER = range(7)
 
 NULL = np.uint64(0)  # a null device pointer argument
 MATMUL_WARPS = 4     # warps per block of the matmul kernels
-MMA_UNITS, MMA_TN = 16, 64   # a _mma prefill block's units and tokens (matmul.cu, mma_body)
+MMA_UNITS, MMA_TN = 8, 64   # a _mma prefill block's units and tokens (matmul.cu, mma_body)
 PD_THREADS, PD_KEYS = 256, 32    # decode_persistent's block and attention split (persistent.cu)
 PD_MAX_SHARED = 40 * 1024        # its dynamic shared memory: the largest input vector
 
