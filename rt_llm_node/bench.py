@@ -186,6 +186,9 @@ def main(argv=None):
     parser.add_argument('--repeats', type=int, default=300)
     parser.add_argument('--ticks', type=int, default=10000)
     parser.add_argument('--no-hf', action='store_true', help='skip HF transformers')
+    parser.add_argument('--prefill-mma', action='store_true',
+                        help='also time the prefill with its matmuls on tensor cores (the '
+                             "backend's prefill_mma; bf16 shapes)")
     parser.add_argument('--write', action='store_true', help='write BENCHMARKS.md sections')
     args = parser.parse_args(argv)
     from rt_llm_node.backends import cuda_available
@@ -216,7 +219,7 @@ def main(argv=None):
             # side by side: the one-token matmuls on a block per row group (the grid before
             # stop 18), then the decode step as one persistent launch
             persistent = prefill_mma = None
-            if backend.weight_dtype == 'BF16':   # the prefill's matmuls on tensor cores
+            if args.prefill_mma and backend.weight_dtype == 'BF16':   # on tensor cores
                 backend.set_prefill_mma(True)
                 prefill_mma = measure_prefill(backend, vocab, args.repeats)
                 if shape == 'smollm2-135m' and args.ticks:
