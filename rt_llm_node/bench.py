@@ -110,10 +110,18 @@ def measure_ours(backend, vocab, repeats, contexts=CONTEXTS):
             backend.argmax()
             host.append((time.perf_counter() - t0) * 1e3)
         res[ctx] = (np.median(gpu) * 1e3, np.percentile(gpu, 99) * 1e3, np.median(host) * 1e3)
-    ids = rng.integers(0, vocab, PREFILL)
-    prefill = time_graph(backend, 256, max(20, repeats // 10), lambda: backend.prefill(ids))
-    res['prefill'] = float(np.median(prefill))
+    res['prefill'] = measure_prefill(backend, vocab, repeats)
     return res
+
+
+def measure_prefill(backend, vocab, repeats):
+    """Median GPU ms of a PREFILL-token prefill graph after 256 cached tokens."""
+    rng = np.random.default_rng(1)
+    backend.rollback(0)
+    backend.prefill(rng.integers(0, vocab, 256))
+    ids = rng.integers(0, vocab, PREFILL)
+    return float(np.median(time_graph(backend, 256, max(20, repeats // 10),
+                                      lambda: backend.prefill(ids))))
 
 
 def measure_hf(directory, repeats, context=256):
@@ -178,6 +186,9 @@ def main(argv=None):
     parser.add_argument('--repeats', type=int, default=300)
     parser.add_argument('--ticks', type=int, default=10000)
     parser.add_argument('--no-hf', action='store_true', help='skip HF transformers')
+    parser.add_argument('--prefill-mma', action='store_true',
+                        help='also time the prefill with its matmuls on tensor cores (the '
+                             "backend's prefill_mma; bf16 shapes)")
     parser.add_argument('--write', action='store_true', help='write BENCHMARKS.md sections')
     args = parser.parse_args(argv)
     from rt_llm_node.backends import cuda_available
@@ -189,11 +200,12 @@ def main(argv=None):
     bandwidth = read_bandwidth(KernelSet('F32'))
     print(f'read bandwidth: {bandwidth / 1e12:.2f} TB/s')
     header = ['shape', 'weights MB', 'floor us', 'ours us @256 (p99)', 'ours us @1024 (p99)',
-              'host step us @256', 'prefill 48 ms', 'persistent step us @256 (p99)',
+              'host step us @256', 'prefill 48 ms', 'prefill 48 ms, tensor cores',
+              'persistent step us @256 (p99)',
               'block per row group us @256 (p99)',
               'HF compile us @256 (p99)', 'HF / ours']
     rows = []
-    tick_ms = None
+    tick_ms = tick_mma_ms = None
     for shape in [s for s in args.shapes.split(',') if s]:
         with tempfile.TemporaryDirectory() as tmp:
             directory = write_random_checkpoint(tmp, shape, seed=0)
@@ -206,7 +218,13 @@ def main(argv=None):
                 tick_ms = full_ticks(backend, vocab, args.ticks)
             # side by side: the one-token matmuls on a block per row group (the grid before
             # stop 18), then the decode step as one persistent launch
-            persistent = None
+            persistent = prefill_mma = None
+            if args.prefill_mma and backend.weight_dtype == 'BF16':   # on tensor cores
+                backend.set_prefill_mma(True)
+                prefill_mma = measure_prefill(backend, vocab, args.repeats)
+                if shape == 'smollm2-135m' and args.ticks:
+                    tick_mma_ms = full_ticks(backend, vocab, args.ticks)
+                backend.set_prefill_mma(False)
             backend.set_grid_stride(False)
             per_group = measure_ours(backend, vocab, args.repeats, contexts=(256,))
             backend.set_grid_stride(True)
@@ -224,7 +242,7 @@ def main(argv=None):
         row = [shape, f'{nbytes / 1e6:.0f}', f'{floor_us:.0f}',
                f'{ours[256][0]:.0f} ({ours[256][1]:.0f})',
                f'{ours[1024][0]:.0f} ({ours[1024][1]:.0f})', f'{ours[256][2]:.0f}',
-               f"{ours['prefill']:.2f}",
+               f"{ours['prefill']:.2f}", '-' if prefill_mma is None else f'{prefill_mma:.2f}',
                '-' if persistent is None else
                f'{persistent[256][0]:.0f} ({persistent[256][1]:.0f})',
                f'{per_group[256][0]:.0f} ({per_group[256][1]:.0f})',
@@ -242,16 +260,19 @@ def main(argv=None):
             'clock. Side by side in the same run: the persistent step (one cooperative '
             'launch of decode_persistent, persistent.cu, the backend option persistent_decode'
             '), and a block per row group (grid_stride=False: the same kernels on the grid layout '
-            'of before stop 18). '
+            "of before stop 18). Prefill, tensor cores: the prefill's matmuls as the _mma "
+            'kernels (backend option prefill_mma: mma.sync bf16, x as a bf16 hi + lo pair). '
             'HF: transformers, bf16, StaticCache, '
             "torch.compile(mode='reduce-overhead'), one decode step, CUDA events.\n\n"
             + markdown_table(header, rows))
-    if tick_ms is not None:
-        pct = np.percentile(tick_ms, [50, 99, 99.9])
-        line = (f'full tick, SmolLM2-135M shape, {len(tick_ms)} ticks (prefill {PREFILL} '
+    for label, ms in (('', tick_ms), (', prefill on tensor cores', tick_mma_ms)):
+        if ms is None:
+            continue
+        pct = np.percentile(ms, [50, 99, 99.9])
+        line = (f'full tick{label}, SmolLM2-135M shape, {len(ms)} ticks (prefill {PREFILL} '
                 f'at 200 cached + {ACTION_TOKENS} constrained decode steps, host included): '
                 f'p50 {pct[0]:.3f} ms, p99 {pct[1]:.3f} ms, p99.9 {pct[2]:.3f} ms, '
-                f'max {tick_ms.max():.3f} ms')
+                f'max {ms.max():.3f} ms')
         print(line)
         body += '\n\n' + line
     if args.write:

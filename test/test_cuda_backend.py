@@ -64,6 +64,31 @@ def test_shapes_match_numpy_backend(shape, persistent, shape_dirs):
 
 
 @pytest.mark.parametrize('shape', SHAPES)
+def test_prefill_on_tensor_cores_matches_numpy_backend(shape, shape_dirs):
+    """prefill_mma: the prefill's matmuls on tensor cores (x as a bf16 hi + lo pair) give
+    the numpy backend's logits, attention mass and greedy tokens, over two prefill calls of
+    150 tokens (three token tiles and a part) and decode steps after them."""
+    checkpoint = load_checkpoint(shape_dirs[shape])
+    prompt = np.random.default_rng(8).integers(0, checkpoint.config.vocab_size, 150)
+    backend = cuda_backend(checkpoint, 512, prefill_mma=True)
+    ref_backend = NumpyBackend(checkpoint, 512)
+    for _ in range(2):
+        ours = run_steps(backend, prompt, 3)
+        ref = run_steps(ref_backend, prompt, 3)
+        for step in range(3):
+            assert rel_err(ours[0][step], ref[0][step]) < REL, (shape, step)
+            np.testing.assert_allclose(ours[2][step], ref[2][step], rtol=1e-3, atol=1e-4)
+        assert ours[1] == ref[1]
+
+
+def test_prefill_on_tensor_cores_needs_bf16_weights(tmp_path):
+    from rt_llm_node.backends import BackendError
+    directory = write_random_checkpoint(tmp_path, 'tiny', dtype='F16')
+    with pytest.raises(BackendError, match='prefill_mma needs bf16'):
+        cuda_backend(load_checkpoint(directory), 32, prefill_mma=True)
+
+
+@pytest.mark.parametrize('shape', SHAPES)
 def test_shapes_match_transformers_on_the_gpu(shape, shape_dirs):
     torch = pytest.importorskip('torch')
     transformers = pytest.importorskip('transformers')

@@ -186,6 +186,85 @@ def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias, split):
     assert np.isnan(kc.get()[:start]).all() and np.isnan(kc.get()[start + n:]).all()
 
 
+def mma_grid(units, n_rows):
+    """The grid the backend gives a _mma prefill kernel (8 units, 64 tokens a block)."""
+    return ((units + 7) // 8, (n_rows + 63) // 64)
+
+
+def bf16_only(dtype):
+    if dtype != 'BF16':
+        pytest.skip('the _mma prefill kernels are built for bf16 weights only')
+
+
+# K: one chunk of 128 with idle k32 blocks (96), a chunk cut inside a k32 block (600), many
+# chunks (4104); n: one token tile, exactly one, and three with a partial last one
+@pytest.mark.parametrize('n,K', [(5, 96), (64, 600), (130, 4104), (33, 600)])
+def test_matmul_residual_mma(kit, n, K):
+    cp, k, dtype = kit
+    bf16_only(dtype)
+    rng = np.random.default_rng()
+    rows = 77   # 39 units: five blocks, the last with 7 units
+    w, wf = weights(cp, dtype, (rows, K), rng)
+    x = rng.standard_normal((192, K)).astype(np.float32)
+    out0 = rng.standard_normal((192, rows)).astype(np.float32)
+    out = cp.asarray(out0)
+    units = (rows + 1) // 2
+    k.matmul_residual_mma(mma_grid(units, 192), (128,), (
+        state(cp, 3, n), w, i32(rows), i32(K), cp.asarray(x), NULL, np.float32(1e-5), out,
+        i32(units), i32(0), i32(1)))
+    ref = out0.copy()
+    ref[:n] += x[:n] @ wf.T
+    close(out.get(), ref)
+
+
+@pytest.mark.parametrize('n', [11, 70])
+def test_matmul_swiglu_mma(kit, n):
+    cp, k, dtype = kit
+    bf16_only(dtype)
+    rng = np.random.default_rng()
+    inter, K = 40, 64
+    w, wf = weights(cp, dtype, (2 * inter, K), rng)
+    nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
+    x = rng.standard_normal((128, K)).astype(np.float32)
+    act = poisoned(cp, (128, inter))
+    k.matmul_swiglu_mma(mma_grid(inter, 128), (128,), (
+        state(cp, 0, n), w, i32(2 * inter), i32(K), cp.asarray(x), nw, np.float32(1e-5), act,
+        i32(inter), i32(0), i32(1)))
+    gu = rmsnorm(x[:n], nwf, 1e-5) @ wf.T
+    close(act.get()[:n], silu(gu[:, :inter]) * gu[:, inter:])
+    assert np.isnan(act.get()[n:]).all(), 'tokens past n must be left alone'
+
+
+@pytest.mark.parametrize('n,bias', [(20, True), (70, False)])
+def test_matmul_qkv_rope_mma(kit, n, bias):
+    cp, k, dtype = kit
+    bf16_only(dtype)
+    rng = np.random.default_rng()
+    heads, kv, d, K, cap, start = 4, 2, 32, 512, 128, 7
+    rows = (heads + 2 * kv) * d
+    w, wf = weights(cp, dtype, (rows, K), rng)
+    b, bf = weights(cp, dtype, (rows,), rng)
+    nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
+    x = rng.standard_normal((128, K)).astype(np.float32)
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
+    cos, sin = rope_tables(np.arange(-cap, cap), inv_freq)
+    q = poisoned(cp, (128, heads * d))
+    kc, vc = poisoned(cp, (cap, kv, d)), poisoned(cp, (cap, kv, d))
+    units = rows // 2
+    k.matmul_qkv_rope_mma(mma_grid(units, 128), (128,), (
+        state(cp, start, n), w, i32(rows), i32(K), cp.asarray(x), nw, np.float32(1e-5),
+        i32(units), b if bias else NULL, q, kc, vc, cp.asarray(cos), cp.asarray(sin),
+        i32(heads), i32(kv), i32(d), i32(cap), i32(1)))
+    qkv = rmsnorm(x[:n], nwf, 1e-5) @ wf.T + (bf if bias else 0)
+    c, s = cos[cap + start:cap + start + n], sin[cap + start:cap + start + n]
+    q_ref = apply_rope(qkv[:, :heads * d].reshape(n, heads, d), c, s).reshape(n, -1)
+    k_ref = apply_rope(qkv[:, heads * d:(heads + kv) * d].reshape(n, kv, d), c, s)
+    close(q.get()[:n], q_ref)
+    close(kc.get()[start:start + n], k_ref)
+    close(vc.get()[start:start + n], qkv[:, (heads + kv) * d:].reshape(n, kv, d))
+    assert np.isnan(kc.get()[:start]).all() and np.isnan(kc.get()[start + n:]).all()
+
+
 @pytest.mark.parametrize('start,n,d', [(0, 1, 64), (150, 1, 64), (0, 17, 64), (70, 33, 64),
                                        (130, 1, 128), (40, 9, 32)])
 def test_attention_and_mass(kit, start, n, d):

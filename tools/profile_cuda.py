@@ -21,6 +21,8 @@ def main():
     parser.add_argument('--context', type=int, default=256)
     parser.add_argument('--repeats', type=int, default=50)
     parser.add_argument('--prefill', action='store_true', help='profile a 48-token prefill')
+    parser.add_argument('--prefill-mma', action='store_true',
+                        help="the prefill's matmuls on tensor cores (the *_mma kernels)")
     parser.add_argument('--chain', type=int, default=32, help='launches per kernel graph')
     parser.add_argument('--sweep-blocks', type=lambda v: [int(k) for k in v.split(',') if k],
                         default=[], help='also time grid_stride caps of K blocks an SM (K,K,..)')
@@ -28,7 +30,8 @@ def main():
     import cupy as cp
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = load_checkpoint(write_random_checkpoint(tmp, args.shape))
-    backend = CudaBackend(checkpoint, 1088, persistent_decode=None)
+    backend = CudaBackend(checkpoint, 1088, persistent_decode=None,
+                          prefill_mma=args.prefill_mma)
     vocab = checkpoint.config.vocab_size
     backend.prefill(np.random.default_rng(0).integers(0, vocab, args.context))
     backend.attention_mass()

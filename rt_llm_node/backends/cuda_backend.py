@@ -31,6 +31,7 @@ TOKEN, START, N, MASS_ACC, FLAGS, RESULT, COUNTER = range(7)
 
 NULL = np.uint64(0)  # a null device pointer argument
 MATMUL_WARPS = 4     # warps per block of the matmul kernels
+MMA_UNITS, MMA_TN = 8, 64   # a _mma prefill block's units and tokens (matmul.cu, mma_body)
 PD_THREADS, PD_KEYS = 256, 32    # decode_persistent's block and attention split (persistent.cu)
 PD_MAX_SHARED = 40 * 1024        # its dynamic shared memory: the largest input vector
 
@@ -102,7 +103,7 @@ class CudaBackend:
     name = 'cuda'
 
     def __init__(self, checkpoint, capacity, device_id=0, dependent_launch=None,
-                 persistent_decode=False, grid_stride=True):
+                 persistent_decode=False, grid_stride=True, prefill_mma=False):
         """``dependent_launch``: launch each kernel of a forward with programmatic dependent
         launch, so that it loads its weights while the previous one finishes (None: where
         the device has it, compute capability 9.0 and later). ``grid_stride``: size the
@@ -112,7 +113,9 @@ class CudaBackend:
         decode step as one cooperative launch of ``decode_persistent`` (grid-wide barriers
         between its phases) instead of five kernels a layer; off by default, as it measured
         slower on the H200 for the SmolLM2 and Qwen2.5 shapes (BENCHMARKS.md). None: where
-        the model's shape allows it; True raises where it does not."""
+        the model's shape allows it; True raises where it does not. ``prefill_mma``: run the
+        prefill's matmuls on tensor cores (``*_mma`` kernels: bf16 weights, every K a
+        multiple of 8; True raises elsewhere), not on the 16-token CUDA-core tiles."""
         import cupy as cp
         self.cp = cp
         cfg = checkpoint.config
@@ -141,6 +144,7 @@ class CudaBackend:
             self._grid_stride = self._check_grid_stride(grid_stride)
             self._choose_launch(dependent_launch)
             self._choose_persistent(persistent_decode)
+            self._prefill_mma = self._check_prefill_mma(prefill_mma)
             self._warm_up_and_capture()
 
     @property
@@ -168,6 +172,16 @@ class CudaBackend:
                 self.kernels.functions[name].ptr, 32 * MATMUL_WARPS, 0))
         return self._resident[name]
 
+    def _check_prefill_mma(self, wanted):
+        if not wanted:
+            return False
+        cfg = self.config
+        ks = (cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
+        if self.weight_dtype != 'BF16' or any(k % 8 for k in ks):
+            raise BackendError('prefill_mma needs bf16 weights and K a multiple of 8 '
+                               f'(weights {self.weight_dtype}, K {ks})')
+        return True
+
     @staticmethod
     def _check_grid_stride(value):
         if isinstance(value, (bool, np.bool_)):
@@ -186,6 +200,18 @@ class CudaBackend:
         """Switch the one-token matmuls' grid layout and recapture the graphs (clears the
         cache)."""
         self._grid_stride = self._check_grid_stride(value)
+        with self.device:
+            self._warm_up_and_capture()
+
+    @property
+    def prefill_mma(self):
+        """Whether the prefill's matmuls run on tensor cores (the ``*_mma`` kernels)."""
+        return self._prefill_mma
+
+    def set_prefill_mma(self, enabled):
+        """Switch the prefill's matmuls between tensor cores and the 16-token CUDA-core
+        tiles and recapture the graphs (clears the cache)."""
+        self._prefill_mma = self._check_prefill_mma(enabled)
         with self.device:
             self._warm_up_and_capture()
 
@@ -367,7 +393,8 @@ class CudaBackend:
         decode = n_max == 1
         tt = 1 if decode else 16
         tiles = (n_max + tt - 1) // tt
-        sfx = '_t1' if decode else '_t16'
+        mma = not decode and self._prefill_mma
+        sfx = '_t1' if decode else ('_mma' if mma else '_t16')
         hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         eps = np.float32(cfg.rms_norm_eps)
         warps = MATMUL_WARPS
@@ -378,6 +405,9 @@ class CudaBackend:
             """(grid, split) of a matmul over ``units`` row pairs of length ``k``; the
             one-token (_t1) kernels may split K, the 16-token tiles never do; with
             grid_stride a one-token grid is at most what is resident."""
+            if not one_token and mma:
+                return (((units + MMA_UNITS - 1) // MMA_UNITS,
+                         (n_max + MMA_TN - 1) // MMA_TN), _i32(1))
             if not one_token:
                 return ((units + warps - 1) // warps, tiles), _i32(1)
             split = matvec_split(units, k, mv_batch, self.n_sm)

@@ -35,6 +35,13 @@ KERNELS = (
     'read_sum',
     'grid_sync_probe', 'decode_persistent',
 )
+# Built for bf16 weights only: the prefill matmuls on tensor cores (matmul.cu, mma_body).
+KERNELS_BF16 = ('matmul_residual_mma', 'matmul_swiglu_mma', 'matmul_qkv_rope_mma')
+
+
+def kernel_names(weight_dtype):
+    """Every kernel the program for ``weight_dtype`` holds."""
+    return KERNELS + (KERNELS_BF16 if weight_dtype == 'BF16' else ())
 
 
 class KernelBuildError(RuntimeError):
@@ -109,7 +116,8 @@ class KernelSet:
         self.cubin, self.log = compile_cubin(self.arch, weight_dtype)
         self.module = cupy.cuda.function.Module()
         self.module.load(self.cubin)
-        self.functions = {name: self.module.get_function(name) for name in KERNELS}
+        self.functions = {name: self.module.get_function(name)
+                          for name in kernel_names(weight_dtype)}
 
     def __getattr__(self, name):
         try:
