@@ -66,14 +66,36 @@ def i32(v):
 NULL = np.uint64(0)
 
 
+# x enters the tensor cores (tt 'mma') as a bf16 pair hi + lo: 2^-18 of |x| off (fp32 is
+# 2^-24), so a 4104-long dot product of weights ~0.2 is ~5e-5 off (one sigma; a numpy
+# emulation put the worst element at 1.04x ATOL + RTOL |ref|)
+MMA_ATOL = 5e-4
+
+
 def matmul_kernel(k, family, tt):
-    """``family`` (e.g. 'matmul_residual') with tile tt: 1 and 16 (_t1, _t16)."""
-    return k.functions[f'{family}_t{tt}']
+    """``family`` (e.g. 'matmul_residual') as tt: 1, 16 or 'mma' (_t1, _t16, _mma)."""
+    return k.functions[f'{family}_mma' if tt == 'mma' else f'{family}_t{tt}']
 
 
 def matmul_grid(units, split, tt, n_rows=32):
     """The grid the backend gives each matmul kernel over ``n_rows`` tokens of x."""
+    if tt == 'mma':   # 8 units x 64 tokens a block
+        return ((units + 7) // 8, (n_rows + 63) // 64)
     return ((units * split + 3) // 4, (n_rows + tt - 1) // tt)
+
+
+def matmul_rows(dtype, tt):
+    """Rows of x a matmul test holds (the _mma cases reach past one 64-token tile); skips
+    the _mma cases for the dtypes they are not built for."""
+    if tt != 'mma':
+        return 32
+    if dtype != 'BF16':
+        pytest.skip('the _mma prefill kernels are built for bf16 weights only')
+    return 192
+
+
+def matmul_atol(tt):
+    return MMA_ATOL if tt == 'mma' else ATOL
 
 
 def test_embed_gather(kit):
@@ -91,27 +113,32 @@ def test_embed_gather(kit):
 
 
 # split: warps sharing a row pair's K (one-token kernels); K = 4104 needs two batches of
-# loads per lane in each half, 2600 splits unevenly, 36 takes the scalar path
+# loads per lane in each half, 2600 splits unevenly, 36 takes the scalar path. _mma: one
+# K chunk of 128 with idle k32 blocks (96), a chunk cut inside a k32 block (600), many
+# chunks (4104); one token tile, exactly one, three with a partial last one
 @pytest.mark.parametrize('n,tt,K,split', [(1, 1, 96, 1), (1, 1, 96, 2), (1, 1, 600, 4),
                                           (1, 1, 4104, 1), (1, 1, 4104, 2), (1, 1, 2600, 4),
                                           (1, 1, 36, 2), (13, 16, 96, 1), (20, 16, 36, 1),
-                                          (5, 16, 600, 1)])
+                                          (5, 16, 600, 1), (5, 'mma', 96, 1),
+                                          (64, 'mma', 600, 1), (130, 'mma', 4104, 1),
+                                          (33, 'mma', 600, 1)])
 def test_matmul_residual(kit, n, tt, K, split):
     cp, k, dtype = kit
+    n_rows = matmul_rows(dtype, tt)
     rng = np.random.default_rng()
     rows = 77
     w, wf = weights(cp, dtype, (rows, K), rng)
-    x = rng.standard_normal((32, K)).astype(np.float32)
-    out0 = rng.standard_normal((32, rows)).astype(np.float32)
+    x = rng.standard_normal((n_rows, K)).astype(np.float32)
+    out0 = rng.standard_normal((n_rows, rows)).astype(np.float32)
     out = cp.asarray(out0)
     units = (rows + 1) // 2   # 39: with split 2 or 4 the last block has idle warps
-    grid = matmul_grid(units, split, tt)
+    grid = matmul_grid(units, split, tt, n_rows)
     matmul_kernel(k, 'matmul_residual', tt)(grid, (128,), (
         state(cp, 3, n), w, i32(rows), i32(K), cp.asarray(x), NULL, np.float32(1e-5), out,
         i32(units), i32(0), i32(split)))
     ref = out0.copy()
     ref[:n] += x[:n] @ wf.T
-    close(out.get(), ref)
+    close(out.get(), ref, atol=matmul_atol(tt))
 
 
 @pytest.mark.parametrize('split', [1, 2])
@@ -138,40 +165,45 @@ def test_matmul_store_last_token_with_rmsnorm(kit, split):
     assert st.get()[4] & 1
 
 
-@pytest.mark.parametrize('n,tt,split', [(1, 1, 1), (1, 1, 2), (11, 16, 1), (30, 16, 1)])
+@pytest.mark.parametrize('n,tt,split', [(1, 1, 1), (1, 1, 2), (11, 16, 1), (30, 16, 1),
+                                        (11, 'mma', 1), (70, 'mma', 1)])
 def test_matmul_swiglu(kit, n, tt, split):
     cp, k, dtype = kit
+    n_rows = matmul_rows(dtype, tt)
     rng = np.random.default_rng()
     inter, K = 40, 64
     w, wf = weights(cp, dtype, (2 * inter, K), rng)
     nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
-    x = rng.standard_normal((32, K)).astype(np.float32)
-    act = poisoned(cp, (32, inter))
-    grid = matmul_grid(inter, split, tt)
+    x = rng.standard_normal((n_rows, K)).astype(np.float32)
+    act = poisoned(cp, (n_rows, inter))
+    grid = matmul_grid(inter, split, tt, n_rows)
     matmul_kernel(k, 'matmul_swiglu', tt)(grid, (128,), (
         state(cp, 0, n), w, i32(2 * inter), i32(K), cp.asarray(x), nw, np.float32(1e-5), act,
         i32(inter), i32(0), i32(split)))
     gu = rmsnorm(x[:n], nwf, 1e-5) @ wf.T
-    close(act.get()[:n], silu(gu[:, :inter]) * gu[:, inter:])
+    close(act.get()[:n], silu(gu[:, :inter]) * gu[:, inter:], atol=matmul_atol(tt))
+    assert np.isnan(act.get()[n:]).all(), 'tokens past n must be left alone'
 
 
 @pytest.mark.parametrize('n,tt,bias,split', [(1, 1, True, 1), (1, 1, False, 2),
-                                             (10, 16, False, 1), (20, 16, True, 1)])
+                                             (10, 16, False, 1), (20, 16, True, 1),
+                                             (20, 'mma', True, 1), (70, 'mma', False, 1)])
 def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias, split):
     cp, k, dtype = kit
+    n_rows = matmul_rows(dtype, tt)
     rng = np.random.default_rng()
-    heads, kv, d, K, cap, start = 4, 2, 32, 512, 64, 7
+    heads, kv, d, K, cap, start = 4, 2, 32, 512, 128, 7
     rows = (heads + 2 * kv) * d
     w, wf = weights(cp, dtype, (rows, K), rng)
     b, bf = weights(cp, dtype, (rows,), rng)
     nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
-    x = rng.standard_normal((32, K)).astype(np.float32)
+    x = rng.standard_normal((n_rows, K)).astype(np.float32)
     inv_freq = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
     cos, sin = rope_tables(np.arange(-cap, cap), inv_freq)
-    q = poisoned(cp, (32, heads * d))
+    q = poisoned(cp, (n_rows, heads * d))
     kc, vc = poisoned(cp, (cap, kv, d)), poisoned(cp, (cap, kv, d))
     units = rows // 2
-    grid = matmul_grid(units, split, tt)
+    grid = matmul_grid(units, split, tt, n_rows)
     matmul_kernel(k, 'matmul_qkv_rope', tt)(grid, (128,), (
         state(cp, start, n), w, i32(rows), i32(K), cp.asarray(x), nw, np.float32(1e-5),
         i32(units), b if bias else NULL, q, kc, vc, cp.asarray(cos), cp.asarray(sin),
@@ -180,94 +212,10 @@ def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias, split):
     c, s = cos[cap + start:cap + start + n], sin[cap + start:cap + start + n]
     q_ref = apply_rope(qkv[:, :heads * d].reshape(n, heads, d), c, s).reshape(n, -1)
     k_ref = apply_rope(qkv[:, heads * d:(heads + kv) * d].reshape(n, kv, d), c, s)
-    close(q.get()[:n], q_ref)
-    close(kc.get()[start:start + n], k_ref)
-    close(vc.get()[start:start + n], qkv[:, (heads + kv) * d:].reshape(n, kv, d))
-    assert np.isnan(kc.get()[:start]).all() and np.isnan(kc.get()[start + n:]).all()
-
-
-def mma_grid(units, n_rows):
-    """The grid the backend gives a _mma prefill kernel (8 units, 64 tokens a block)."""
-    return ((units + 7) // 8, (n_rows + 63) // 64)
-
-
-# x enters the tensor cores as a bf16 pair hi + lo: 2^-18 of |x| off (fp32 is 2^-24), so a
-# 4104-long dot product of weights ~0.2 is ~5e-5 off (one sigma; numpy emulation, stop 19)
-MMA_ATOL = 5e-4
-
-
-def bf16_only(dtype):
-    if dtype != 'BF16':
-        pytest.skip('the _mma prefill kernels are built for bf16 weights only')
-
-
-# K: one chunk of 128 with idle k32 blocks (96), a chunk cut inside a k32 block (600), many
-# chunks (4104); n: one token tile, exactly one, and three with a partial last one
-@pytest.mark.parametrize('n,K', [(5, 96), (64, 600), (130, 4104), (33, 600)])
-def test_matmul_residual_mma(kit, n, K):
-    cp, k, dtype = kit
-    bf16_only(dtype)
-    rng = np.random.default_rng()
-    rows = 77   # 39 units: five blocks, the last with 7 units
-    w, wf = weights(cp, dtype, (rows, K), rng)
-    x = rng.standard_normal((192, K)).astype(np.float32)
-    out0 = rng.standard_normal((192, rows)).astype(np.float32)
-    out = cp.asarray(out0)
-    units = (rows + 1) // 2
-    k.matmul_residual_mma(mma_grid(units, 192), (128,), (
-        state(cp, 3, n), w, i32(rows), i32(K), cp.asarray(x), NULL, np.float32(1e-5), out,
-        i32(units), i32(0), i32(1)))
-    ref = out0.copy()
-    ref[:n] += x[:n] @ wf.T
-    close(out.get(), ref, atol=MMA_ATOL)
-
-
-@pytest.mark.parametrize('n', [11, 70])
-def test_matmul_swiglu_mma(kit, n):
-    cp, k, dtype = kit
-    bf16_only(dtype)
-    rng = np.random.default_rng()
-    inter, K = 40, 64
-    w, wf = weights(cp, dtype, (2 * inter, K), rng)
-    nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
-    x = rng.standard_normal((128, K)).astype(np.float32)
-    act = poisoned(cp, (128, inter))
-    k.matmul_swiglu_mma(mma_grid(inter, 128), (128,), (
-        state(cp, 0, n), w, i32(2 * inter), i32(K), cp.asarray(x), nw, np.float32(1e-5), act,
-        i32(inter), i32(0), i32(1)))
-    gu = rmsnorm(x[:n], nwf, 1e-5) @ wf.T
-    close(act.get()[:n], silu(gu[:, :inter]) * gu[:, inter:], atol=MMA_ATOL)
-    assert np.isnan(act.get()[n:]).all(), 'tokens past n must be left alone'
-
-
-@pytest.mark.parametrize('n,bias', [(20, True), (70, False)])
-def test_matmul_qkv_rope_mma(kit, n, bias):
-    cp, k, dtype = kit
-    bf16_only(dtype)
-    rng = np.random.default_rng()
-    heads, kv, d, K, cap, start = 4, 2, 32, 512, 128, 7
-    rows = (heads + 2 * kv) * d
-    w, wf = weights(cp, dtype, (rows, K), rng)
-    b, bf = weights(cp, dtype, (rows,), rng)
-    nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
-    x = rng.standard_normal((128, K)).astype(np.float32)
-    inv_freq = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
-    cos, sin = rope_tables(np.arange(-cap, cap), inv_freq)
-    q = poisoned(cp, (128, heads * d))
-    kc, vc = poisoned(cp, (cap, kv, d)), poisoned(cp, (cap, kv, d))
-    units = rows // 2
-    k.matmul_qkv_rope_mma(mma_grid(units, 128), (128,), (
-        state(cp, start, n), w, i32(rows), i32(K), cp.asarray(x), nw, np.float32(1e-5),
-        i32(units), b if bias else NULL, q, kc, vc, cp.asarray(cos), cp.asarray(sin),
-        i32(heads), i32(kv), i32(d), i32(cap), i32(1)))
-    qkv = rmsnorm(x[:n], nwf, 1e-5) @ wf.T + (bf if bias else 0)
-    c, s = cos[cap + start:cap + start + n], sin[cap + start:cap + start + n]
-    q_ref = apply_rope(qkv[:, :heads * d].reshape(n, heads, d), c, s).reshape(n, -1)
-    k_ref = apply_rope(qkv[:, heads * d:(heads + kv) * d].reshape(n, kv, d), c, s)
-    close(q.get()[:n], q_ref, atol=MMA_ATOL)
-    close(kc.get()[start:start + n], k_ref, atol=MMA_ATOL)
+    close(q.get()[:n], q_ref, atol=matmul_atol(tt))
+    close(kc.get()[start:start + n], k_ref, atol=matmul_atol(tt))
     close(vc.get()[start:start + n], qkv[:, (heads + kv) * d:].reshape(n, kv, d),
-          atol=MMA_ATOL)
+          atol=matmul_atol(tt))
     assert np.isnan(kc.get()[:start]).all() and np.isnan(kc.get()[start + n:]).all()
 
 

@@ -122,6 +122,19 @@ def test_batches_depend_on_the_round_and_step_only(data):
     assert set(np.unique(weights[labels != -100])) <= {1.0, 2.0}
 
 
+def _weighted_samples(episode, system, **weight):
+    """(end, plain sample, weighted sample) for 40 seeds: the loss weights (keyframe_weight=,
+    distractor_weight=) change no context (no extra random draws), only the weights."""
+    for seed in range(40):
+        end = int(np.random.default_rng(seed).integers(1, len(episode.ticks)))
+        plain = train_demo_policy.build_sample(episode, system, end, 1024,
+                                               np.random.default_rng(seed))
+        weighted = train_demo_policy.build_sample(episode, system, end, 1024,
+                                                  np.random.default_rng(seed), **weight)
+        assert weighted[:2] == plain[:2]
+        yield end, plain, weighted
+
+
 def test_keyframe_weights_mark_the_ticks_whose_label_changes_the_command(data):
     """--keyframe-weight: the same contexts (no extra random draws), and a loss weight per
     position: 0 off the labels, K on the label of a tick whose expert command differs from
@@ -129,13 +142,8 @@ def test_keyframe_weights_mark_the_ticks_whose_label_changes_the_command(data):
     episode, system = data
     ticks = episode.ticks
     seen = set()
-    for seed in range(40):
-        end = int(np.random.default_rng(seed).integers(1, len(ticks)))
-        plain = train_demo_policy.build_sample(episode, system, end, 1024,
-                                               np.random.default_rng(seed))
-        ids, labels, weights = train_demo_policy.build_sample(
-            episode, system, end, 1024, np.random.default_rng(seed), keyframe_weight=3.0)
-        assert (ids, labels) == plain[:2]
+    for end, plain, (ids, labels, weights) in _weighted_samples(episode, system,
+                                                                keyframe_weight=3.0):
         assert all(w == (0.0 if x == -100 else 1.0) for w, x in zip(plain[2], labels))
         assert len(weights) == len(ids)
         assert all((w == 0) == (x == -100) for w, x in zip(weights, labels))
@@ -257,13 +265,8 @@ def test_distractor_ticks_are_flagged_and_weighted(data):
         flagged += expected
     assert 0 < flagged < len(episode.ticks)
     ticks = episode.ticks
-    for seed in range(40):
-        end = int(np.random.default_rng(seed).integers(1, len(ticks)))
-        plain = train_demo_policy.build_sample(episode, system, end, 1024,
-                                               np.random.default_rng(seed))
-        ids, labels, weights = train_demo_policy.build_sample(
-            episode, system, end, 1024, np.random.default_rng(seed), distractor_weight=4.0)
-        assert (ids, labels) == plain[:2]
+    for end, _, (ids, labels, weights) in _weighted_samples(episode, system,
+                                                            distractor_weight=4.0):
         assert weights[-1] == (4.0 if ticks[end].distractor else 1.0)
         assert all(w in (0.0, 1.0, 4.0) and (w == 0) == (x == -100)
                    for w, x in zip(weights, labels))

@@ -33,8 +33,8 @@ def target_bearing(instruction, detections):
     return seen[0][2] if seen else None
 
 
-def situation(instruction, sectors, detections):
-    bearing = target_bearing(instruction, detections)
+def situation(instruction, sectors, detections, bearing):
+    """The tick's row; ``bearing``: target_bearing of the same instruction and detections."""
     n = len(sectors)
     ahead = min(sectors[s] for s in (n - 1, 0, 1) if not math.isnan(sectors[s]))
     near = ', obstacle ahead' if ahead < 1.0 else ''
@@ -56,21 +56,21 @@ STATS = 8   # ticks, agree, |dv|, |dw|, model repeats w, expert repeats w, turns
 def episode(checkpoint, seed, capacity, policy, driver='model'):
     """(result of run_model_episode, {situation: [ticks, agree, |dv|, |dw|, model repeats
     the executed w, expert's label does, model turns toward the target, expert does]})."""
-    stats = defaultdict(lambda: [0, 0, 0.0, 0.0, 0, 0, 0, 0])
+    stats = defaultdict(lambda: [0] * STATS)
     last = [None]   # the w executed the tick before
 
     def observe(msgs, instruction, sectors, expert, model):
         v, w = model or (0.0, 0.0)
         ev, ew = expert
         detections = msgs['/detections'].data
-        s = stats[situation(instruction, sectors, detections)]
+        bearing = target_bearing(instruction, detections)
+        s = stats[situation(instruction, sectors, detections, bearing)]
         s[0] += 1
         s[1] += (v, w) == (ev, ew)
         s[2] += abs(v - ev)
         s[3] += abs(w - ew)
         s[4] += w == last[0]
         s[5] += ew == last[0]
-        bearing = target_bearing(instruction, detections)
         if bearing is not None and abs(bearing) >= OFF_AXIS_DEG:
             side = math.copysign(1.0, bearing)
             s[6] += w * side >= 0.5

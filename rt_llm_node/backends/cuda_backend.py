@@ -163,14 +163,15 @@ class CudaBackend:
                                f'this device has {self.kernels.arch / 10:.1f}')
         self._dependent = DependentLauncher() if enabled else None
 
-    def _resident_blocks(self, name):
-        """Blocks of kernel ``name`` (a matmul's 128 threads) that fit on one multiprocessor
-        at once."""
-        if name not in self._resident:
+    def _resident_blocks(self, name, threads=32 * MATMUL_WARPS, shared=0):
+        """Blocks of kernel ``name`` (default: a matmul's 128 threads, no dynamic shared
+        memory) that fit on one multiprocessor at once; 0 when none does."""
+        key = (name, threads, shared)
+        if key not in self._resident:
             from cupy_backends.cuda.api import driver
-            self._resident[name] = max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                self.kernels.functions[name].ptr, 32 * MATMUL_WARPS, 0))
-        return self._resident[name]
+            self._resident[key] = driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                self.kernels.functions[name].ptr, threads, shared)
+        return self._resident[key]
 
     def _check_prefill_mma(self, wanted):
         if not wanted:
@@ -208,6 +209,7 @@ class CudaBackend:
         """Whether the prefill's matmuls run on tensor cores (the ``*_mma`` kernels)."""
         return self._prefill_mma
 
+    @reports_device_errors
     def set_prefill_mma(self, enabled):
         """Switch the prefill's matmuls between tensor cores and the 16-token CUDA-core
         tiles and recapture the graphs (clears the cache)."""
@@ -228,10 +230,7 @@ class CudaBackend:
                     'shared memory')
         if not self.device.attributes.get('CooperativeLaunch', 1):
             return 'the device has no cooperative launch'
-        from cupy_backends.cuda.api import driver
-        resident = driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            self.kernels.functions['decode_persistent'].ptr, PD_THREADS, self._pd_shared())
-        if resident < 1:
+        if self._resident_blocks('decode_persistent', PD_THREADS, self._pd_shared()) < 1:
             return 'decode_persistent does not fit on a multiprocessor'
         return None
 
@@ -413,7 +412,7 @@ class CudaBackend:
             split = matvec_split(units, k, mv_batch, self.n_sm)
             blocks = (units * split + warps - 1) // warps
             if self._grid_stride is not False:
-                cap = (self._resident_blocks(kernel + '_t1') * self.n_sm
+                cap = (max(1, self._resident_blocks(kernel + '_t1')) * self.n_sm
                        if self._grid_stride is True else self._grid_stride)
                 blocks = min(blocks, cap)
             return (blocks, 1), _i32(split)
