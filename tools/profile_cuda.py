@@ -72,7 +72,7 @@ def main():
         backend.prefill(np.random.default_rng(0).integers(0, vocab, args.context))
         print(f'  gpu: decode graph replay, grid_stride={layout} {replay_us():.1f} us')
     print('  resident blocks an SM: '
-          + ', '.join(f'{k}: {v}' for k, v in sorted(backend._resident.items())))
+          + ', '.join(f'{k[0]}: {v}' for k, v in sorted(backend._resident.items())))
     # per kernel: each launch of the forward's first layer (and the LM head) captured
     # `--chain` times back to back in one graph, launched as in the forward (dependent
     # where the backend uses it), so a row is the kernel's time in a chain of its own kind
