@@ -175,6 +175,9 @@ def test_weighted_loss_is_the_model_loss_under_unit_weights():
         own = model(input_ids=ids, attention_mask=attention, labels=labels).loss
         ours = train_demo_policy.weighted_loss(model, ids, attention, labels, weights)
         assert torch.allclose(own, ours, atol=1e-6)
+        # the batches are right-padded: without the mask (as the trainer runs) the same loss
+        assert torch.allclose(train_demo_policy.weighted_loss(model, ids, None, labels, weights),
+                              ours, atol=1e-6)
         # weight 3 on the second sample's labels: the mean counts them three times
         weights[1] *= 3
         logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]

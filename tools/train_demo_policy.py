@@ -565,13 +565,16 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
             if step + len(batches) + 1 < args.steps:
                 batches.append(builders.submit(
                     _build_batch, (args.seed, round_, step + len(batches) + 1, args.batch)))
-            ids, labels, attention = (t.to(device).long() for t in (ids, labels, attention))
+            ids, labels = (t.to(device).long() for t in (ids, labels))
+            # no attention mask: the batches are right-padded, so under the causal mask no
+            # real token sees a pad (same loss, test_training_data), and SDPA can take its
+            # causal fast path instead of a padded 4-D mask
             with torch.autocast(device_type=device, dtype=torch.bfloat16,
                                 enabled=device == 'cuda'):
                 if args.keyframe_weight is not None or args.distractor_weight is not None:
-                    loss = weighted_loss(model, ids, attention, labels, weights.to(device))
+                    loss = weighted_loss(model, ids, None, labels, weights.to(device))
                 else:
-                    loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+                    loss = model(input_ids=ids, labels=labels).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
