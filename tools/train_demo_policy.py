@@ -301,6 +301,18 @@ def main():
                              'executed the tick before (others weigh 1; default: no '
                              'weights: the model loss as it is). The shipped policy repeats '
                              'its last turn rate where the expert would change it')
+    parser.add_argument('--online-dagger', type=float, default=None, metavar='START',
+                        help='DAgger during one continuous training run instead of rounds: '
+                             'from this fraction of the training time on, --dagger-workers '
+                             'processes keep rolling out the newest weights on '
+                             '--dagger-episodes fresh seeds at a time, the expert labels the '
+                             'states reached, and the episodes join the training data as '
+                             'they land (no optimizer restart, no GPU idle during rollouts; '
+                             'rounds restarted a one-cycle schedule, and the loss jumped '
+                             '0.38 -> 0.51). Excludes --dagger-rounds')
+    parser.add_argument('--dagger-workers', type=int, default=None,
+                        help='rollout processes of --online-dagger (default: half of --workers; '
+                             '--workers stays the number of batch builders)')
     parser.add_argument('--dagger-ticks', type=int, default=300,
                         help='ticks per rollout (the first goal or two)')
     parser.add_argument('--dagger-capacity', type=int, default=1024,
@@ -322,6 +334,12 @@ def main():
                          f'head count and HIDDEN = HEADS x {shape["head_dim"]}')
         shape.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                      intermediate_size=inter)
+    if args.online_dagger is not None:
+        if args.dagger_rounds or not 0.0 <= args.online_dagger < 1.0 \
+                or args.max_minutes is None:
+            parser.error('--online-dagger START wants 0 <= START < 1, --max-minutes (its '
+                         'schedule runs on the clock) and no --dagger-rounds')
+        args.dagger_workers = args.dagger_workers or max(1, args.workers // 2)
     for name in ('keyframe_weight', 'distractor_weight'):
         value = getattr(args, name)
         if value is not None and not value > 0:
@@ -330,6 +348,8 @@ def main():
     # validation seeds (when selecting) and the held-out ones
     last = (args.seed * 100000 + args.episodes
             + (args.dagger_rounds + len(dagger_models)) * args.dagger_episodes)
+    if args.online_dagger is not None:   # each iteration takes fresh seeds, up to a bound
+        last += ONLINE_DAGGER_MAX_ITERATIONS * args.dagger_episodes
     limit = VALIDATION_SEED0 if args.select_episodes else HELD_OUT_SEED0
     if args.seed < 0 or last > limit:
         which = 'validation' if args.select_episodes else 'held-out'
@@ -413,8 +433,18 @@ def main():
                        - validate_s * left) / left
             if seconds <= 0:
                 sys.exit(f'--max-minutes {args.max_minutes}: no time left for round {round_}')
-        rounds.append(_train_round(model, episodes, system, args, round_, seconds, device,
-                                   started))
+        online = None
+        if args.online_dagger is not None:
+            online = _OnlineDagger(model, tokenizer, args, first, tokenizer_json)
+        try:
+            rounds.append(_train_round(model, episodes, system, args, round_, seconds, device,
+                                       started, online))
+        finally:
+            if online is not None:
+                online.close()
+        if online is not None:
+            rounds[-1]['online_dagger'] = online.record()
+            first = online.first
         if args.select_episodes:
             t0 = time.time()
             success = _validation(model, tokenizer, args)
@@ -442,6 +472,11 @@ def main():
             'ticks': args.dagger_ticks, 'capacity': args.dagger_capacity,
             'seeds': [seeds[-1] + 1, dagger_end - 1]},
         'dagger_rounds': args.dagger_rounds,
+        'online_dagger': None if args.online_dagger is None else {
+            'start': args.online_dagger, 'workers': args.dagger_workers,
+            'episodes_per_iteration': args.dagger_episodes, 'ticks': args.dagger_ticks,
+            'capacity': args.dagger_capacity,
+            'note': 'the batches depend on when each iteration landed: not bit-reproducible'},
         'ticks': ticks, 'tokens_seen': sum(r['tokens_seen'] for r in rounds),
         'steps': sum(r['steps'] for r in rounds),
         'skipped_steps': sum(r['skipped_steps'] for r in rounds),
@@ -488,6 +523,77 @@ def _dagger_episodes(pool, models, first, args, tokenizer_json):
     return _with_goal_starts(list(pool.map(_episode, jobs, chunksize=8))), first
 
 
+ONLINE_DAGGER_MAX_ITERATIONS = 64   # bounds the seeds --online-dagger may take
+
+
+class _OnlineDagger:
+    """DAgger beside the training loop: rollouts of a snapshot of the weights on
+    ``--dagger-episodes`` fresh seeds in ``--dagger-workers`` forked processes, then the
+    expert's labels of the states reached (``_episode`` with ``executed``), then the next
+    iteration from the newest weights. ``poll`` never waits."""
+
+    def __init__(self, model, tokenizer, args, first, tokenizer_json):
+        self.tokenizer, self.args, self.first = tokenizer, args, first
+        self.tokenizer_json = tokenizer_json
+        self.pool = None
+        self.tmp = tempfile.TemporaryDirectory()
+        self.iterations = []
+        self.rollouts = self.labels = None
+
+    def _launch(self, model):
+        if len(self.iterations) >= ONLINE_DAGGER_MAX_ITERATIONS:
+            return
+        if self.pool is None:   # forked on first use: the builders are running by then
+            self.pool = ProcessPoolExecutor(self.args.dagger_workers, mp_context=_FORK)
+        path = str(Path(self.tmp.name) / f'iteration{len(self.iterations)}')
+        _export(model, self.tokenizer, path)
+        seeds = range(self.first, self.first + self.args.dagger_episodes)
+        self.first += self.args.dagger_episodes
+        self.started = time.time()
+        self.seeds = seeds
+        self.rollouts = [self.pool.submit(_drive, (path, seed, self.args.dagger_capacity,
+                                                   self.args.dagger_ticks)) for seed in seeds]
+        self.labels = None
+
+    def poll(self, model):
+        """The newest iteration's labelled episodes once it is done (and the next one
+        launched from ``model``), else []."""
+        if self.rollouts is None:
+            self._launch(model)
+            return []
+        if self.labels is None:
+            if not all(f.done() for f in self.rollouts):
+                return []
+            driven = [f.result() for f in self.rollouts]
+            self.goals = (sum(r[2] for r in driven), sum(r[3] for r in driven))
+            self.labels = [self.pool.submit(_episode, (seed, self.tokenizer_json, (0.0, 0.0),
+                                                       0.0, executed))
+                           for seed, executed, _, _ in driven]
+            return []
+        if not all(f.done() for f in self.labels):
+            return []
+        episodes = _with_goal_starts([f.result() for f in self.labels])
+        record = {'seeds': [self.seeds[0], self.seeds[-1]],
+                  'rollout_goals': list(self.goals), 'ticks': sum(len(e.ticks) for e in episodes),
+                  'seconds': round(time.time() - self.started, 1)}
+        self.iterations.append(record)
+        print(f'online DAgger iteration {len(self.iterations)}: {len(episodes)} episodes, '
+              f'{record["ticks"]} ticks, the snapshot reached {self.goals[0]} / '
+              f'{self.goals[1]} goals ({self.args.dagger_ticks} ticks at '
+              f'{self.args.dagger_capacity} tokens), {record["seconds"]} s', flush=True)
+        self._launch(model)
+        return episodes
+
+    def record(self):
+        return {'iterations': self.iterations,
+                'episodes': sum(1 for _ in self.iterations) * self.args.dagger_episodes}
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        self.tmp.cleanup()
+
+
 def _validation(model, tokenizer, args):
     """Goal success of ``model`` over the validation episodes (forked numpy workers)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -525,10 +631,15 @@ def weighted_loss(model, ids, attention, labels, weights):
     return (ce * w).sum() / w.sum().clamp_min(1e-6)
 
 
-def _train_round(model, episodes, system, args, round_, seconds, device, started):
+def _train_round(model, episodes, system, args, round_, seconds, device, started,
+                 online=None):
     """One round of ``args.steps`` steps (or ``seconds``): fresh AdamW and one-cycle
     schedule; batches built by forked workers (the episodes are inherited, not pickled),
-    kept two per worker ahead of the GPU, which otherwise waited on Python."""
+    kept two per worker ahead of the GPU, which otherwise waited on Python.
+
+    ``online`` (an ``_OnlineDagger``): polled every step from ``--online-dagger`` of the
+    round's time on; the episodes it returns join ``episodes`` and the builders are forked
+    again to inherit them (batches already queued come from the old ones)."""
     import torch
     global _EPISODES, _SYSTEM, _KEYFRAME, _DISTRACTOR
     _EPISODES, _SYSTEM = episodes, system
@@ -559,6 +670,16 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
                 for group, lr in zip(optimizer.param_groups,
                                      _one_cycle_lrs(schedule, position)):
                     group['lr'] = lr
+            if online is not None and seconds is not None and \
+                    time.time() - train_started >= args.online_dagger * seconds:
+                new = online.poll(model)
+                if new:
+                    for episode in new:
+                        _tick_tables(episode)
+                    episodes += new
+                    old, builders = builders, ProcessPoolExecutor(args.workers,
+                                                                  mp_context=_FORK)
+                    old.shutdown(wait=False)
             ids, labels, attention, weights = (torch.from_numpy(a)
                                                for a in batches.popleft().result())
             tokens_seen += int(attention.sum())
