@@ -10,6 +10,7 @@ from rt_llm_node.demo.messages import MessageFactory
 from rt_llm_node.demo.task import action_grammar
 from rt_llm_node.demo.task import action_words
 from rt_llm_node.demo.task import INPUTS
+from rt_llm_node.demo.task import object_phrases
 from rt_llm_node.demo.task import whole_words
 from rt_llm_node.demo.world import DemoWorld
 from rt_llm_node.model import load_checkpoint
@@ -72,6 +73,27 @@ def test_every_action_word_and_bearing_is_one_token_of_the_demo_tokenizer():
     text = grammar.render({'linear.x': -0.2, 'angular.z': 1.25})
     assert len(tokenizer.encode(text).ids) == 4      # prefix, v, w, newline
     assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def test_object_phrases_are_single_tokens_alike_in_instruction_and_detections():
+    texts = [line for seed in range(2) for line in episode_texts(seed)]
+    tokenizer = train_tokenizer(texts, 1280, whole_words=whole_words(), phrases=object_phrases())
+    assert len(object_phrases()) == 9
+    assert all(len(tokenizer.encode(word).ids) == 1 for word in whole_words() + object_phrases())
+    red_box = tokenizer.encode(' red box').ids[0]
+    instruction = 'task go to the red box'
+    detections = 'det red ball 23deg 4.0m; blue box 37deg 2.5m; red box -16deg 4.5m'
+    for text in (instruction, detections):
+        ids = tokenizer.encode(text).ids
+        assert ids.count(red_box) == 1 and tokenizer.decode(ids) == text
+    # a phrase is whole only where it stands as words: 'red boxes' is no object
+    assert red_box not in tokenizer.encode('det red boxes 3deg 1.0m').ids
+    grammar = action_grammar(tokenizer)
+    text = grammar.render({'linear.x': 0.5, 'angular.z': -0.75})
+    assert len(tokenizer.encode(text).ids) == 4
+    # without phrases, colour and shape stay two tokens (the shipped tokenizer's way)
+    plain = train_tokenizer(texts, 1280, whole_words=whole_words())
+    assert len(plain.encode(' red box').ids) == 2
 
 
 def test_the_shipped_policy_drives_to_the_goal_of_a_short_fixed_scenario():

@@ -44,6 +44,7 @@ from rt_llm_node.demo.episodes import success_rate  # noqa: E402
 from rt_llm_node.demo.episodes import system_ids  # noqa: E402
 from rt_llm_node.demo.episodes import train_tokenizer  # noqa: E402
 from rt_llm_node.demo.evaluate import HELD_OUT_SEED0  # noqa: E402
+from rt_llm_node.demo.task import object_phrases  # noqa: E402
 from rt_llm_node.demo.task import whole_words  # noqa: E402
 
 MODEL = {'vocab_size': 1280, 'hidden_size': 192, 'intermediate_size': 512,
@@ -301,6 +302,12 @@ def main():
                              'executed the tick before (others weigh 1; default: no '
                              'weights: the model loss as it is). The shipped policy repeats '
                              'its last turn rate where the expert would change it')
+    parser.add_argument('--object-tokens', action='store_true',
+                        help="a from-scratch tokenizer that keeps each object name (' red "
+                             "box') one token, in the instruction and in the detections: the "
+                             'shipped policy, with a colour and a shape token each, turns '
+                             'toward objects that share one of the two with the target '
+                             '(BENCHMARKS.md, stop 20), with or without its action history')
     parser.add_argument('--online-dagger', type=float, default=None, metavar='START',
                         help='DAgger during one continuous training run instead of rounds: '
                              'from this fraction of the training time on, --dagger-workers '
@@ -334,6 +341,9 @@ def main():
                          f'head count and HIDDEN = HEADS x {shape["head_dim"]}')
         shape.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                      intermediate_size=inter)
+    if args.object_tokens and args.init:
+        parser.error('--object-tokens trains a new tokenizer: not with --init (whose '
+                     'tokenizer the checkpoint was trained with)')
     if args.online_dagger is not None:
         if args.dagger_rounds or not 0.0 <= args.online_dagger < 1.0 \
                 or args.max_minutes is None:
@@ -368,7 +378,8 @@ def main():
         else:
             texts = [line for lines in pool.map(_texts, seeds[:200]) for line in lines]
             tokenizer = train_tokenizer(texts, MODEL['vocab_size'],
-                                        whole_words=whole_words())
+                                        whole_words=whole_words(),
+                                        phrases=object_phrases() if args.object_tokens else ())
         tokenizer_json = tokenizer.to_str()
         noisy = ((args.noise_v, args.noise_w), args.hold_rate)
         jobs = [(s, tokenizer_json, *(noisy if i % 4 else ((0.0, 0.0), 0.0)), None)
@@ -490,6 +501,7 @@ def main():
         'parameters': n_params,
         'noise': [args.noise_v, args.noise_w], 'hold_rate': args.hold_rate,
         'keyframe_weight': args.keyframe_weight, 'distractor_weight': args.distractor_weight,
+        'object_tokens': args.object_tokens,
         'init': args.init,
         'selected_round': None if best is None else best[1],
         'final_loss': rounds[-1 if best is None else best[1]]['final_loss'],
@@ -659,7 +671,10 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
     optimizer = torch.optim.AdamW(model.parameters(), lr=peak, weight_decay=0.01,
                                   betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=peak,
-                                                   total_steps=args.steps, pct_start=0.05)
+                                                   total_steps=args.steps,
+                                                   # a warm-up of 2 steps at least: torch
+                                                   # divides by its length (--steps 20)
+                                                   pct_start=max(0.05, 2.0 / args.steps))
     train_started = time.time()
     losses = []
     bad_steps = skipped = tokens_seen = 0

@@ -7,6 +7,7 @@ the inputs that changed (instruction once per goal, then /scan, /odom,
 
 from dataclasses import dataclass
 from dataclasses import field
+import re
 
 import numpy as np
 from tokenizers import decoders
@@ -70,15 +71,24 @@ def episode_texts(seed, noise=0.0):
     return lines
 
 
-def train_tokenizer(texts, vocab_size=768, whole_words=(), repeats=3000):
+def train_tokenizer(texts, vocab_size=768, whole_words=(), repeats=3000, phrases=()):
     """Byte-level BPE over whitespace-led words (' word'), so words tokenize independently.
 
     ``whole_words`` (e.g. every action word) are shown ``repeats`` times more, so that each
-    becomes one token: an action then takes one decode step per field.
+    becomes one token: an action then takes one decode step per field. ``phrases`` (e.g.
+    ' red box') are kept whole by the pre-tokenizer wherever they stand as words, and
+    learned as one token each the same way.
     """
+    words = r' ?[^\s]+|\s'
+    if phrases:   # tried first at each position; a phrase must end where a word ends
+        alternatives = '|'.join(re.escape(p.strip()) for p in sorted(phrases, key=len,
+                                                                       reverse=True))
+        words = rf' ?(?:{alternatives})(?=[\s;,.]|$)|' + words
+        whole_words = list(whole_words) + [p if p.startswith(' ') else ' ' + p
+                                           for p in phrases]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r' ?[^\s]+|\s'), behavior='isolated'),
+        pre_tokenizers.Split(Regex(words), behavior='isolated'),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tokenizer.decoder = decoders.ByteLevel()

@@ -7,6 +7,8 @@ The same definitions render the training data, drive the evaluation and fill
 from rt_llm_node.codec import ActionField
 from rt_llm_node.codec import InputSpec
 from rt_llm_node.codec import twist_grammar
+from rt_llm_node.demo.world import COLOURS
+from rt_llm_node.demo.world import SHAPES
 
 SYSTEM_PROMPT = 'go to the object in the task'
 RATE_HZ = 30.0
@@ -41,6 +43,17 @@ def action_words():
 def detection_words():
     """Every bearing word a detection can contain (' -62deg', ' 94deg'), as rendered."""
     return [f' {b}deg' for b in range(-180, 181)]
+
+
+def object_phrases():
+    """Every object name a detection or an instruction can contain (' red box', ...).
+
+    A tokenizer trained with ``episodes.train_tokenizer(..., phrases=object_phrases())``
+    keeps each one a single token, the same in the instruction and in every detection, so
+    finding the instructed object among the detections is matching one token, not a colour
+    and a shape that other objects share (tools/train_demo_policy.py --object-tokens).
+    """
+    return [f' {colour} {shape}' for colour in COLOURS for shape in SHAPES]
 
 
 def whole_words():
