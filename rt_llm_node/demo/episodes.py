@@ -81,8 +81,8 @@ def train_tokenizer(texts, vocab_size=768, whole_words=(), repeats=3000, phrases
     """
     words = r' ?[^\s]+|\s'
     if phrases:   # tried first at each position; a phrase must end where a word ends
-        alternatives = '|'.join(re.escape(p.strip()) for p in sorted(phrases, key=len,
-                                                                       reverse=True))
+        longest_first = sorted(phrases, key=len, reverse=True)
+        alternatives = '|'.join(re.escape(p.strip()) for p in longest_first)
         words = rf' ?(?:{alternatives})(?=[\s;,.]|$)|' + words
         whole_words = list(whole_words) + [p if p.startswith(' ') else ' ' + p
                                            for p in phrases]
