@@ -202,3 +202,34 @@ def test_action_delay_holds_each_command_back_and_the_replay_still_matches():
     assert late['executed'][0] == (0.0, 0.0) and late['executed'][1] == now['executed'][0]
     episode = expert_episode(seed, checkpoint.tokenizer, executed=late['executed'])
     assert episode.final_pose == late['pose']
+
+
+def test_demo_inputs_subsets_keep_what_the_expert_reads(tmp_path):
+    import json
+    import pytest
+    from rt_llm_node.demo.episodes import expert_episode
+    from rt_llm_node.demo.task import demo_inputs
+    from rt_llm_node.demo.task import model_inputs
+    assert demo_inputs() == INPUTS
+    without = demo_inputs(['/detections', '/scan', '/instruction'])
+    assert [s.topic for s in without] == ['/instruction', '/scan', '/detections']  # INPUTS order
+    with pytest.raises(ValueError, match='unknown'):
+        demo_inputs(['/instruction', '/scan', '/detections', '/imu'])
+    with pytest.raises(ValueError, match='needs'):
+        demo_inputs(['/instruction', '/odom', '/detections'])
+    # a checkpoint says what it was trained on; none said: all of them (the shipped model)
+    assert model_inputs(default_model_path()) == INPUTS
+    assert model_inputs(tmp_path) == INPUTS
+    (tmp_path / 'training.json').write_text(json.dumps({'inputs': [s.topic for s in without]}))
+    assert model_inputs(tmp_path) == without
+    (tmp_path / 'training.json').write_text('{not json')
+    with pytest.raises(ValueError, match='unreadable'):
+        model_inputs(tmp_path)
+    # an episode rendered without /odom has no odom segment and the same labels
+    tokenizer = load_checkpoint(default_model_path()).tokenizer
+    full = expert_episode(1_000_000, tokenizer)
+    lean = expert_episode(1_000_000, tokenizer, inputs=without)
+    assert len(full.ticks) == len(lean.ticks) and full.results == lean.results
+    assert any(topic == '/odom' for _, topic, _ in full.ticks[0].segments)
+    assert not any(topic == '/odom' for t in lean.ticks for _, topic, _ in t.segments)
+    assert [t.action_ids for t in full.ticks] == [t.action_ids for t in lean.ticks]

@@ -22,6 +22,8 @@ from rt_llm_node.demo.evaluate import run_model_episode
 from rt_llm_node.demo.expert import distractor_ahead
 from rt_llm_node.demo.expert import parse_detections
 from rt_llm_node.demo.expert import parse_instruction
+from rt_llm_node.demo.task import INPUTS
+from rt_llm_node.demo.task import model_inputs
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.embedded import default_model_path
 
@@ -53,7 +55,7 @@ AHEAD_DEG = 15
 STATS = 8   # ticks, agree, |dv|, |dw|, model repeats w, expert repeats w, turns to target x2
 
 
-def episode(checkpoint, seed, capacity, policy, driver='model'):
+def episode(checkpoint, seed, capacity, policy, driver='model', inputs=INPUTS):
     """(result of run_model_episode, {situation: [ticks, agree, |dv|, |dw|, model repeats
     the executed w, expert's label does, model turns toward the target, expert does]})."""
     stats = defaultdict(lambda: [0] * STATS)
@@ -78,7 +80,7 @@ def episode(checkpoint, seed, capacity, policy, driver='model'):
         last[0] = w if driver == 'model' else ew
 
     result = run_model_episode(checkpoint, seed, policy, capacity, observe=observe,
-                               expert_drives=driver == 'expert')
+                               expert_drives=driver == 'expert', inputs=inputs)
     return result, stats
 
 
@@ -96,7 +98,8 @@ def main():
     checkpoint = load_checkpoint(args.model)
     total = defaultdict(lambda: [0] * STATS)
     for seed in range(args.first_seed, args.first_seed + args.episodes):
-        result, stats = episode(checkpoint, seed, args.capacity, args.policy, args.driver)
+        result, stats = episode(checkpoint, seed, args.capacity, args.policy, args.driver,
+                                model_inputs(args.model))
         print(f"seed {seed}: {', '.join(result['results'])} in {result['ticks']} ticks, "
               f"{result['collisions']} collisions", flush=True)
         for key, s in stats.items():

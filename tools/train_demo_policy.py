@@ -44,6 +44,9 @@ from rt_llm_node.demo.episodes import success_rate  # noqa: E402
 from rt_llm_node.demo.episodes import system_ids  # noqa: E402
 from rt_llm_node.demo.episodes import train_tokenizer  # noqa: E402
 from rt_llm_node.demo.evaluate import HELD_OUT_SEED0  # noqa: E402
+from rt_llm_node.demo.task import demo_inputs  # noqa: E402
+from rt_llm_node.demo.task import INPUTS  # noqa: E402
+from rt_llm_node.demo.task import model_inputs  # noqa: E402
 from rt_llm_node.demo.task import object_phrases  # noqa: E402
 from rt_llm_node.demo.task import whole_words  # noqa: E402
 
@@ -57,26 +60,29 @@ BUDGETS = (128, 192, 256, 384, 512, 768, 1024)
 VALIDATION_SEED0 = 900_000
 
 
-def _texts(seed):
-    return episode_texts(seed)
+def _texts(job):
+    seed, topics = job
+    return episode_texts(seed, inputs=demo_inputs(topics))
 
 
 def _episode(job):
-    seed, tokenizer_json, noise, hold_rate, executed = job
+    seed, tokenizer_json, noise, hold_rate, executed, topics = job
     tokenizer = Tokenizer.from_str(tokenizer_json)
+    inputs = demo_inputs(topics)
     if executed is not None:   # DAgger: the policy's own states, the expert's labels
-        return expert_episode(seed, tokenizer, executed=executed)
-    return expert_episode(seed, tokenizer, noise=noise, hold_rate=hold_rate)
+        return expert_episode(seed, tokenizer, executed=executed, inputs=inputs)
+    return expert_episode(seed, tokenizer, noise=noise, hold_rate=hold_rate, inputs=inputs)
 
 
 def _drive(job):
     """One closed-loop episode of the model under meaning eviction (numpy backend): (seed,
-    what it executed, goals reached, goals). DAgger rollouts and validation both use it."""
+    what it executed, goals reached, goals). DAgger rollouts and validation both use it;
+    the model's inputs are the ones its export records (``_export``)."""
     model, seed, capacity, max_ticks = job
     from rt_llm_node.demo.evaluate import _checkpoint
     from rt_llm_node.demo.evaluate import run_model_episode
     result = run_model_episode(_checkpoint(model), seed, 'meaning', capacity,
-                               max_ticks=max_ticks)
+                               max_ticks=max_ticks, inputs=model_inputs(model))
     results = result['results']
     return seed, result['executed'], sum(r == 'reached' for r in results), len(results)
 
@@ -302,6 +308,12 @@ def main():
                              'executed the tick before (others weigh 1; default: no '
                              'weights: the model loss as it is). The shipped policy repeats '
                              'its last turn rate where the expert would change it')
+    parser.add_argument('--inputs', default=None, metavar='TOPIC[,TOPIC...]',
+                        help='the demo inputs the policy sees (default: all of them, '
+                             f"{','.join(s.topic for s in INPUTS)}); e.g. without /odom, "
+                             'whose measured turn rate the shipped policy copies into a spin '
+                             'in place (BENCHMARKS.md, stop 20). Recorded in training.json, '
+                             'which rt-llm-eval reads')
     parser.add_argument('--object-tokens', action='store_true',
                         help="a from-scratch tokenizer that keeps each object name (' red "
                              "box') one token, in the instruction and in the detections: the "
@@ -341,6 +353,12 @@ def main():
                          f'head count and HIDDEN = HEADS x {shape["head_dim"]}')
         shape.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                      intermediate_size=inter)
+    if args.inputs is not None:
+        try:
+            args.inputs = [spec.topic for spec in demo_inputs(
+                [t for t in args.inputs.split(',') if t])]
+        except ValueError as err:
+            parser.error(f'--inputs: {err}')
     if args.object_tokens and args.init:
         parser.error('--object-tokens trains a new tokenizer: not with --init (whose '
                      'tokenizer the checkpoint was trained with)')
@@ -376,14 +394,15 @@ def main():
         if args.init:   # the checkpoint's own token ids
             tokenizer = Tokenizer.from_file(str(Path(args.init) / 'tokenizer.json'))
         else:
-            texts = [line for lines in pool.map(_texts, seeds[:200]) for line in lines]
+            texts = [line for lines in pool.map(_texts, [(s, args.inputs) for s in seeds[:200]])
+                     for line in lines]
             tokenizer = train_tokenizer(texts, MODEL['vocab_size'],
                                         whole_words=whole_words(),
                                         phrases=object_phrases() if args.object_tokens else ())
         tokenizer_json = tokenizer.to_str()
         noisy = ((args.noise_v, args.noise_w), args.hold_rate)
-        jobs = [(s, tokenizer_json, *(noisy if i % 4 else ((0.0, 0.0), 0.0)), None)
-                for i, s in enumerate(seeds)]
+        jobs = [(s, tokenizer_json, *(noisy if i % 4 else ((0.0, 0.0), 0.0)), None,
+                 args.inputs) for i, s in enumerate(seeds)]
         first = seeds[-1] + 1
         episodes = _with_goal_starts(list(pool.map(_episode, jobs, chunksize=8)))
         rollout_s = None
@@ -428,7 +447,7 @@ def main():
         if round_:   # DAgger: the model of the round before drives, the expert labels
             t0 = time.time()
             with tempfile.TemporaryDirectory() as tmp:
-                _export(model, tokenizer, tmp)
+                _export(model, tokenizer, tmp, args.inputs)
                 with ProcessPoolExecutor(args.workers, mp_context=_FORK) as pool:
                     new, next_seed = _dagger_episodes(pool, [tmp], first, args,
                                                       tokenizer_json)
@@ -502,6 +521,7 @@ def main():
         'noise': [args.noise_v, args.noise_w], 'hold_rate': args.hold_rate,
         'keyframe_weight': args.keyframe_weight, 'distractor_weight': args.distractor_weight,
         'object_tokens': args.object_tokens,
+        'inputs': [spec.topic for spec in demo_inputs(args.inputs)],
         'init': args.init,
         'selected_round': None if best is None else best[1],
         'final_loss': rounds[-1 if best is None else best[1]]['final_loss'],
@@ -532,7 +552,8 @@ def _dagger_episodes(pool, models, first, args, tokenizer_json):
             (model, seed, args.dagger_capacity, args.dagger_ticks)
             for seed in range(first, first + args.dagger_episodes)])]
         first += args.dagger_episodes
-        jobs += [(seed, tokenizer_json, (0.0, 0.0), 0.0, executed)
+        # rendered with this run's inputs, whatever the driving model saw
+        jobs += [(seed, tokenizer_json, (0.0, 0.0), 0.0, executed, args.inputs)
                  for seed, executed in rollouts]
     return _with_goal_starts(list(pool.map(_episode, jobs, chunksize=8))), first
 
@@ -563,7 +584,7 @@ class _OnlineDagger:
             self.pool = ProcessPoolExecutor(self.args.dagger_workers, mp_context=_FORK,
                                             initializer=os.nice, initargs=(10,))
         path = str(Path(self.tmp.name) / f'iteration{len(self.iterations)}')
-        _export(model, self.tokenizer, path)
+        _export(model, self.tokenizer, path, self.args.inputs)
         seeds = range(self.first, self.first + self.args.dagger_episodes)
         self.first += self.args.dagger_episodes
         self.started = time.time()
@@ -584,7 +605,7 @@ class _OnlineDagger:
             driven = [f.result() for f in self.rollouts]
             self.goals = (sum(r[2] for r in driven), sum(r[3] for r in driven))
             self.labels = [self.pool.submit(_episode, (seed, self.tokenizer_json, (0.0, 0.0),
-                                                       0.0, executed))
+                                                       0.0, executed, self.args.inputs))
                            for seed, executed, _, _ in driven]
             return []
         if not all(f.done() for f in self.labels):
@@ -614,7 +635,7 @@ class _OnlineDagger:
 def _validation(model, tokenizer, args):
     """Goal success of ``model`` over the validation episodes (forked numpy workers)."""
     with tempfile.TemporaryDirectory() as tmp:
-        _export(model, tokenizer, tmp)
+        _export(model, tokenizer, tmp, args.inputs)
         jobs = [(tmp, VALIDATION_SEED0 + i, args.select_capacity, None)
                 for i in range(args.select_episodes)]
         with ProcessPoolExecutor(args.workers, mp_context=_FORK) as pool:
@@ -622,8 +643,9 @@ def _validation(model, tokenizer, args):
     return sum(r[2] for r in results) / max(1, sum(r[3] for r in results))
 
 
-def _export(model, tokenizer, path):
-    """An HF-layout checkpoint (bf16) of ``model``, which stays as it is."""
+def _export(model, tokenizer, path, inputs=None):
+    """An HF-layout checkpoint (bf16) of ``model``, which stays as it is; ``inputs`` (topics):
+    recorded in its training.json, where rollouts and rt-llm-eval read them."""
     import torch
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -632,6 +654,8 @@ def _export(model, tokenizer, path):
     for extra in ('generation_config.json',):
         if (path / extra).exists():
             (path / extra).unlink()
+    if inputs is not None:
+        (path / 'training.json').write_text(json.dumps({'inputs': list(inputs)}) + '\n')
 
 
 def weighted_loss(model, ids, attention, labels, weights):

@@ -49,16 +49,16 @@ class Episode:
     final_pose: tuple = None
 
 
-def episode_texts(seed, noise=0.0):
+def episode_texts(seed, noise=0.0, inputs=INPUTS):
     """Plain text lines of an expert episode (for training the tokenizer)."""
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
-    codec = ObservationCodec(None, INPUTS)
+    codec = ObservationCodec(None, inputs)
     lines, instruction = [SYSTEM_PROMPT], ''
     rng = np.random.default_rng(seed)
     last_w = 0.0
     while not world.done:
         msgs = world.observe()
-        for spec in INPUTS:
+        for spec in inputs:
             if spec.topic in msgs:
                 lines.append(codec.text(spec.topic, msgs[spec.topic]))
         if '/instruction' in msgs:
@@ -101,7 +101,7 @@ def train_tokenizer(texts, vocab_size=768, whole_words=(), repeats=3000, phrases
 
 
 def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate=0.0,
-                   executed=None):
+                   executed=None, inputs=INPUTS):
     """Run the expert in the world; record each tick's tokens (label: the clean expert action).
 
     ``noise``: std of Gaussian noise (v, w) added to the executed command, so the
@@ -113,10 +113,11 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
     what a policy executed on this seed (``evaluate.run_model_episode``): the robot
     replays it exactly (the world is deterministic per seed and command sequence) and
     the episode ends with it, while each tick's label is still the expert's: DAgger
-    data, the states the policy itself reaches.
+    data, the states the policy itself reaches. ``inputs``: the input specs rendered (the
+    expert reads the messages either way).
     """
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
-    codec = ObservationCodec(tokenizer, INPUTS)
+    codec = ObservationCodec(tokenizer, inputs)
     grammar = action_grammar(tokenizer)
     rng = np.random.default_rng(seed if noise_seed is None else noise_seed)
     episode = Episode(seed)
@@ -126,7 +127,7 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
     while not world.done and (executed is None or world.tick < len(executed)):
         msgs = world.observe()
         segments = [(spec.kind, spec.topic, codec.encode(spec.topic, msgs[spec.topic]))
-                    for spec in INPUTS if spec.topic in msgs]
+                    for spec in inputs if spec.topic in msgs]
         if '/instruction' in msgs:
             instruction = msgs['/instruction'].data
         v, w = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),

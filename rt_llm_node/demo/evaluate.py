@@ -30,6 +30,7 @@ from rt_llm_node.demo.expert import expert_command
 from rt_llm_node.demo.messages import MessageFactory
 from rt_llm_node.demo.task import action_grammar
 from rt_llm_node.demo.task import INPUTS
+from rt_llm_node.demo.task import model_inputs
 from rt_llm_node.demo.task import SYSTEM_PROMPT
 from rt_llm_node.demo.world import DemoWorld
 from rt_llm_node.engine import ModelClock
@@ -64,7 +65,7 @@ def _checkpoint(path):
 
 
 def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_ticks=None,
-                      observe=None, expert_drives=False, action_delay=0):
+                      observe=None, expert_drives=False, action_delay=0, inputs=INPUTS):
     """One closed-loop episode; returns dict(results, ticks, agree, refusals, executed, pose,
     collisions).
 
@@ -76,14 +77,15 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
     (quantized; the model's is None on a refusal); with ``expert_drives`` the robot executes
     the expert's command while the model still decides every tick (its fit on the expert's
     own states). ``action_delay``: ticks between an observation and its command's effect
-    (``executed`` holds what the robot executed, so replays need no delay).
+    (``executed`` holds what the robot executed, so replays need no delay). ``inputs``: the
+    input specs the engine renders, those the policy was trained on (``model_inputs``).
     """
     actuate = Actuation(action_delay)
     backend = backend or NumpyBackend(checkpoint, capacity)
     backend.rollback(0)
     grammar = action_grammar(checkpoint.tokenizer)
     clock = ModelClock()
-    engine = TickEngine(backend, checkpoint.tokenizer, INPUTS, grammar,
+    engine = TickEngine(backend, checkpoint.tokenizer, inputs, grammar,
                         Admission(CostModel(), margin_ms=0.0), policy=policy,
                         system_prompt=SYSTEM_PROMPT, clock=clock)
     engine.start()
@@ -159,7 +161,7 @@ def _job(job):
     if key not in _BACKENDS:   # reused by this worker's later episodes (rolled back to 0)
         _BACKENDS[key] = NumpyBackend(checkpoint, capacity)
     return run_model_episode(checkpoint, seed, policy, capacity, _BACKENDS[key],
-                             action_delay=delay)
+                             action_delay=delay, inputs=model_inputs(model))
 
 
 def summarize(episodes):

@@ -4,6 +4,9 @@ The same definitions render the training data, drive the evaluation and fill
 ``config/demo.yaml``; a test checks that the YAML and this module agree.
 """
 
+import json
+from pathlib import Path
+
 from rt_llm_node.codec import ActionField
 from rt_llm_node.codec import InputSpec
 from rt_llm_node.codec import twist_grammar
@@ -26,6 +29,42 @@ TWIST_FIELDS = (
     {'name': 'linear.x', 'key': 'v', 'min': -0.2, 'max': 0.8, 'step': 0.1},
     {'name': 'angular.z', 'key': 'w', 'min': -1.5, 'max': 1.5, 'step': 0.25},
 )
+
+
+REQUIRED_TOPICS = ('/instruction', '/scan', '/detections')   # what the expert reads
+
+
+def demo_inputs(topics=None):
+    """``INPUTS`` restricted to ``topics`` (in ``INPUTS`` order; None: all of them).
+
+    A policy may be trained on fewer inputs than the world publishes (e.g. without /odom,
+    whose measured turn rate the shipped policy copies); the expert's own inputs stay.
+    """
+    if topics is None:
+        return INPUTS
+    topics = list(topics)
+    known = [spec.topic for spec in INPUTS]
+    unknown = [t for t in topics if t not in known]
+    if unknown:
+        raise ValueError(f'unknown demo input(s) {unknown}: the demo has {known}')
+    missing = [t for t in REQUIRED_TOPICS if t not in topics]
+    if missing:
+        raise ValueError(f'the demo policy needs {missing} (the expert it imitates reads them)')
+    return tuple(spec for spec in INPUTS if spec.topic in topics)
+
+
+def model_inputs(model_dir):
+    """The demo inputs a checkpoint was trained on: the topics its ``training.json``
+    records under "inputs" (tools/train_demo_policy.py --inputs), else all of ``INPUTS``.
+    Feeding a policy inputs it was not trained on loses most goals (BENCHMARKS.md)."""
+    record = Path(model_dir) / 'training.json'
+    if not record.is_file():
+        return INPUTS
+    try:
+        topics = json.loads(record.read_text()).get('inputs')
+    except (OSError, ValueError, AttributeError) as err:
+        raise ValueError(f'{record}: unreadable ({err})') from None
+    return demo_inputs(topics)
 
 
 def action_grammar(tokenizer):
