@@ -45,6 +45,14 @@ def test_demo_profile_matches_the_demo_task():
     assert values['action_step'] == [f['step'] for f in task.TWIST_FIELDS]
 
 
+def test_demo_profile_feeds_the_shipped_model_what_it_was_trained_on():
+    """A policy fed inputs it was not trained on loses most goals (BENCHMARKS.md, stop 20):
+    the shipped checkpoint's recorded inputs (training.json) are the demo profile's."""
+    from rt_llm_node.model.embedded import default_model_path
+    values = load('demo.yaml')
+    assert values['input_topics'] == [s.topic for s in task.model_inputs(default_model_path())]
+
+
 def test_inconsistent_lists_are_reported():
     values = {p: BY_NAME[p].default for p in BY_NAME}
     values['input_types'] = ['sensor_msgs/msg/LaserScan']

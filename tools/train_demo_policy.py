@@ -694,11 +694,10 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
     peak = args.lr if round_ == 0 or args.dagger_lr is None else args.dagger_lr
     optimizer = torch.optim.AdamW(model.parameters(), lr=peak, weight_decay=0.01,
                                   betas=(0.9, 0.95))
+    # torch divides by the warm-up's length, pct_start * steps - 1, which is 0 at --steps 20
+    pct_start = 0.05 if abs(0.05 * args.steps - 1.0) > 1e-9 else 2.0 / args.steps
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=peak,
-                                                   total_steps=args.steps,
-                                                   # a warm-up of 2 steps at least: torch
-                                                   # divides by its length (--steps 20)
-                                                   pct_start=max(0.05, 2.0 / args.steps))
+                                                   total_steps=args.steps, pct_start=pct_start)
     train_started = time.time()
     losses = []
     bad_steps = skipped = tokens_seen = 0
