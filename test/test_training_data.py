@@ -273,3 +273,40 @@ def test_distractor_ticks_are_flagged_and_weighted(data):
         assert weights[-1] == (4.0 if ticks[end].distractor else 1.0)
         assert all(w in (0.0, 1.0, 4.0) and (w == 0) == (x == -100)
                    for w, x in zip(weights, labels))
+
+
+def test_online_dagger_adds_the_rollouts_of_the_newest_weights_while_training(tmp_path):
+    """--online-dagger end to end on the CPU, tiny: rollouts of snapshots land during the one
+    training run, their expert-labelled episodes join the data (training.json counts them),
+    and the export loads in numpy; with --dagger-rounds it is refused before any work."""
+    pytest.importorskip('torch')
+    pytest.importorskip('transformers')
+    import json
+    import subprocess
+    import sys
+    tool = str(Path(train_demo_policy.__file__))
+    run = subprocess.run([sys.executable, tool, '--out', str(tmp_path / 'x'), '--online-dagger',
+                          '0.1', '--dagger-rounds', '1', '--max-minutes', '1'],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and '--online-dagger' in run.stderr, run.stderr[-500:]
+    out = tmp_path / 'model'
+    run = subprocess.run(
+        [sys.executable, tool, '--size', '64,1,2,128', '--out', str(out), '--episodes', '4',
+         '--steps', '100000', '--batch', '2', '--workers', '1', '--online-dagger', '0.0',
+         '--dagger-workers', '1', '--dagger-episodes', '1', '--dagger-ticks', '8',
+         '--max-minutes', '0.8'],
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    record = json.loads((out / 'training.json').read_text())
+    iterations = record['rounds'][0]['online_dagger']['iterations']
+    assert iterations, run.stdout[-2000:]
+    assert record['episodes'] == 4 + len(iterations)      # one rollout an iteration
+    seeds = [it['seeds'] for it in iterations]
+    # fresh seeds each time, never an iteration twice (past the cap on iterations, none)
+    assert seeds[0] == [4, 4] and all(b[0] == a[1] + 1 for a, b in zip(seeds, seeds[1:]))
+    assert len(iterations) <= train_demo_policy.ONLINE_DAGGER_MAX_ITERATIONS
+    assert all(it['ticks'] == 8 for it in iterations)
+    from rt_llm_node.backends.numpy_backend import NumpyBackend
+    backend = NumpyBackend(load_checkpoint(out), 32)
+    backend.prefill([1, 2, 3])
+    assert np.isfinite(backend.logits()).all()

@@ -574,9 +574,11 @@ class _OnlineDagger:
         self.tmp = tempfile.TemporaryDirectory()
         self.iterations = []
         self.rollouts = self.labels = None
+        self.exhausted = False
 
     def _launch(self, model):
-        if len(self.iterations) >= ONLINE_DAGGER_MAX_ITERATIONS:
+        if len(self.iterations) >= ONLINE_DAGGER_MAX_ITERATIONS:   # the seeds allowed for
+            self.exhausted = True
             return
         if self.pool is None:   # forked on first use: the builders are running by then
             # niced: the training loop is one Python thread launching GPU work, and with
@@ -596,6 +598,8 @@ class _OnlineDagger:
     def poll(self, model):
         """The newest iteration's labelled episodes once it is done (and the next one
         launched from ``model``), else []."""
+        if self.exhausted:
+            return []
         if self.rollouts is None:
             self._launch(model)
             return []
