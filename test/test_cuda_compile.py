@@ -72,3 +72,51 @@ def test_grid_stride_option_refuses_nonsense(bad):
 def test_grid_stride_option_takes_flags_and_block_counts(good):
     from rt_llm_node.backends.cuda_backend import CudaBackend
     assert CudaBackend._check_grid_stride(good) is good
+
+
+def test_compiled_kernels_are_kept_by_source_and_options(tmp_path, monkeypatch):
+    """cached_cubin compiles once per sources, options and NVRTC; a damaged entry is
+    compiled again; an unwritable cache only costs the compile. Real NVRTC throughout, on a
+    one-kernel program so that it stays quick."""
+    from rt_llm_node.backends import cuda_kernels
+    src = tmp_path / 'src'
+    src.mkdir()
+    (src / 'common.cuh').write_text('#pragma once\n')
+    (src / 'tiny.cu').write_text('#include "common.cuh"\n'
+                                 'extern "C" __global__ void twice(float* x) '
+                                 '{ x[threadIdx.x] *= 2.f; }\n')
+    compiled = []
+    real = cuda_kernels.compile_cubin
+
+    def counting(*args):
+        compiled.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(cuda_kernels, 'compile_cubin', counting)
+    cache = tmp_path / 'cache'
+    first = cuda_kernels.cached_cubin(90, 'BF16', src, cache)
+    assert len(compiled) == 1 and b'twice' in first[0]
+    assert cuda_kernels.cached_cubin(90, 'BF16', src, cache) == first and len(compiled) == 1
+    # other options or other sources: another entry
+    cuda_kernels.cached_cubin(87, 'BF16', src, cache)
+    cuda_kernels.cached_cubin(90, 'F16', src, cache)
+    assert len(compiled) == 3 and len(list(cache.glob('*.cubin'))) == 3
+    (src / 'tiny.cu').write_text((src / 'tiny.cu').read_text().replace('2.f', '3.f'))
+    cuda_kernels.cached_cubin(90, 'BF16', src, cache)
+    assert len(compiled) == 4
+    # a damaged entry is compiled again and replaced
+    entry = max(cache.glob('*.cubin'), key=lambda p: p.stat().st_mtime_ns)
+    entry.write_bytes(entry.read_bytes()[:100])
+    again = cuda_kernels.cached_cubin(90, 'BF16', src, cache)
+    assert len(compiled) == 5 and b'twice' in again[0]
+    assert cuda_kernels.cached_cubin(90, 'BF16', src, cache) == again and len(compiled) == 5
+    # no cache (None, or RT_LLM_KERNEL_CACHE=off), or one that cannot be written: compiled
+    assert cuda_kernels.cached_cubin(90, 'BF16', src, None)[0] == again[0]
+    blocked = tmp_path / 'file'
+    blocked.write_text('not a folder')
+    assert cuda_kernels.cached_cubin(90, 'BF16', src, blocked / 'cache')[0] == again[0]
+    assert len(compiled) == 7
+    monkeypatch.setenv('RT_LLM_KERNEL_CACHE', 'off')
+    assert cuda_kernels.kernel_cache_dir() is None
+    monkeypatch.setenv('RT_LLM_KERNEL_CACHE', str(cache))
+    assert cuda_kernels.kernel_cache_dir() == cache

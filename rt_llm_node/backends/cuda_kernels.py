@@ -106,6 +106,53 @@ def compile_cubin(arch, weight_dtype, folder=None):
         nvrtc.destroyProgram(program)
 
 
+def kernel_cache_dir():
+    """Where compiled kernels are kept: $RT_LLM_KERNEL_CACHE ('' or 'off': nowhere), else
+    $XDG_CACHE_HOME/rt_llm_node/kernels (~/.cache by default)."""
+    value = os.environ.get('RT_LLM_KERNEL_CACHE')
+    if value is not None:
+        return None if value.strip() in ('', 'off') else Path(value)
+    base = os.environ.get('XDG_CACHE_HOME') or Path.home() / '.cache'
+    return Path(base) / 'rt_llm_node' / 'kernels'
+
+
+def cached_cubin(arch, weight_dtype, folder=None, cache_dir=False):
+    """``compile_cubin``'s (cubin, log), kept on disk under a hash of the sources, the
+    options and NVRTC's version: configure compiles once per build and device (about 10-30
+    s of NVRTC on one core), not on every start. ``cache_dir``: a folder, None for no cache,
+    False (default) for ``kernel_cache_dir()``. A cache that cannot be read or written is
+    passed over: the kernels are compiled as without one; a damaged entry (checked by its
+    digest) is compiled again and replaced."""
+    import hashlib
+    from cupy_backends.cuda.libs import nvrtc
+    if cache_dir is False:
+        cache_dir = kernel_cache_dir()
+    if cache_dir is None:
+        return compile_cubin(arch, weight_dtype, folder)
+    key = hashlib.sha256('\0'.join([
+        program_source(folder), *compile_options(arch, weight_dtype),
+        repr(nvrtc.getVersion())]).encode()).hexdigest()
+    path = Path(cache_dir) / f'{key}.cubin'
+    try:
+        blob = path.read_bytes()
+        digest, size = blob[:32], int.from_bytes(blob[32:40], 'little')
+        cubin, log = blob[40:40 + size], blob[40 + size:].decode()
+        if hashlib.sha256(blob[32:]).digest() == digest and len(cubin) == size:
+            return cubin, log
+    except (OSError, ValueError, UnicodeDecodeError):
+        pass
+    cubin, log = compile_cubin(arch, weight_dtype, folder)
+    body = len(cubin).to_bytes(8, 'little') + cubin + log.encode()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f'.{os.getpid()}.tmp')
+        tmp.write_bytes(hashlib.sha256(body).digest() + body)
+        os.replace(tmp, path)   # atomic: a concurrent reader sees the old entry or the new
+    except OSError:
+        pass
+    return cubin, log
+
+
 class KernelSet:
     """The loaded module for one device and weight dtype; ``k.name`` is a kernel."""
 
@@ -113,7 +160,7 @@ class KernelSet:
         import cupy
         device = cupy.cuda.Device(device_id)
         self.arch = int(device.compute_capability)  # '90' on Hopper, '87' on Orin
-        self.cubin, self.log = compile_cubin(self.arch, weight_dtype)
+        self.cubin, self.log = cached_cubin(self.arch, weight_dtype)
         self.module = cupy.cuda.function.Module()
         self.module.load(self.cubin)
         self.functions = {name: self.module.get_function(name)
