@@ -172,8 +172,14 @@ def test_eval_reports_each_episode_as_it_finishes_and_writes_the_table(tmp_path,
     assert expert['success'] == sum(r == 'reached' for r in goals) / len(goals)
     assert expert['seeds'] == [first, first + 1]
     assert expert['reached'] == [sum(r == 'reached' for r in e['results']) for e in direct]
+    assert table['backend'] == 'numpy'
     with pytest.raises(SystemExit):   # training seeds are not held out
         main(['--episodes', '1', '--first-seed', '5', '--policies', ''])
+    from rt_llm_node.backends import cuda_available
+    if not cuda_available():   # --backend cuda without a GPU: refused with a reason
+        with pytest.raises(SystemExit):
+            main(['--episodes', '1', '--backend', 'cuda'])
+        assert 'needs CuPy and a CUDA device' in capsys.readouterr().err
 
 
 def test_action_delay_holds_each_command_back_and_the_replay_still_matches():

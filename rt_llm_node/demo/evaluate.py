@@ -17,12 +17,14 @@ from collections import deque
 from concurrent.futures import as_completed
 from concurrent.futures import ProcessPoolExecutor
 import json
+import multiprocessing
 import os
 from pathlib import Path
 import time
 
 from rt_llm_node.admission import Admission
 from rt_llm_node.admission import CostModel
+from rt_llm_node.backends import make_backend
 from rt_llm_node.backends.numpy_backend import NumpyBackend
 from rt_llm_node.codec import scan_sectors
 from rt_llm_node.demo.episodes import SCAN_SECTORS
@@ -150,16 +152,16 @@ _BACKENDS = {}
 
 
 def _job(job):
-    """One episode in a worker process: (model, policy, budget, seed, action delay) -> its
-    result dict."""
-    model, policy, budget, seed, delay = job
+    """One episode in a worker process: (model, policy, budget, seed, action delay, backend)
+    -> its result dict."""
+    model, policy, budget, seed, delay, backend = job
     checkpoint = _checkpoint(model)
     if policy == 'expert':
         return run_expert_episode(seed, delay)
     capacity = checkpoint.config.max_position_embeddings if budget == 'full' else int(budget)
     key = (model, capacity)
     if key not in _BACKENDS:   # reused by this worker's later episodes (rolled back to 0)
-        _BACKENDS[key] = NumpyBackend(checkpoint, capacity)
+        _BACKENDS[key] = make_backend(backend, checkpoint, capacity)
     return run_model_episode(checkpoint, seed, policy, capacity, _BACKENDS[key],
                              action_delay=delay, inputs=model_inputs(model))
 
@@ -185,11 +187,11 @@ def summarize_rows(gathered):
             for row, eps in gathered.items()}
 
 
-def _write_json(path, table, complete):
-    """The table, and whether every episode of the run is in it."""
+def _write_json(path, table, complete, backend='numpy'):
+    """The table, whether every episode of the run is in it, and the policy's backend."""
     full = {p: table.get(f'{p}@full', {}).get('success') for p in POLICIES}
-    Path(path).write_text(json.dumps({'table': table, 'full': full, 'complete': complete},
-                                     indent=2))
+    Path(path).write_text(json.dumps({'table': table, 'full': full, 'complete': complete,
+                                      'backend': backend}, indent=2))
 
 
 def plot(table, path):
@@ -226,6 +228,12 @@ def main(argv=None):
     parser.add_argument('--action-delay', type=int, default=0, metavar='TICKS',
                         help='ticks from an observation to its command reaching the robot '
                              '(0: the next step, as in training)')
+    parser.add_argument('--backend', default='numpy', choices=('numpy', 'cuda'),
+                        help="the policy's backend (default numpy, the reference the tables "
+                             'in BENCHMARKS.md use). cuda: every worker process runs its own '
+                             'CUDA backend on the one GPU, the workers started fresh (spawn), '
+                             'not forked; float sums in another order can turn a near tie '
+                             'the other way, so an episode may differ from the numpy one')
     parser.add_argument('--json', default=None, help='write the full table as JSON here')
     parser.add_argument('--plot', default=None, help='write the PNG here')
     parser.add_argument('--write', action='store_true', help='record in BENCHMARKS.md')
@@ -235,6 +243,11 @@ def main(argv=None):
     if args.first_seed < HELD_OUT_SEED0:
         parser.error(f'--first-seed must be >= {HELD_OUT_SEED0}: lower seeds are training '
                      'seeds')
+    if args.backend == 'cuda':
+        from rt_llm_node.backends import cuda_available
+        from rt_llm_node.backends import cuda_backend_class
+        if cuda_backend_class() is None or not cuda_available():
+            parser.error('--backend cuda needs CuPy and a CUDA device; none was found')
     model = str(args.model or default_model_path())
     seeds = list(range(args.first_seed, args.first_seed + args.episodes))
     budgets = [b if b == 'full' else int(b) for b in args.budgets.split(',')]
@@ -248,10 +261,12 @@ def main(argv=None):
     for seed in seeds:
         for policy, budget in configs:
             owner = 'expert' if policy == 'expert' else f'{policy}@{budget}'
-            jobs[(model, policy, budget, seed, args.action_delay)] = owner
+            jobs[(model, policy, budget, seed, args.action_delay, args.backend)] = owner
     started = time.time()
     gathered = {}
-    with ProcessPoolExecutor(args.workers) as pool:
+    # CUDA cannot be used in a child forked after the parent touched it (the check above)
+    context = multiprocessing.get_context('spawn' if args.backend == 'cuda' else None)
+    with ProcessPoolExecutor(args.workers, mp_context=context) as pool:
         futures = {pool.submit(_job, job): job for job in jobs}
         for done, future in enumerate(as_completed(futures), 1):
             job = futures[future]
@@ -261,7 +276,8 @@ def main(argv=None):
             print(f'[{done}/{len(jobs)}] {jobs[job]} seed {job[3]}: {reached} of '
                   f"{len(episode['results'])} goals, {time.time() - started:.0f} s", flush=True)
             if args.json and done < len(jobs):
-                _write_json(args.json, summarize_rows(gathered), complete=False)
+                _write_json(args.json, summarize_rows(gathered), complete=False,
+                            backend=args.backend)
     table = summarize_rows(gathered)
     elapsed = time.time() - started
     header = ['policy', *[f'success @{b}' for b in budgets], *[f'agree @{b}' for b in budgets]]
@@ -274,9 +290,9 @@ def main(argv=None):
     from rt_llm_node.bench_report import print_table
     print_table(header, rows)
     print(f'{args.episodes} held-out episodes per row, action delay {args.action_delay} '
-          f'ticks, {elapsed:.0f} s')
+          f'ticks, {args.backend} backend, {elapsed:.0f} s')
     if args.json:
-        _write_json(args.json, table, complete=True)
+        _write_json(args.json, table, complete=True, backend=args.backend)
     if args.plot or (args.write and policies):
         root = Path(__file__).resolve().parents[2]
         plot_path = Path(args.plot or root / 'docs' / 'eviction.png')
