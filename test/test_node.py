@@ -40,8 +40,10 @@ def executor():
     ex = SingleThreadedExecutor()
     thread = threading.Thread(target=ex.spin, daemon=True)
     thread.start()
+    ex.spin_thread = thread   # for fixtures that destroy nodes: join it first
     yield ex
     ex.shutdown()
+    thread.join(timeout=10.0)
     rclpy.shutdown()
 
 
@@ -93,6 +95,10 @@ def rig(executor):
     # destroyed: destroying a node under a running callback raised "cannot use Destroyable
     # because destruction was requested" in an executor thread now and then
     executor.shutdown()
+    # and its thread has left spin(): shutdown() waits for the callbacks it saw running,
+    # not for a spin_once already past its wait with a timer in hand (the world's _step
+    # then published on a destroyed publisher, an unhandled thread exception in CI)
+    executor.spin_thread.join(timeout=10.0)
     for node in (*made, world, recorder):
         node.destroy_node()
 
@@ -164,6 +170,7 @@ def test_too_short_a_period_refuses_with_deadline_before_the_deadline(executor, 
     finally:
         node._stop_loop()
         executor.shutdown()   # its callbacks finish before the node goes (see rig)
+        executor.spin_thread.join(timeout=10.0)
         node.destroy_node()
         for proc in (world, peer):
             proc.send_signal(signal.SIGINT)
