@@ -467,7 +467,7 @@ def main():
                 sys.exit(f'--max-minutes {args.max_minutes}: no time left for round {round_}')
         online = None
         if args.online_dagger is not None:
-            online = _OnlineDagger(model, tokenizer, args, first, tokenizer_json)
+            online = _OnlineDagger(tokenizer, args, first, tokenizer_json)
         try:
             rounds.append(_train_round(model, episodes, system, args, round_, seconds, device,
                                        started, online))
@@ -567,7 +567,7 @@ class _OnlineDagger:
     expert's labels of the states reached (``_episode`` with ``executed``), then the next
     iteration from the newest weights. ``poll`` never waits."""
 
-    def __init__(self, model, tokenizer, args, first, tokenizer_json):
+    def __init__(self, tokenizer, args, first, tokenizer_json):
         self.tokenizer, self.args, self.first = tokenizer, args, first
         self.tokenizer_json = tokenizer_json
         self.pool = None
@@ -628,7 +628,7 @@ class _OnlineDagger:
 
     def record(self):
         return {'iterations': self.iterations,
-                'episodes': sum(1 for _ in self.iterations) * self.args.dagger_episodes}
+                'episodes': len(self.iterations) * self.args.dagger_episodes}
 
     def close(self):
         if self.pool is not None:
