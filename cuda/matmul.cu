@@ -2,12 +2,12 @@
 // with the layer's epilogue fused in. xhat = x, or rmsnorm(x) * norm_w when norm_w is
 // given: each block first computes 1 / rms of its tokens, then normalizes on the fly.
 //
-// Geometry: block = 32 * w threads (w warps: at most 8 for _t16, exactly 4 for _t1, whose
-// launch bounds say 128 threads); a warp owns one unit (two output rows) for a tile of TT
-// tokens. _t16 (prefill, TT = 16): grid = (ceil(units / w),
-// ceil(n_max / TT)); tiles at or past state[STATE_N] tokens exit. _t1 (one token: decode,
-// and the LM head's last token): a unit may go to `split` warps (1, 2 or 4, dividing w)
-// that share its K, and the grid may be smaller than ceil(units * split / w): the blocks
+// Geometry: block = 128 threads (4 warps; both kinds' launch bounds say so). _t16 (prefill,
+// 16-token tiles, tile16_body): a block owns 4 units (8 rows) and 16 tokens, its lanes
+// splitting K 8 ways; grid = (ceil(units / 4), ceil(n_max / 16)); tiles at or past
+// state[STATE_N] tokens exit. _t1 (one token: decode, and the LM head's last token): a
+// warp owns a unit (two output rows); a unit may go to `split` warps (1, 2 or 4) that
+// share its K, and the grid may be smaller than ceil(units * split / 4): the blocks
 // stride over the row groups (grid-stride), each warp loading its next unit's weights
 // while it sums the current one. The _t1 kernels issue a warp's first MV_BATCH weight
 // loads per row and lane before the wait for the previous kernel, so the weights stream
@@ -39,58 +39,6 @@ struct QkvArgs {
   const float* sin_t;
   int n_heads, n_kv, head_dim, cap;
 };
-
-// a0[t], a1[t] = rows w0, w1 dotted with xhat of token t (t < n_t), x read straight
-// through L1/L2 (x rows have stride K); every lane gets the sums.
-template <int TT>
-__device__ __forceinline__ void dot_rows(const wt* __restrict__ w0, const wt* __restrict__ w1,
-                                         const float* x, int K,
-                                         const wt* __restrict__ norm_w, const float* inv_rms,
-                                         int n_t, float* a0, float* a1) {
-  const int lane = threadIdx.x % WARP;
-#pragma unroll
-  for (int t = 0; t < TT; ++t) { a0[t] = 0.f; a1[t] = 0.f; }
-  if ((K & 7) == 0) {
-#pragma unroll 2
-    for (int k = lane * 8; k < K; k += WARP * 8) {
-      float wa[8], wb[8], nw[8];
-      load8(w0 + k, wa);
-      load8(w1 + k, wb);
-      load_norm8(norm_w, k, nw);
-#pragma unroll
-      for (int t = 0; t < TT; ++t) {
-        if (t < n_t) {
-          float xv[8];
-          load8f(x + (long long)t * K + k, xv);
-          float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const float xn = xv[j] * inv_rms[t] * nw[j];
-            s0 = fmaf(wa[j], xn, s0);
-            s1 = fmaf(wb[j], xn, s1);
-          }
-          a0[t] += s0;
-          a1[t] += s1;
-        }
-      }
-    }
-  } else {  // rows not 16-byte aligned: scalar loads
-    for (int k = lane; k < K; k += WARP) {
-      const float wa = w2f(w0[k]), wb = w2f(w1[k]);
-      const float nw = norm_w ? w2f(norm_w[k]) : 1.f;
-#pragma unroll
-      for (int t = 0; t < TT; ++t) {
-        if (t < n_t) {
-          const float xn = x[(long long)t * K + k] * inv_rms[t] * nw;
-          a0[t] = fmaf(wa, xn, a0[t]);
-          a1[t] = fmaf(wb, xn, a1[t]);
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int t = 0; t < TT; ++t) { a0[t] = warp_sum(a0[t]); a1[t] = warp_sum(a1[t]); }
-}
 
 // Rows of unit u for the qkv layout: RoPE pairs of q heads, of k heads, then v row pairs.
 __device__ __forceinline__ void qkv_rows(int u, const QkvArgs& a, int* r0, int* r1, int* kind) {
@@ -170,46 +118,215 @@ __device__ __forceinline__ void unit_rows(int u, int rows, const QkvArgs& qa, in
   }
 }
 
-// inv_rms[t] = 1 / rms of token t of the tile (1 without a norm), t < count: a warp per
-// token, then one barrier for the whole block.
+// inv_rms[t] = 1 / rms of token t of the tile (1 without a norm), t < count: warp w takes
+// tokens w, w + warps, ... four at a time, each lane 16-byte loads of the four rows
+// together (K % 4 == 0), so a warp waits for x about once per 2048 values of K, not once
+// per 32; then one barrier for the whole block.
 __device__ __forceinline__ void tile_inv_rms(const float* xt, int K, const wt* norm_w, float eps,
                                              int n_t, int count, float* inv_rms) {
-  const int lane = threadIdx.x % WARP;
-  for (int t = threadIdx.x / WARP; t < count; t += blockDim.x / WARP) {
-    float ss = 0.f;
-    if (norm_w && t < n_t)
-      for (int k = lane; k < K; k += WARP) ss = fmaf(xt[(long long)t * K + k], xt[(long long)t * K + k], ss);
-    ss = warp_sum(ss);
-    if (lane == 0) inv_rms[t] = norm_w ? 1.f / sqrtf(ss / K + eps) : 1.f;
+  const int lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
+  for (int t0 = threadIdx.x / WARP; t0 < count; t0 += 4 * warps) {
+    float ss[4] = {0.f, 0.f, 0.f, 0.f};
+    if (norm_w && (K & 3) == 0) {
+#pragma unroll 4
+      for (int k = 4 * lane; k < K; k += 4 * WARP) {
+        float4 v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int t = t0 + i * warps;
+          v[i] = t < n_t ? *reinterpret_cast<const float4*>(xt + (long long)t * K + k)
+                         : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          ss[i] += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
+      }
+    } else if (norm_w) {
+      for (int k = lane; k < K; k += WARP)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int t = t0 + i * warps;
+          if (t < n_t) ss[i] = fmaf(xt[(long long)t * K + k], xt[(long long)t * K + k], ss[i]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int t = t0 + i * warps;
+      const float s = warp_sum(ss[i]);
+      if (lane == 0 && t < count) inv_rms[t] = norm_w ? 1.f / sqrtf(s / K + eps) : 1.f;
+    }
   }
   __syncthreads();
 }
 
-template <int TT, int EPI>
-__device__ void matmul_body(int* __restrict__ state, const wt* __restrict__ W, int rows, int K,
+// Eight weights from p, the last `count` (< 8) of a row when it is not 16-byte aligned:
+// scalar loads, zeros past the row, in load_w8's layout.
+__device__ __forceinline__ w8raw load_w8_scalar(const wt* p, int count) {
+  wt v[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = j < count ? p[j] : (wt)0;
+  w8raw r;
+#if defined(RT_WEIGHT_F32)
+  r.a = make_float4(v[0], v[1], v[2], v[3]);
+  r.b = make_float4(v[4], v[5], v[6], v[7]);
+#else
+  r.a = make_uint4(v[0] | ((unsigned)v[1] << 16), v[2] | ((unsigned)v[3] << 16),
+                   v[4] | ((unsigned)v[5] << 16), v[6] | ((unsigned)v[7] << 16));
+#endif
+  return r;
+}
+
+// Prefill tiles (_t16): y = W . xhat for T16_TOKENS tokens and the 4 units (8 rows) of a
+// block of 4 warps (grid = (ceil(units / 4), ceil(n_max / 16)), tiles past the call's
+// tokens exit). Lane l of warp w is token l % 16 of K slice 2w + l / 16: the slices take
+// the 8-weight chunks of K round robin (chunk c to slice c % 8), so each lane sums its
+// token against the 8 rows over an eighth of K, every weight chunk read by 16 lanes at
+// one address. xhat (x, or rmsnorm(x) * norm_w) is staged in shared memory T16_KC values
+// of K at a time, every thread issuing its loads of a stage together, and a lane's next
+// weight chunk loads while it multiplies the current one (its first before the wait for
+// the previous kernel): x, which the previous kernel wrote, costs a few L2 round trips a
+// stage instead of one a token and 256 values of K (the tile kernel before stop 21: 16-40
+// us a kernel for 0.6-3.5 MB of weights). The slices' sums meet in shared memory, and 64
+// threads, one a (unit, token), run the epilogue.
+#define T16_TOKENS 16
+#define T16_KC 640                 // values of K a stage: a multiple of 64 (8 chunks a slice)
+#define T16_PITCH (T16_KC + 4)     // 4 mod 32 words: 8 lanes' 16-byte reads hit 8 bank groups
+#define T16_BATCH 5                // float4 loads a thread has in flight while staging
+#define T16_BATCHES (T16_TOKENS * T16_KC / 4 / 128 / T16_BATCH)
+
+template <int EPI>
+__device__ void tile16_body(int* __restrict__ state, const wt* __restrict__ W, int rows, int K,
                             const float* __restrict__ x, const wt* __restrict__ norm_w, float eps,
                             float* __restrict__ out, int units, int last_only, QkvArgs qa,
                             int /* split: always 1 */) {
-  pdl_wait_then_release();
-  __shared__ float inv_rms[TT];
+  static_assert(T16_BATCHES * T16_BATCH * 4 * 128 == T16_TOKENS * T16_KC, "staging items");
+  __shared__ __align__(16) float xs[T16_TOKENS][T16_PITCH];
+  __shared__ float inv_rms[T16_TOKENS];
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+  const int t = lane % T16_TOKENS, slice = 2 * warp + lane / T16_TOKENS;
+  const int u0 = blockIdx.x * 4;
+  const bool vec = (K & 7) == 0;
+  const int n8 = (K + 7) / 8;
+  const wt* wrow[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    int r0, r1, kind;
+    unit_rows<EPI>(min(u0 + i, units - 1), rows, qa, &r0, &r1, &kind);
+    wrow[2 * i] = W + (long long)r0 * K;
+    wrow[2 * i + 1] = W + (long long)r1 * K;
+  }
+  int g = slice;   // this lane's chunk: weights W[., 8g .. 8g + 7]
+  w8raw cur[8];
+  if (g < n8) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      cur[j] = vec ? load_w8(wrow[j] + 8 * g) : load_w8_scalar(wrow[j] + 8 * g, min(8, K - 8 * g));
+  }
+  pdl_wait_then_release();   // the weights are in flight; x comes from the previous kernel
   const int n = state[STATE_N], start = state[STATE_START];
-  const int t0 = last_only ? n - 1 : blockIdx.y * TT;
-  const int n_t = last_only ? 1 : min(TT, n - t0);
+  const int t0 = last_only ? n - 1 : blockIdx.y * T16_TOKENS;
+  const int n_t = last_only ? 1 : min(T16_TOKENS, n - t0);
   if (n_t <= 0) return;  // the whole block leaves together
   const float* xt = x + (long long)t0 * K;
-  const int lane = threadIdx.x % WARP;
-  tile_inv_rms(xt, K, norm_w, eps, n_t, TT, inv_rms);
-  const int u = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-  if (u >= units) return;
+  tile_inv_rms(xt, K, norm_w, eps, n_t, T16_TOKENS, inv_rms);
+  float acc[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] = 0.f;
+  for (int kb = 0; kb < K; kb += T16_KC) {
+    const int kc = min(T16_KC, K - kb);
+    const int kc8 = (kc + 7) & ~7;   // staged: whole chunks, zeros past K
+#pragma unroll 1
+    for (int b = 0; b < T16_BATCHES; ++b) {
+      float4 v[T16_BATCH], nw[T16_BATCH];
+#pragma unroll
+      for (int s = 0; s < T16_BATCH; ++s) {
+        const int item = threadIdx.x + 128 * (b * T16_BATCH + s);
+        const int tt = item / (T16_KC / 4), k = kb + (item % (T16_KC / 4)) * 4;
+        v[s] = make_float4(0.f, 0.f, 0.f, 0.f);
+        nw[s] = make_float4(1.f, 1.f, 1.f, 1.f);
+        if (tt < n_t && k < K) {
+          const float* p = xt + (long long)tt * K + k;
+          if ((K & 3) == 0) {
+            v[s] = *reinterpret_cast<const float4*>(p);
+          } else {
+            v[s].x = p[0];
+            if (k + 1 < K) v[s].y = p[1];
+            if (k + 2 < K) v[s].z = p[2];
+            if (k + 3 < K) v[s].w = p[3];
+          }
+          if (norm_w) {
+            nw[s].x = w2f(norm_w[k]);
+            if (k + 1 < K) nw[s].y = w2f(norm_w[k + 1]);
+            if (k + 2 < K) nw[s].z = w2f(norm_w[k + 2]);
+            if (k + 3 < K) nw[s].w = w2f(norm_w[k + 3]);
+          }
+        }
+      }
+#pragma unroll
+      for (int s = 0; s < T16_BATCH; ++s) {
+        const int item = threadIdx.x + 128 * (b * T16_BATCH + s);
+        const int tt = item / (T16_KC / 4), k4 = (item % (T16_KC / 4)) * 4;
+        if (k4 < kc8) {
+          const float r = tt < n_t ? inv_rms[tt] : 0.f;
+          *reinterpret_cast<float4*>(&xs[tt][k4]) =
+              make_float4(v[s].x * r * nw[s].x, v[s].y * r * nw[s].y, v[s].z * r * nw[s].z,
+                          v[s].w * r * nw[s].w);
+        }
+      }
+    }
+    __syncthreads();
+    const int g_end = (kb + kc8) / 8;
+#pragma unroll 1
+    for (; g < g_end; g += 8) {
+      const int gn = g + 8;
+      w8raw nxt[8];
+      if (gn < n8) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          nxt[j] = vec ? load_w8(wrow[j] + 8 * gn)
+                       : load_w8_scalar(wrow[j] + 8 * gn, min(8, K - 8 * gn));
+      }
+      float xv[8];
+      const float4 xa = *reinterpret_cast<const float4*>(&xs[t][8 * g - kb]);
+      const float4 xb = *reinterpret_cast<const float4*>(&xs[t][8 * g - kb + 4]);
+      xv[0] = xa.x; xv[1] = xa.y; xv[2] = xa.z; xv[3] = xa.w;
+      xv[4] = xb.x; xv[5] = xb.y; xv[6] = xb.z; xv[7] = xb.w;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float f[8];
+        w8_floats(cur[j], f);
+        float s = acc[j];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s = fmaf(f[e], xv[e], s);
+        acc[j] = s;
+      }
+      if (gn < n8) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) cur[j] = nxt[j];
+      }
+    }
+    __syncthreads();   // the stage is rewritten next, or reused for the sums below
+  }
+  // the two halves of a warp hold the same tokens: add them, then the four warps' sums
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] += __shfl_xor_sync(FULL_MASK, acc[j], T16_TOKENS);
+  float* red = &xs[0][0];   // [warp][row][token]
+  if (lane < T16_TOKENS)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) red[(warp * 8 + j) * T16_TOKENS + t] = acc[j];
+  __syncthreads();
+  if (threadIdx.x >= 4 * T16_TOKENS) return;
+  const int ui = threadIdx.x / T16_TOKENS, tt = threadIdx.x % T16_TOKENS, u = u0 + ui;
+  if (u >= units || tt >= n_t) return;
+  float y0 = 0.f, y1 = 0.f;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    y0 += red[(w * 8 + 2 * ui) * T16_TOKENS + tt];
+    y1 += red[(w * 8 + 2 * ui + 1) * T16_TOKENS + tt];
+  }
   int r0, r1, kind;
   unit_rows<EPI>(u, rows, qa, &r0, &r1, &kind);
-  float a0[TT], a1[TT];
-  dot_rows<TT>(W + (long long)r0 * K, W + (long long)r1 * K, xt, K, norm_w, inv_rms, n_t, a0, a1);
-#pragma unroll
-  for (int t = 0; t < TT; ++t) {
-    if (lane != t || t >= n_t) continue;
-    epilogue<EPI>(state, t0 + t, u, rows, r0, r1, kind, a0[t], a1[t], out, last_only, start, qa);
-  }
+  epilogue<EPI>(state, t0 + tt, u, rows, r0, r1, kind, y0, y1, out, last_only, start, qa);
 }
 
 #ifndef MV_BATCH  // chunks of 8 weights per lane and batch: set by the loader (cuda_kernels.py)
@@ -357,7 +474,7 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
 
 #if defined(RT_WEIGHT_BF16)
 // Prefill on tensor cores (bf16 weights; the _mma wrappers below): y = W . xhat for up to
-// MMA_TN tokens a block, with the same epilogues and unit layout as matmul_body.
+// MMA_TN tokens a block, with the same epilogues and unit layout as tile16_body.
 // Geometry: block = 128 threads (4 warps) owning MMA_UNITS (8) units: one m16 tile whose
 // rows 0-7 are rows r0 of the 8 units and rows 8-15 their rows r1, so the lane that ends
 // with row g's sums (c0, c1) also has row g + 8's (c2, c3): y0 and y1 of unit g, and the
@@ -521,7 +638,7 @@ __device__ void mma_body(int* __restrict__ state, const wt* __restrict__ W, int 
 #error "MV_MIN_BLOCKS must be defined by the build options"
 #endif
 #define BOUNDS_t1 __launch_bounds__(128, MV_MIN_BLOCKS)   // the backend's matmul block
-#define BOUNDS_t16 __launch_bounds__(256)
+#define BOUNDS_t16 __launch_bounds__(128, 4)   // the backend's matmul block, 4 an SM
 
 // Every wrapper takes `split` last (warps per unit); the _t16 bodies need it to be 1.
 #define MATMUL_PLAIN(NAME, BOUNDS, BODY)                                                    \
@@ -533,10 +650,10 @@ __device__ void mma_body(int* __restrict__ state, const wt* __restrict__ W, int 
   }
 
 MATMUL_PLAIN(matmul_residual_t1, BOUNDS_t1, matvec_body<EPI_RESIDUAL>)
-MATMUL_PLAIN(matmul_residual_t16, BOUNDS_t16, (matmul_body<16, EPI_RESIDUAL>))
+MATMUL_PLAIN(matmul_residual_t16, BOUNDS_t16, tile16_body<EPI_RESIDUAL>)
 MATMUL_PLAIN(matmul_store_t1, BOUNDS_t1, matvec_body<EPI_STORE>)
 MATMUL_PLAIN(matmul_swiglu_t1, BOUNDS_t1, matvec_body<EPI_SWIGLU>)
-MATMUL_PLAIN(matmul_swiglu_t16, BOUNDS_t16, (matmul_body<16, EPI_SWIGLU>))
+MATMUL_PLAIN(matmul_swiglu_t16, BOUNDS_t16, tile16_body<EPI_SWIGLU>)
 
 #define MATMUL_QKV(NAME, BOUNDS, BODY)                                                      \
   extern "C" __global__ void BOUNDS                                                         \
@@ -550,7 +667,7 @@ MATMUL_PLAIN(matmul_swiglu_t16, BOUNDS_t16, (matmul_body<16, EPI_SWIGLU>))
   }
 
 MATMUL_QKV(matmul_qkv_rope_t1, BOUNDS_t1, matvec_body<EPI_QKV_ROPE>)
-MATMUL_QKV(matmul_qkv_rope_t16, BOUNDS_t16, (matmul_body<16, EPI_QKV_ROPE>))
+MATMUL_QKV(matmul_qkv_rope_t16, BOUNDS_t16, tile16_body<EPI_QKV_ROPE>)
 
 #if defined(RT_WEIGHT_BF16)
 #define BOUNDS_mma __launch_bounds__(128)

@@ -113,13 +113,16 @@ def test_embed_gather(kit):
 
 
 # split: warps sharing a row pair's K (one-token kernels); K = 4104 needs two batches of
-# loads per lane in each half, 2600 splits unevenly, 36 takes the scalar path. _mma: one
+# loads per lane in each half, 2600 splits unevenly, 36 takes the scalar path. _t16: one
+# stage of K (600), seven with a partial last one (4104), three on the scalar path
+# (1500), x rows not 16-byte aligned (37), two full token tiles (32). _mma: one
 # K chunk of 128 with idle k32 blocks (96), a chunk cut inside a k32 block (600), many
 # chunks (4104); one token tile, exactly one, three with a partial last one
 @pytest.mark.parametrize('n,tt,K,split', [(1, 1, 96, 1), (1, 1, 96, 2), (1, 1, 600, 4),
                                           (1, 1, 4104, 1), (1, 1, 4104, 2), (1, 1, 2600, 4),
                                           (1, 1, 36, 2), (13, 16, 96, 1), (20, 16, 36, 1),
-                                          (5, 16, 600, 1), (5, 'mma', 96, 1),
+                                          (5, 16, 600, 1), (32, 16, 4104, 1),
+                                          (17, 16, 1500, 1), (7, 16, 37, 1), (5, 'mma', 96, 1),
                                           (64, 'mma', 600, 1), (130, 'mma', 4104, 1),
                                           (33, 'mma', 600, 1)])
 def test_matmul_residual(kit, n, tt, K, split):
