@@ -1,9 +1,17 @@
 """Numpy backend speed: ms per decode token and prefill, tiny and SmolLM2-135M shapes.
 
     python tools/bench_numpy.py [--write]
+    python tools/bench_numpy.py --sizes [--write]
+
+``--sizes``: the whole engine tick of demo policies of other shapes and inputs (random
+weights, the shipped tokenizer, the demo world in closed loop, `meaning` at 256 tokens),
+the speed a replay could reach at best: what a cheaper policy must be for issue #6's 10x
+offline replay (the shipped one's engine tick alone allows about 4x on these cores).
 """
 
 import argparse
+import json
+from pathlib import Path
 import tempfile
 import time
 
@@ -45,38 +53,82 @@ def measure(shape, decode_steps):
             f'{np.median(prefill):.1f}']
 
 
-def demo_tick_latency(ticks=900, capacity=256):
-    """Whole-tick latency of the shipped model in the engine (numpy, wall clock, always admit)."""
+def engine_ticks(checkpoint, inputs, ticks=900, capacity=256):
+    """Wall-clock ms of each engine tick (numpy, always admitted) of ``checkpoint`` driving
+    the demo world with ``inputs``, the first 30 dropped; and the mean prefill tokens a
+    tick."""
     from rt_llm_node.admission import Admission
     from rt_llm_node.admission import CostModel
     from rt_llm_node.demo.messages import MessageFactory
     from rt_llm_node.demo.task import action_grammar
-    from rt_llm_node.demo.task import INPUTS
     from rt_llm_node.demo.task import SYSTEM_PROMPT
     from rt_llm_node.demo.world import DemoWorld
     from rt_llm_node.engine import TickEngine
-    from rt_llm_node.model.embedded import default_model_path
-    checkpoint = load_checkpoint(default_model_path())
-    engine = TickEngine(NumpyBackend(checkpoint, capacity), checkpoint.tokenizer, INPUTS,
+    engine = TickEngine(NumpyBackend(checkpoint, capacity), checkpoint.tokenizer, inputs,
                         action_grammar(checkpoint.tokenizer), Admission(CostModel(), 0.0),
                         policy='meaning', system_prompt=SYSTEM_PROMPT)
     engine.start()
     world = DemoWorld(1_000_000, messages=MessageFactory(ros=False))
-    snap, times = {}, []
+    snap, times, tokens = {}, [], []
     for _ in range(ticks):
         now = time.monotonic()
         snap.update({t: (m, now) for t, m in world.observe().items()})
         t0 = time.perf_counter()
         result = engine.tick(snap, now, now + 1.0)
         times.append((time.perf_counter() - t0) * 1e3)
+        tokens.append(result.record.n_prefill)
         values = result.action.values
         world.step(values['linear.x'], values['angular.z'])
         if world.done:
             world = DemoWorld(world.seed + 1, messages=MessageFactory(ros=False))
-    times = np.array(times[30:])
+    return np.array(times[30:]), float(np.mean(tokens[30:]))
+
+
+def demo_tick_latency(ticks=900, capacity=256):
+    """Whole-tick latency of the shipped model in the engine (numpy, wall clock, always admit)."""
+    from rt_llm_node.demo.task import INPUTS
+    from rt_llm_node.model.embedded import default_model_path
+    times, _ = engine_ticks(load_checkpoint(default_model_path()), INPUTS, ticks, capacity)
     return [f'shipped demo model, meaning@{capacity}', len(times),
             f'{np.median(times):.2f}', f'{np.percentile(times, 99):.2f}',
             f'{times.max():.2f}']
+
+
+# (hidden, layers, intermediate, kv heads): head_dim 32 as in the shipped policy
+SIZES = [(192, 4, 512, 2), (192, 2, 512, 2), (128, 4, 384, 2), (128, 2, 384, 2),
+         (96, 4, 256, 1)]
+
+
+def size_rows(ticks):
+    """Engine tick of each of ``SIZES`` with every demo input and without /odom."""
+    from tokenizers import Tokenizer
+
+    from rt_llm_node.demo.task import demo_inputs
+    from rt_llm_node.model.config import ModelConfig
+    from rt_llm_node.model.embedded import default_model_path
+    from rt_llm_node.model.synthetic import random_weights
+    from rt_llm_node.model.synthetic import write_checkpoint
+    shipped = Path(default_model_path())
+    tokenizer = Tokenizer.from_file(str(shipped / 'tokenizer.json'))
+    vocab = json.loads((shipped / 'config.json').read_text())['vocab_size']
+    rows = []
+    for hidden, layers, inter, kv in SIZES:
+        config = ModelConfig(family='llama', vocab_size=vocab, hidden_size=hidden,
+                             intermediate_size=inter, num_layers=layers,
+                             num_heads=hidden // 32, num_kv_heads=kv, head_dim=32,
+                             max_position_embeddings=1024, rms_norm_eps=1e-5,
+                             tie_word_embeddings=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoint = load_checkpoint(write_checkpoint(tmp, config, random_weights(config),
+                                                          tokenizer))
+        for topics in (None, ('/instruction', '/scan', '/detections')):
+            times, tokens = engine_ticks(checkpoint, demo_inputs(topics), ticks)
+            median = float(np.median(times))
+            rows.append([f'{hidden}/{layers}/{inter}', f'{config.n_parameters() / 1e6:.2f}M',
+                         'all' if topics is None else 'no /odom', f'{tokens:.1f}',
+                         f'{median:.2f}', f'{np.percentile(times, 99):.2f}',
+                         f'{1000.0 / 30.0 / median:.1f}x'])
+    return rows
 
 
 def main_tick():
@@ -89,7 +141,25 @@ def main_tick():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--write', action='store_true', help='record in BENCHMARKS.md')
+    parser.add_argument('--sizes', action='store_true',
+                        help='engine ticks of other policy shapes and inputs (see above)')
+    parser.add_argument('--ticks', type=int, default=900)
     args = parser.parse_args()
+    if args.sizes:
+        header = ['hidden/layers/intermediate', 'params', 'inputs', 'prefill tokens a tick',
+                  'engine tick ms (median)', 'p99 ms', 'real time / engine tick']
+        rows = size_rows(args.ticks)
+        print_table(header, rows)
+        if args.write:
+            write_section('numpy_sizes', 'Engine tick by policy size and inputs (numpy, CPU)',
+                          'Random weights, the shipped tokenizer, the demo world in closed '
+                          'loop (seed 1000000 on), `meaning` at 256 tokens, every tick '
+                          f'admitted, {args.ticks} ticks a row (the first 30 dropped), one '
+                          'process, rows one after another. Last column: 33.3 ms over the '
+                          "median engine tick, a ceiling on a replay's speed (bag reading, "
+                          'rendering of the outputs and the summary come on top: about 0.7 '
+                          'ms a tick in section "replay").\n\n' + markdown_table(header, rows))
+        return
     header = ['shape', 'params', 'cached tokens', 'decode ms/token (median)', 'decode p99 ms',
               'prefill 48 tokens ms']
     parser_rows = [measure('tiny', 500), measure('smollm2-135m', 30)]
