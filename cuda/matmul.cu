@@ -176,20 +176,6 @@ __device__ __forceinline__ w8raw load_w8_scalar(const wt* p, int count) {
   return r;
 }
 
-// Four consecutive floats from p: one 16-byte load when `aligned` (and count >= 4), else
-// the first min(count, 4) with zeros after them.
-__device__ __forceinline__ float4 load4f_upto(const float* p, int count, bool aligned) {
-  if (aligned && count >= 4) return *reinterpret_cast<const float4*>(p);
-  return make_float4(p[0], count > 1 ? p[1] : 0.f, count > 2 ? p[2] : 0.f,
-                     count > 3 ? p[3] : 0.f);
-}
-
-// Four RMSNorm weights from p as fp32, ones past the first min(count, 4).
-__device__ __forceinline__ float4 load_norm4_upto(const wt* p, int count) {
-  return make_float4(w2f(p[0]), count > 1 ? w2f(p[1]) : 1.f, count > 2 ? w2f(p[2]) : 1.f,
-                     count > 3 ? w2f(p[3]) : 1.f);
-}
-
 // Prefill tiles (_t16): y = W . xhat for T16_TOKENS tokens and the 4 units (8 rows) of a
 // block of 4 warps (grid = (ceil(units / 4), ceil(n_max / 16)), tiles past the call's
 // tokens exit). Lane l of warp w is token l % 16 of K slice 2w + l / 16: the slices take
@@ -219,7 +205,7 @@ __device__ void tile16_body(int* __restrict__ state, const wt* __restrict__ W, i
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
   const int t = lane % T16_TOKENS, slice = 2 * warp + lane / T16_TOKENS;
   const int u0 = blockIdx.x * 4;
-  const bool vec = (K & 7) == 0, x_vec = (K & 3) == 0;   // 16-byte weight / x rows
+  const bool vec = (K & 7) == 0;
   const int n8 = (K + 7) / 8;
   const wt* wrow[8];
 #pragma unroll
@@ -259,8 +245,21 @@ __device__ void tile16_body(int* __restrict__ state, const wt* __restrict__ W, i
         v[s] = make_float4(0.f, 0.f, 0.f, 0.f);
         nw[s] = make_float4(1.f, 1.f, 1.f, 1.f);
         if (tt < n_t && k < K) {
-          v[s] = load4f_upto(xt + (long long)tt * K + k, K - k, x_vec);
-          if (norm_w) nw[s] = load_norm4_upto(norm_w + k, K - k);
+          const float* p = xt + (long long)tt * K + k;
+          if ((K & 3) == 0) {
+            v[s] = *reinterpret_cast<const float4*>(p);
+          } else {
+            v[s].x = p[0];
+            if (k + 1 < K) v[s].y = p[1];
+            if (k + 2 < K) v[s].z = p[2];
+            if (k + 3 < K) v[s].w = p[3];
+          }
+          if (norm_w) {
+            nw[s].x = w2f(norm_w[k]);
+            if (k + 1 < K) nw[s].y = w2f(norm_w[k + 1]);
+            if (k + 2 < K) nw[s].z = w2f(norm_w[k + 2]);
+            if (k + 3 < K) nw[s].w = w2f(norm_w[k + 3]);
+          }
         }
       }
 #pragma unroll
