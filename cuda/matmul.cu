@@ -3,8 +3,8 @@
 // given: each block first computes 1 / rms of its tokens, then normalizes on the fly.
 //
 // Geometry: block = 128 threads (4 warps; both kinds' launch bounds say so). _t16 (prefill,
-// 16-token tiles, tile16_body): a block owns 4 units (8 rows) and 16 tokens, its lanes
-// splitting K 8 ways; grid = (ceil(units / 4), ceil(n_max / 16)); tiles at or past
+// 16-token tiles, tile16_body): a block owns 8 units (16 rows, 2 units a warp) and 16
+// tokens, its lanes along K; grid = (ceil(units / 8), ceil(n_max / 16)); tiles at or past
 // state[STATE_N] tokens exit. _t1 (one token: decode, and the LM head's last token): a
 // warp owns a unit (two output rows); a unit may go to `split` warps (1, 2 or 4) that
 // share its K, and the grid may be smaller than ceil(units * split / 4): the blocks
@@ -159,38 +159,78 @@ __device__ __forceinline__ void tile_inv_rms(const float* xt, int K, const wt* n
   __syncthreads();
 }
 
-// Eight weights from p, the last `count` (< 8) of a row when it is not 16-byte aligned:
-// scalar loads, zeros past the row, in load_w8's layout.
-__device__ __forceinline__ w8raw load_w8_scalar(const wt* p, int count) {
-  wt v[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = j < count ? p[j] : (wt)0;
-  w8raw r;
+// Four consecutive weights, raw (loaded now, converted later): 8-byte aligned p for 16-bit
+// weights, 16-byte for fp32; or, scalar, the last `count` (< 4) of a row, zeros past it.
 #if defined(RT_WEIGHT_F32)
-  r.a = make_float4(v[0], v[1], v[2], v[3]);
-  r.b = make_float4(v[4], v[5], v[6], v[7]);
+struct w4raw { float4 a; };
 #else
-  r.a = make_uint4(v[0] | ((unsigned)v[1] << 16), v[2] | ((unsigned)v[3] << 16),
-                   v[4] | ((unsigned)v[5] << 16), v[6] | ((unsigned)v[7] << 16));
+struct w4raw { uint2 a; };
+#endif
+
+__device__ __forceinline__ w4raw load_w4(const wt* p) {
+  w4raw r;
+#if defined(RT_WEIGHT_F32)
+  r.a = __ldg(reinterpret_cast<const float4*>(p));
+#else
+  r.a = __ldg(reinterpret_cast<const uint2*>(p));
 #endif
   return r;
 }
 
-// Prefill tiles (_t16): y = W . xhat for T16_TOKENS tokens and the 4 units (8 rows) of a
-// block of 4 warps (grid = (ceil(units / 4), ceil(n_max / 16)), tiles past the call's
-// tokens exit). Lane l of warp w is token l % 16 of K slice 2w + l / 16: the slices take
-// the 8-weight chunks of K round robin (chunk c to slice c % 8), so each lane sums its
-// token against the 8 rows over an eighth of K, every weight chunk read by 16 lanes at
-// one address. xhat (x, or rmsnorm(x) * norm_w) is staged in shared memory T16_KC values
-// of K at a time, every thread issuing its loads of a stage together, and a lane's next
-// weight chunk loads while it multiplies the current one (its first before the wait for
-// the previous kernel): x, which the previous kernel wrote, costs a few L2 round trips a
-// stage instead of one a token and 256 values of K (the tile kernel before stop 21: 16-40
-// us a kernel for 0.6-3.5 MB of weights). The slices' sums meet in shared memory, and 64
-// threads, one a (unit, token), run the epilogue.
+__device__ __forceinline__ w4raw load_w4_scalar(const wt* p, int count) {
+  wt v[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) v[j] = j < count ? p[j] : (wt)0;
+  w4raw r;
+#if defined(RT_WEIGHT_F32)
+  r.a = make_float4(v[0], v[1], v[2], v[3]);
+#else
+  r.a = make_uint2(v[0] | ((unsigned)v[1] << 16), v[2] | ((unsigned)v[3] << 16));
+#endif
+  return r;
+}
+
+__device__ __forceinline__ void w4_floats(const w4raw& r, float* o) {
+#if defined(RT_WEIGHT_F32)
+  o[0] = r.a.x; o[1] = r.a.y; o[2] = r.a.z; o[3] = r.a.w;
+#else
+  o[0] = bits_to_float((unsigned short)(r.a.x & 0xffffu));
+  o[1] = bits_to_float((unsigned short)(r.a.x >> 16));
+  o[2] = bits_to_float((unsigned short)(r.a.y & 0xffffu));
+  o[3] = bits_to_float((unsigned short)(r.a.y >> 16));
+#endif
+}
+
+// Prefill tiles (_t16): y = W . xhat for T16_TOKENS tokens and the 8 units (16 rows) of a
+// block of 4 warps, 2 units (4 rows) a warp (grid = (ceil(units / 8), ceil(n_max / 16)),
+// tiles past the call's tokens exit). The lanes run along K: lane l takes the 4-weight
+// chunks l, l + 32, ... of its warp's 4 rows, so a warp's weight load is 256 contiguous
+// bytes a row (the design before, a lane per token, read each chunk at one address for
+// 16 lanes: 32 bytes a load, too few in flight to stream the weights), each weight is
+// converted once, and each 16-byte read of xhat feeds 16 multiply-adds (4 rows). xhat (x,
+// or rmsnorm(x) * norm_w) is staged in shared memory T16_KC values of K at a time, every
+// thread issuing its loads of a stage together, and a lane's next chunk loads while it
+// multiplies the current one (its first before the wait for the previous kernel). At the
+// end a lane holds 4 rows x 16 tokens of partial sums; a butterfly over the warp
+// (reduce-scatter, 62 shuffles) leaves lane l the two rows of unit l / 16, token l % 16,
+// which it runs through the epilogue.
+// One step of a warp's reduce-scatter of value pairs: before it, s holds 2 * O pairs (4 * O
+// values); the lanes with bit O set keep the upper O pairs, the others the lower, each
+// adding its partner's (lane ^ O) copy of what it keeps.
+template <int O>
+__device__ __forceinline__ void reduce_scatter_step(float* s, int lane) {
+  const bool up = (lane & O) != 0;
+#pragma unroll
+  for (int i = 0; i < 2 * O; ++i) {
+    const float lo = s[i], hi = s[i + 2 * O];
+    s[i] = (up ? hi : lo) + __shfl_xor_sync(FULL_MASK, up ? lo : hi, O);
+  }
+}
+
 #define T16_TOKENS 16
-#define T16_KC 640                 // values of K a stage: a multiple of 64 (8 chunks a slice)
-#define T16_PITCH (T16_KC + 4)     // 4 mod 32 words: 8 lanes' 16-byte reads hit 8 bank groups
+#define T16_UNITS 8                // units a block, 2 a warp
+#define T16_KC 640                 // values of K a stage: a multiple of 128 (5 chunks a lane)
+#define T16_PITCH (T16_KC + 4)
 #define T16_BATCH 5                // float4 loads a thread has in flight while staging
 #define T16_BATCHES (T16_TOKENS * T16_KC / 4 / 128 / T16_BATCH)
 
@@ -200,27 +240,27 @@ __device__ void tile16_body(int* __restrict__ state, const wt* __restrict__ W, i
                             float* __restrict__ out, int units, int last_only, QkvArgs qa,
                             int /* split: always 1 */) {
   static_assert(T16_BATCHES * T16_BATCH * 4 * 128 == T16_TOKENS * T16_KC, "staging items");
+  static_assert(T16_KC % 128 == 0, "a stage must hold whole rounds of the warp's chunks");
   __shared__ __align__(16) float xs[T16_TOKENS][T16_PITCH];
   __shared__ float inv_rms[T16_TOKENS];
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-  const int t = lane % T16_TOKENS, slice = 2 * warp + lane / T16_TOKENS;
-  const int u0 = blockIdx.x * 4;
-  const bool vec = (K & 7) == 0;
-  const int n8 = (K + 7) / 8;
-  const wt* wrow[8];
+  const int u0 = blockIdx.x * T16_UNITS + 2 * warp;   // this warp's two units
+  const bool vec = (K & 3) == 0;
+  const int n4 = (K + 3) / 4;
+  const wt* wrow[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < 2; ++i) {
     int r0, r1, kind;
     unit_rows<EPI>(min(u0 + i, units - 1), rows, qa, &r0, &r1, &kind);
     wrow[2 * i] = W + (long long)r0 * K;
     wrow[2 * i + 1] = W + (long long)r1 * K;
   }
-  int g = slice;   // this lane's chunk: weights W[., 8g .. 8g + 7]
-  w8raw cur[8];
-  if (g < n8) {
+  int g = lane;   // this lane's chunk: weights W[., 4g .. 4g + 3]
+  w4raw cur[4];
+  if (g < n4) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-      cur[j] = vec ? load_w8(wrow[j] + 8 * g) : load_w8_scalar(wrow[j] + 8 * g, min(8, K - 8 * g));
+    for (int j = 0; j < 4; ++j)
+      cur[j] = vec ? load_w4(wrow[j] + 4 * g) : load_w4_scalar(wrow[j] + 4 * g, min(4, K - 4 * g));
   }
   pdl_wait_then_release();   // the weights are in flight; x comes from the previous kernel
   const int n = state[STATE_N], start = state[STATE_START];
@@ -229,12 +269,13 @@ __device__ void tile16_body(int* __restrict__ state, const wt* __restrict__ W, i
   if (n_t <= 0) return;  // the whole block leaves together
   const float* xt = x + (long long)t0 * K;
   tile_inv_rms(xt, K, norm_w, eps, n_t, T16_TOKENS, inv_rms);
-  float acc[8];
+  float acc[T16_TOKENS][4];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) acc[j] = 0.f;
+  for (int t = 0; t < T16_TOKENS; ++t)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[t][j] = 0.f;
   for (int kb = 0; kb < K; kb += T16_KC) {
     const int kc = min(T16_KC, K - kb);
-    const int kc8 = (kc + 7) & ~7;   // staged: whole chunks, zeros past K
 #pragma unroll 1
     for (int b = 0; b < T16_BATCHES; ++b) {
       float4 v[T16_BATCH], nw[T16_BATCH];
@@ -246,7 +287,7 @@ __device__ void tile16_body(int* __restrict__ state, const wt* __restrict__ W, i
         nw[s] = make_float4(1.f, 1.f, 1.f, 1.f);
         if (tt < n_t && k < K) {
           const float* p = xt + (long long)tt * K + k;
-          if ((K & 3) == 0) {
+          if (vec) {
             v[s] = *reinterpret_cast<const float4*>(p);
           } else {
             v[s].x = p[0];
@@ -266,7 +307,7 @@ __device__ void tile16_body(int* __restrict__ state, const wt* __restrict__ W, i
       for (int s = 0; s < T16_BATCH; ++s) {
         const int item = threadIdx.x + 128 * (b * T16_BATCH + s);
         const int tt = item / (T16_KC / 4), k4 = (item % (T16_KC / 4)) * 4;
-        if (k4 < kc8) {
+        if (k4 < kc) {   // whole chunks of 4, zeros past K
           const float r = tt < n_t ? inv_rms[tt] : 0.f;
           *reinterpret_cast<float4*>(&xs[tt][k4]) =
               make_float4(v[s].x * r * nw[s].x, v[s].y * r * nw[s].y, v[s].z * r * nw[s].z,
@@ -275,58 +316,54 @@ __device__ void tile16_body(int* __restrict__ state, const wt* __restrict__ W, i
       }
     }
     __syncthreads();
-    const int g_end = (kb + kc8) / 8;
+    const int g_end = (kb + kc + 3) / 4;
 #pragma unroll 1
-    for (; g < g_end; g += 8) {
-      const int gn = g + 8;
-      w8raw nxt[8];
-      if (gn < n8) {
+    for (; g < g_end; g += WARP) {
+      const int gn = g + WARP;
+      w4raw nxt[4];
+      if (gn < n4) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-          nxt[j] = vec ? load_w8(wrow[j] + 8 * gn)
-                       : load_w8_scalar(wrow[j] + 8 * gn, min(8, K - 8 * gn));
+        for (int j = 0; j < 4; ++j)
+          nxt[j] = vec ? load_w4(wrow[j] + 4 * gn)
+                       : load_w4_scalar(wrow[j] + 4 * gn, min(4, K - 4 * gn));
       }
-      float xv[8];
-      const float4 xa = *reinterpret_cast<const float4*>(&xs[t][8 * g - kb]);
-      const float4 xb = *reinterpret_cast<const float4*>(&xs[t][8 * g - kb + 4]);
-      xv[0] = xa.x; xv[1] = xa.y; xv[2] = xa.z; xv[3] = xa.w;
-      xv[4] = xb.x; xv[5] = xb.y; xv[6] = xb.z; xv[7] = xb.w;
+      float w[4][4];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        float f[8];
-        w8_floats(cur[j], f);
-        float s = acc[j];
+      for (int j = 0; j < 4; ++j) w4_floats(cur[j], w[j]);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) s = fmaf(f[e], xv[e], s);
-        acc[j] = s;
+      for (int t = 0; t < T16_TOKENS; ++t) {
+        const float4 xv = *reinterpret_cast<const float4*>(&xs[t][4 * g - kb]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          acc[t][j] = fmaf(w[j][3], xv.w, fmaf(w[j][2], xv.z,
+                      fmaf(w[j][1], xv.y, fmaf(w[j][0], xv.x, acc[t][j]))));
       }
-      if (gn < n8) {
+      if (gn < n4) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) cur[j] = nxt[j];
+        for (int j = 0; j < 4; ++j) cur[j] = nxt[j];
       }
     }
-    __syncthreads();   // the stage is rewritten next, or reused for the sums below
+    __syncthreads();   // the stage is rewritten next
   }
-  // the two halves of a warp hold the same tokens: add them, then the four warps' sums
+  // reduce-scatter over the warp: pair p = 16 * unit + token (rows r0, r1 of the unit) is
+  // s[2p], s[2p + 1]; each step keeps the half of the pairs whose index bit matches the
+  // lane's, adding the partner's copy of it, so lane l ends with pair l in s[0], s[1]
+  float s[64];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) acc[j] += __shfl_xor_sync(FULL_MASK, acc[j], T16_TOKENS);
-  float* red = &xs[0][0];   // [warp][row][token]
-  if (lane < T16_TOKENS)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) red[(warp * 8 + j) * T16_TOKENS + t] = acc[j];
-  __syncthreads();
-  if (threadIdx.x >= 4 * T16_TOKENS) return;
-  const int ui = threadIdx.x / T16_TOKENS, tt = threadIdx.x % T16_TOKENS, u = u0 + ui;
+  for (int p = 0; p < 32; ++p) {
+    s[2 * p] = acc[p % T16_TOKENS][2 * (p / T16_TOKENS)];
+    s[2 * p + 1] = acc[p % T16_TOKENS][2 * (p / T16_TOKENS) + 1];
+  }
+  reduce_scatter_step<16>(s, lane);
+  reduce_scatter_step<8>(s, lane);
+  reduce_scatter_step<4>(s, lane);
+  reduce_scatter_step<2>(s, lane);
+  reduce_scatter_step<1>(s, lane);
+  const int u = u0 + lane / T16_TOKENS, tt = lane % T16_TOKENS;
   if (u >= units || tt >= n_t) return;
-  float y0 = 0.f, y1 = 0.f;
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    y0 += red[(w * 8 + 2 * ui) * T16_TOKENS + tt];
-    y1 += red[(w * 8 + 2 * ui + 1) * T16_TOKENS + tt];
-  }
   int r0, r1, kind;
   unit_rows<EPI>(u, rows, qa, &r0, &r1, &kind);
-  epilogue<EPI>(state, t0 + tt, u, rows, r0, r1, kind, y0, y1, out, last_only, start, qa);
+  epilogue<EPI>(state, t0 + tt, u, rows, r0, r1, kind, s[0], s[1], out, last_only, start, qa);
 }
 
 #ifndef MV_BATCH  // chunks of 8 weights per lane and batch: set by the loader (cuda_kernels.py)
@@ -638,7 +675,7 @@ __device__ void mma_body(int* __restrict__ state, const wt* __restrict__ W, int 
 #error "MV_MIN_BLOCKS must be defined by the build options"
 #endif
 #define BOUNDS_t1 __launch_bounds__(128, MV_MIN_BLOCKS)   // the backend's matmul block
-#define BOUNDS_t16 __launch_bounds__(128, 4)   // the backend's matmul block, 4 an SM
+#define BOUNDS_t16 __launch_bounds__(128, 3)   // the backend's matmul block, 3 an SM
 
 // Every wrapper takes `split` last (warps per unit); the _t16 bodies need it to be 1.
 #define MATMUL_PLAIN(NAME, BOUNDS, BODY)                                                    \

@@ -81,7 +81,9 @@ def matmul_grid(units, split, tt, n_rows=32):
     """The grid the backend gives each matmul kernel over ``n_rows`` tokens of x."""
     if tt == 'mma':   # 8 units x 64 tokens a block
         return ((units + 7) // 8, (n_rows + 63) // 64)
-    return ((units * split + 3) // 4, (n_rows + tt - 1) // tt)
+    if tt == 16:      # 8 units (2 a warp) x 16 tokens a block
+        return ((units + 7) // 8, (n_rows + 15) // 16)
+    return ((units * split + 3) // 4, n_rows)
 
 
 def matmul_rows(dtype, tt):

@@ -407,8 +407,8 @@ class CudaBackend:
             if not one_token and mma:
                 return (((units + MMA_UNITS - 1) // MMA_UNITS,
                          (n_max + MMA_TN - 1) // MMA_TN), _i32(1))
-            if not one_token:
-                return ((units + warps - 1) // warps, tiles), _i32(1)
+            if not one_token:   # tile16_body: two units a warp
+                return ((units + 2 * warps - 1) // (2 * warps), tiles), _i32(1)
             split = matvec_split(units, k, mv_batch, self.n_sm)
             blocks = (units * split + warps - 1) // warps
             if self._grid_stride is not False:
