@@ -214,6 +214,20 @@ __device__ __forceinline__ void w4_floats(const w4raw& r, float* o) {
 // end a lane holds 4 rows x 16 tokens of partial sums; a butterfly over the warp
 // (reduce-scatter, 62 shuffles) leaves lane l the two rows of unit l / 16, token l % 16,
 // which it runs through the epilogue.
+// Four consecutive floats from p: one 16-byte load when `aligned` (and count >= 4), else
+// the first min(count, 4) with zeros after them.
+__device__ __forceinline__ float4 load4f_upto(const float* p, int count, bool aligned) {
+  if (aligned && count >= 4) return *reinterpret_cast<const float4*>(p);
+  return make_float4(p[0], count > 1 ? p[1] : 0.f, count > 2 ? p[2] : 0.f,
+                     count > 3 ? p[3] : 0.f);
+}
+
+// Four RMSNorm weights from p as fp32, ones past the first min(count, 4).
+__device__ __forceinline__ float4 load_norm4_upto(const wt* p, int count) {
+  return make_float4(w2f(p[0]), count > 1 ? w2f(p[1]) : 1.f, count > 2 ? w2f(p[2]) : 1.f,
+                     count > 3 ? w2f(p[3]) : 1.f);
+}
+
 // One step of a warp's reduce-scatter of value pairs: before it, s holds 2 * O pairs (4 * O
 // values); the lanes with bit O set keep the upper O pairs, the others the lower, each
 // adding its partner's (lane ^ O) copy of what it keeps.
@@ -286,21 +300,8 @@ __device__ void tile16_body(int* __restrict__ state, const wt* __restrict__ W, i
         v[s] = make_float4(0.f, 0.f, 0.f, 0.f);
         nw[s] = make_float4(1.f, 1.f, 1.f, 1.f);
         if (tt < n_t && k < K) {
-          const float* p = xt + (long long)tt * K + k;
-          if (vec) {
-            v[s] = *reinterpret_cast<const float4*>(p);
-          } else {
-            v[s].x = p[0];
-            if (k + 1 < K) v[s].y = p[1];
-            if (k + 2 < K) v[s].z = p[2];
-            if (k + 3 < K) v[s].w = p[3];
-          }
-          if (norm_w) {
-            nw[s].x = w2f(norm_w[k]);
-            if (k + 1 < K) nw[s].y = w2f(norm_w[k + 1]);
-            if (k + 2 < K) nw[s].z = w2f(norm_w[k + 2]);
-            if (k + 3 < K) nw[s].w = w2f(norm_w[k + 3]);
-          }
+          v[s] = load4f_upto(xt + (long long)tt * K + k, K - k, vec);
+          if (norm_w) nw[s] = load_norm4_upto(norm_w + k, K - k);
         }
       }
 #pragma unroll
