@@ -336,6 +336,7 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
     model = engine.admission.model
     (out / 'cost_model.json').write_text(model.to_json(), encoding='utf-8')
     summary = summarize(records, (t_stop - t_begin) / 1e9, wall_s, clock_mode)
+    summary['backend'] = engine.backend.name
     summary['skipped_messages'] = dict(bad_messages)
     (out / 'summary.json').write_text(json.dumps(summary, indent=2) + '\n', encoding='utf-8')
     plot_timeline(records, period * 1e3, margin * 1e3, out / 'timeline.png', warn)

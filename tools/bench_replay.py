@@ -1,6 +1,6 @@
 """Offline replay speed: a 60 s demo bag through rt-llm-replay (model clock, shipped model).
 
-    python tools/bench_replay.py [--seconds 60] [--threads 1,2] [--write]
+    python tools/bench_replay.py [--seconds 60] [--threads 1,2] [--backend numpy|cuda] [--write]
 
 Each replay runs as its own ``rt-llm-replay`` process with ``OPENBLAS_NUM_THREADS`` set to
 each of ``--threads`` (the package defaults to one BLAS thread, right for the node beside a
@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+import re
 import subprocess
 import sys
 import tempfile
@@ -27,11 +28,23 @@ from rt_llm_node.model.embedded import default_model_path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def replay_process(bag, out, threads):
+def demo_params(backend, folder):
+    """config/demo.yaml with ``backend`` pinned (its own ``auto`` picks CUDA on a GPU host,
+    and this benchmark measures the backend it names)."""
+    text = (ROOT / 'config' / 'demo.yaml').read_text()
+    pinned = re.sub(r'^(\s*backend:\s*)\S+', rf'\g<1>{backend}', text, count=1, flags=re.M)
+    if pinned == text and f'backend: {backend}' not in text:
+        raise SystemExit('config/demo.yaml has no backend line to pin')
+    path = Path(folder) / f'demo_{backend}.yaml'
+    path.write_text(pinned)
+    return path
+
+
+def replay_process(bag, out, threads, params):
     """Replay ``bag`` in a fresh process with ``threads`` BLAS threads; its summary."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
     command = [sys.executable, '-c', 'import sys; from rt_llm_node.replay import main; '
-               'sys.exit(main())', str(bag), '--params', str(ROOT / 'config' / 'demo.yaml'),
+               'sys.exit(main())', str(bag), '--params', str(params),
                '--out', str(out), '--clock', 'model',
                '--cost-model', str(Path(default_model_path()) / 'cost_model.json')]
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
@@ -42,6 +55,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--seconds', type=float, default=60.0)
     parser.add_argument('--threads', default='1,2', help='BLAS thread counts, comma-separated')
+    parser.add_argument('--backend', choices=('numpy', 'cuda'), default='numpy',
+                        help='the backend every replay uses (default numpy: the CPU figure)')
     parser.add_argument('--write', action='store_true')
     args = parser.parse_args()
     threads = sorted({int(t) for t in args.threads.split(',')})
@@ -50,10 +65,13 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for storage in ('mcap', 'sqlite3'):
+            params = demo_params(args.backend, tmp)
             bag = record_demo_bag(Path(tmp) / storage, args.seconds, storage=storage)
             for n in threads:   # one thread first: its stream is the reference
                 out = Path(tmp) / f'out_{storage}_{n}'
-                s = replay_process(bag, out, n)
+                s = replay_process(bag, out, n, params)
+                if s.get('backend') != args.backend:
+                    raise SystemExit(f"the replay ran on {s.get('backend')}, not {args.backend}")
                 stream = (out / 'actions.jsonl').read_bytes()
                 if n == 1:
                     reference = stream
@@ -66,9 +84,10 @@ def main():
               'speed vs real time', 'actions', 'refusals', 'same decisions as 1 thread']
     print_table(header, rows)
     if args.write:
-        write_section('replay', 'Offline replay speed (numpy backend, shipped model)',
+        write_section('replay', f'Offline replay speed ({args.backend} backend, shipped model)',
                       'A demo bag recorded by rt-llm-demo-record, replayed by `rt-llm-replay '
-                      '--clock model` with config/demo.yaml and the cost model shipped beside '
+                      '--clock model` with config/demo.yaml (its backend pinned to '
+                      f'`{args.backend}`) and the cost model shipped beside '
                       'the model, one process per row with `OPENBLAS_NUM_THREADS` = BLAS '
                       'threads (replay s: engine, bag reading and writing, summary and PNG; '
                       'process start and imports excluded). Last column: the decision stream '
