@@ -401,13 +401,21 @@ class FieldGrammar:
         return Action(self.kind, values)
 
 
+def is_plan_field(name):
+    """A field named '_...' is decoded like any other (constrained, before the fields after
+    it) and kept in the tick's records, but never published: a plan the policy states
+    first and conditions the command on (e.g. the demo's '_aim', the bearing it steers for)."""
+    return name.startswith('_')
+
+
 def twist_grammar(tokenizer, fields, prefix='act'):
     """Grammar for geometry_msgs/Twist; ``fields``: dicts with name, key, min, max, step."""
     allowed = {'linear.x', 'linear.y', 'linear.z', 'angular.x', 'angular.y', 'angular.z'}
     specs = []
     for f in fields:
-        if f['name'] not in allowed:
-            raise GrammarError(f"Twist has no field {f['name']!r} (one of {sorted(allowed)})")
+        if f['name'] not in allowed and not is_plan_field(f['name']):
+            raise GrammarError(f"Twist has no field {f['name']!r} (one of {sorted(allowed)}, "
+                               "or a plan field named '_...')")
         specs.append(ActionField(f['name'], f['key'], float(f['min']), float(f['max']),
                                  float(f['step'])))
     return FieldGrammar(tokenizer, 'twist', specs, prefix)
@@ -482,9 +490,11 @@ def action_message(action, action_type, period_s, make):
     grammar fields to message fields for both. A JointTrajectory has one point, due one
     tick period from now.
     """
+    published = {name: value for name, value in action.values.items()
+                 if not is_plan_field(name)}
     if action_type == 'geometry_msgs/msg/Twist':
         groups = {'linear': {}, 'angular': {}}
-        for name, value in action.values.items():
+        for name, value in published.items():
             group, axis = name.split('.')
             groups[group][axis] = float(value)
         return make(action_type, **{group: make('geometry_msgs/msg/Vector3', **axes)
@@ -495,5 +505,5 @@ def action_message(action, action_type, period_s, make):
     due = make('builtin_interfaces/msg/Duration', sec=period_ns // 1_000_000_000,
                nanosec=period_ns % 1_000_000_000)
     point = make('trajectory_msgs/msg/JointTrajectoryPoint',
-                 positions=[float(v) for v in action.values.values()], time_from_start=due)
-    return make(action_type, joint_names=list(action.values), points=[point])
+                 positions=[float(v) for v in published.values()], time_from_start=due)
+    return make(action_type, joint_names=list(published), points=[point])

@@ -239,3 +239,53 @@ def test_demo_inputs_subsets_keep_what_the_expert_reads(tmp_path):
     assert any(topic == '/odom' for _, topic, _ in full.ticks[0].segments)
     assert not any(topic == '/odom' for t in lean.ticks for _, topic, _ in t.segments)
     assert [t.action_ids for t in full.ticks] == [t.action_ids for t in lean.ticks]
+
+
+def test_an_aiming_policy_states_the_expert_aim_first_and_publishes_only_v_and_w(tmp_path):
+    """The '_aim' plan field (tools/train_demo_policy.py --aim): one token before v and w,
+    labelled with the instructed object's bearing (180: not in sight), shown in the executed
+    actions of the context too, recorded in training.json, and never part of the Twist."""
+    import json
+
+    import pytest
+    from types import SimpleNamespace
+    from rt_llm_node.codec import action_message
+    from rt_llm_node.codec import GrammarError
+    from rt_llm_node.codec import twist_grammar
+    from rt_llm_node.demo.episodes import expert_episode
+    from rt_llm_node.demo.expert import expert_aim
+    from rt_llm_node.demo.task import AIM_FIELD
+    from rt_llm_node.demo.task import model_aim
+    assert expert_aim('go to the red box', 'red ball 23deg 4.0m; red box -16deg 4.5m') == -16
+    assert expert_aim('go to the red box', 'red box 172deg 1.0m') == 165    # held within 165
+    assert expert_aim('go to the red box', 'blue box 10deg 1.0m') == 180    # not in sight
+    assert expert_aim('go to the red box', '') == 180
+    texts = [line for seed in range(2) for line in episode_texts(seed)]
+    tokenizer = train_tokenizer(texts, 1280, whole_words=whole_words(aim=True))
+    assert all(len(tokenizer.encode(w).ids) == 1 for w in action_words(aim=True))
+    grammar = action_grammar(tokenizer, aim=True)
+    assert [f.name for f in grammar.fields] == ['_aim', 'linear.x', 'angular.z']
+    assert grammar.render({'_aim': -16, 'linear.x': 0.5, 'angular.z': -0.75}) == \
+        'act a-015 v+0.5 w-0.75\n'
+    episode = expert_episode(1_000_000, tokenizer, noise=(0.2, 0.6), aim=True)
+    plain = expert_episode(1_000_000, tokenizer, noise=(0.2, 0.6))
+    assert episode.results == plain.results           # the robot drives the same
+    aims = set()
+    for tick, other in zip(episode.ticks, plain.ticks):
+        text = tokenizer.decode(tick.action_ids)
+        assert text.split()[2:] == tokenizer.decode(other.action_ids).split()[1:]
+        assert tokenizer.decode(tick.executed_ids).split()[1] == text.split()[1]
+        aims.add(text.split()[1])
+    assert len(aims) > 5                              # the target seen at several bearings
+    # a plan field is decoded and kept, never published
+    action = grammar.action((3, None, (-15.0, 0.5, -0.75)))
+    twist = action_message(action, 'geometry_msgs/msg/Twist', 1 / 30,
+                           lambda kind, **fields: SimpleNamespace(**fields))
+    assert vars(twist.linear) == {'x': 0.5} and vars(twist.angular) == {'z': -0.75}
+    assert action.values['_aim'] == -15.0
+    with pytest.raises(GrammarError, match='plan field'):
+        twist_grammar(tokenizer, [dict(AIM_FIELD, name='aim')])
+    # a checkpoint says whether it aims; none said: it does not (the shipped model)
+    assert model_aim(default_model_path()) is False
+    (tmp_path / 'training.json').write_text(json.dumps({'aim': True}))
+    assert model_aim(tmp_path) is True

@@ -23,6 +23,7 @@ from rt_llm_node.demo.expert import distractor_ahead
 from rt_llm_node.demo.expert import parse_detections
 from rt_llm_node.demo.expert import parse_instruction
 from rt_llm_node.demo.task import INPUTS
+from rt_llm_node.demo.task import model_aim
 from rt_llm_node.demo.task import model_inputs
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.embedded import default_model_path
@@ -55,7 +56,7 @@ AHEAD_DEG = 15
 STATS = 8   # ticks, agree, |dv|, |dw|, model repeats w, expert repeats w, turns to target x2
 
 
-def episode(checkpoint, seed, capacity, policy, driver='model', inputs=INPUTS):
+def episode(checkpoint, seed, capacity, policy, driver='model', inputs=INPUTS, aim=False):
     """(result of run_model_episode, {situation: [ticks, agree, |dv|, |dw|, model repeats
     the executed w, expert's label does, model turns toward the target, expert does]})."""
     stats = defaultdict(lambda: [0] * STATS)
@@ -80,7 +81,7 @@ def episode(checkpoint, seed, capacity, policy, driver='model', inputs=INPUTS):
         last[0] = w if driver == 'model' else ew
 
     result = run_model_episode(checkpoint, seed, policy, capacity, observe=observe,
-                               expert_drives=driver == 'expert', inputs=inputs)
+                               expert_drives=driver == 'expert', inputs=inputs, aim=aim)
     return result, stats
 
 
@@ -99,7 +100,7 @@ def main():
     total = defaultdict(lambda: [0] * STATS)
     for seed in range(args.first_seed, args.first_seed + args.episodes):
         result, stats = episode(checkpoint, seed, args.capacity, args.policy, args.driver,
-                                model_inputs(args.model))
+                                model_inputs(args.model), model_aim(args.model))
         print(f"seed {seed}: {', '.join(result['results'])} in {result['ticks']} ticks, "
               f"{result['collisions']} collisions", flush=True)
         for key, s in stats.items():

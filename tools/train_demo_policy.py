@@ -46,6 +46,7 @@ from rt_llm_node.demo.episodes import train_tokenizer  # noqa: E402
 from rt_llm_node.demo.evaluate import HELD_OUT_SEED0  # noqa: E402
 from rt_llm_node.demo.task import demo_inputs  # noqa: E402
 from rt_llm_node.demo.task import INPUTS  # noqa: E402
+from rt_llm_node.demo.task import model_aim  # noqa: E402
 from rt_llm_node.demo.task import model_inputs  # noqa: E402
 from rt_llm_node.demo.task import object_phrases  # noqa: E402
 from rt_llm_node.demo.task import whole_words  # noqa: E402
@@ -66,12 +67,13 @@ def _texts(job):
 
 
 def _episode(job):
-    seed, tokenizer_json, noise, hold_rate, executed, topics = job
+    seed, tokenizer_json, noise, hold_rate, executed, (topics, aim) = job
     tokenizer = Tokenizer.from_str(tokenizer_json)
     inputs = demo_inputs(topics)
     if executed is not None:   # DAgger: the policy's own states, the expert's labels
-        return expert_episode(seed, tokenizer, executed=executed, inputs=inputs)
-    return expert_episode(seed, tokenizer, noise=noise, hold_rate=hold_rate, inputs=inputs)
+        return expert_episode(seed, tokenizer, executed=executed, inputs=inputs, aim=aim)
+    return expert_episode(seed, tokenizer, noise=noise, hold_rate=hold_rate, inputs=inputs,
+                          aim=aim)
 
 
 def _drive(job):
@@ -82,7 +84,8 @@ def _drive(job):
     from rt_llm_node.demo.evaluate import _checkpoint
     from rt_llm_node.demo.evaluate import run_model_episode
     result = run_model_episode(_checkpoint(model), seed, 'meaning', capacity,
-                               max_ticks=max_ticks, inputs=model_inputs(model))
+                               max_ticks=max_ticks, inputs=model_inputs(model),
+                               aim=model_aim(model))
     results = result['results']
     return seed, result['executed'], sum(r == 'reached' for r in results), len(results)
 
@@ -320,6 +323,14 @@ def main():
                              'shipped policy, with a colour and a shape token each, turns '
                              'toward objects that share one of the two with the target '
                              '(BENCHMARKS.md, stop 20), with or without its action history')
+    parser.add_argument('--aim', action='store_true',
+                        help="actions start with the plan field '_aim' (task.AIM_FIELD): the "
+                             "policy first states the instructed object's bearing, labelled "
+                             'by the expert, then v and w. Finding the target among the '
+                             'detections gets a label of its own instead of being learned '
+                             'through the turn rate only (the shipped policy turns to the '
+                             'target with another object ahead on 0.26 of such ticks, the '
+                             'expert 0.94); never published, recorded in training.json')
     parser.add_argument('--online-dagger', type=float, default=None, metavar='START',
                         help='DAgger during one continuous training run instead of rounds: '
                              'from this fraction of the training time on, --dagger-workers '
@@ -397,12 +408,12 @@ def main():
             texts = [line for lines in pool.map(_texts, [(s, args.inputs) for s in seeds[:200]])
                      for line in lines]
             tokenizer = train_tokenizer(texts, MODEL['vocab_size'],
-                                        whole_words=whole_words(),
+                                        whole_words=whole_words(args.aim),
                                         phrases=object_phrases() if args.object_tokens else ())
         tokenizer_json = tokenizer.to_str()
         noisy = ((args.noise_v, args.noise_w), args.hold_rate)
         jobs = [(s, tokenizer_json, *(noisy if i % 4 else ((0.0, 0.0), 0.0)), None,
-                 args.inputs) for i, s in enumerate(seeds)]
+                 (args.inputs, args.aim)) for i, s in enumerate(seeds)]
         first = seeds[-1] + 1
         episodes = _with_goal_starts(list(pool.map(_episode, jobs, chunksize=8)))
         rollout_s = None
@@ -447,7 +458,7 @@ def main():
         if round_:   # DAgger: the model of the round before drives, the expert labels
             t0 = time.time()
             with tempfile.TemporaryDirectory() as tmp:
-                _export(model, tokenizer, tmp, args.inputs)
+                _export(model, tokenizer, tmp, args.inputs, args.aim)
                 with ProcessPoolExecutor(args.workers, mp_context=_FORK) as pool:
                     new, next_seed = _dagger_episodes(pool, [tmp], first, args,
                                                       tokenizer_json)
@@ -522,6 +533,7 @@ def main():
         'keyframe_weight': args.keyframe_weight, 'distractor_weight': args.distractor_weight,
         'object_tokens': args.object_tokens,
         'inputs': [spec.topic for spec in demo_inputs(args.inputs)],
+        'aim': args.aim,
         'init': args.init,
         'selected_round': None if best is None else best[1],
         'final_loss': rounds[-1 if best is None else best[1]]['final_loss'],
@@ -553,7 +565,7 @@ def _dagger_episodes(pool, models, first, args, tokenizer_json):
             for seed in range(first, first + args.dagger_episodes)])]
         first += args.dagger_episodes
         # rendered with this run's inputs, whatever the driving model saw
-        jobs += [(seed, tokenizer_json, (0.0, 0.0), 0.0, executed, args.inputs)
+        jobs += [(seed, tokenizer_json, (0.0, 0.0), 0.0, executed, (args.inputs, args.aim))
                  for seed, executed in rollouts]
     return _with_goal_starts(list(pool.map(_episode, jobs, chunksize=8))), first
 
@@ -586,7 +598,7 @@ class _OnlineDagger:
             self.pool = ProcessPoolExecutor(self.args.dagger_workers, mp_context=_FORK,
                                             initializer=os.nice, initargs=(10,))
         path = str(Path(self.tmp.name) / f'iteration{len(self.iterations)}')
-        _export(model, self.tokenizer, path, self.args.inputs)
+        _export(model, self.tokenizer, path, self.args.inputs, self.args.aim)
         seeds = range(self.first, self.first + self.args.dagger_episodes)
         self.first += self.args.dagger_episodes
         self.started = time.time()
@@ -609,7 +621,8 @@ class _OnlineDagger:
             driven = [f.result() for f in self.rollouts]
             self.goals = (sum(r[2] for r in driven), sum(r[3] for r in driven))
             self.labels = [self.pool.submit(_episode, (seed, self.tokenizer_json, (0.0, 0.0),
-                                                       0.0, executed, self.args.inputs))
+                                                       0.0, executed,
+                                                       (self.args.inputs, self.args.aim)))
                            for seed, executed, _, _ in driven]
             return []
         if not all(f.done() for f in self.labels):
@@ -639,7 +652,7 @@ class _OnlineDagger:
 def _validation(model, tokenizer, args):
     """Goal success of ``model`` over the validation episodes (forked numpy workers)."""
     with tempfile.TemporaryDirectory() as tmp:
-        _export(model, tokenizer, tmp, args.inputs)
+        _export(model, tokenizer, tmp, args.inputs, args.aim)
         jobs = [(tmp, VALIDATION_SEED0 + i, args.select_capacity, None)
                 for i in range(args.select_episodes)]
         with ProcessPoolExecutor(args.workers, mp_context=_FORK) as pool:
@@ -647,9 +660,9 @@ def _validation(model, tokenizer, args):
     return sum(r[2] for r in results) / max(1, sum(r[3] for r in results))
 
 
-def _export(model, tokenizer, path, inputs=None):
-    """An HF-layout checkpoint (bf16) of ``model``, which stays as it is; ``inputs`` (topics):
-    recorded in its training.json, where rollouts and rt-llm-eval read them."""
+def _export(model, tokenizer, path, inputs=None, aim=False):
+    """An HF-layout checkpoint (bf16) of ``model``, which stays as it is; ``inputs`` (topics)
+    and ``aim``: recorded in its training.json, where rollouts and rt-llm-eval read them."""
     import torch
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -658,8 +671,10 @@ def _export(model, tokenizer, path, inputs=None):
     for extra in ('generation_config.json',):
         if (path / extra).exists():
             (path / extra).unlink()
-    if inputs is not None:
-        (path / 'training.json').write_text(json.dumps({'inputs': list(inputs)}) + '\n')
+    if inputs is not None or aim:
+        record = {'inputs': list(inputs)} if inputs is not None else {}
+        record.update({'aim': True} if aim else {})
+        (path / 'training.json').write_text(json.dumps(record) + '\n')
 
 
 def weighted_loss(model, ids, attention, labels, weights):

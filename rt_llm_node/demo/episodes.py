@@ -20,6 +20,7 @@ from tokenizers import trainers
 from rt_llm_node.codec import ObservationCodec
 from rt_llm_node.codec import scan_sectors
 from rt_llm_node.demo.expert import distractor_ahead
+from rt_llm_node.demo.expert import expert_aim
 from rt_llm_node.demo.expert import expert_command
 from rt_llm_node.demo.messages import MessageFactory
 from rt_llm_node.demo.task import action_grammar
@@ -101,7 +102,7 @@ def train_tokenizer(texts, vocab_size=768, whole_words=(), repeats=3000, phrases
 
 
 def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate=0.0,
-                   executed=None, inputs=INPUTS):
+                   executed=None, inputs=INPUTS, aim=False):
     """Run the expert in the world; record each tick's tokens (label: the clean expert action).
 
     ``noise``: std of Gaussian noise (v, w) added to the executed command, so the
@@ -114,11 +115,14 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
     replays it exactly (the world is deterministic per seed and command sequence) and
     the episode ends with it, while each tick's label is still the expert's: DAgger
     data, the states the policy itself reaches. ``inputs``: the input specs rendered (the
-    expert reads the messages either way).
+    expert reads the messages either way). ``aim``: actions start with the plan field
+    '_aim', labelled with the expert's aim (``expert_aim``), also in the executed actions
+    the context shows (a policy states an aim; the robot executes only v and w).
     """
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
     codec = ObservationCodec(tokenizer, inputs)
-    grammar = action_grammar(tokenizer)
+    grammar = action_grammar(tokenizer, aim)
+    fv, fw = (grammar.fields[-2], grammar.fields[-1])
     rng = np.random.default_rng(seed if noise_seed is None else noise_seed)
     episode = Episode(seed)
     instruction = ''
@@ -133,6 +137,8 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
         v, w = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
                               msgs['/detections'].data, last_w)
         values = {'linear.x': v, 'angular.z': w}
+        plan = {'_aim': expert_aim(instruction, msgs['/detections'].data)} if aim else {}
+        values.update(plan)
         action_ids = tokenizer.encode(grammar.render(values)).ids
         episode.ticks.append(TickTokens(segments, action_ids, len(grammar.prefix_ids),
                                         distractor=distractor_ahead(
@@ -140,21 +146,20 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
         if executed is not None:   # the policy's command, replayed
             ev, ew = executed[world.tick]
         else:
-            qv = grammar.fields[0].quantize(v)
-            qw = grammar.fields[1].quantize(w)
+            qv = fv.quantize(v)
+            qw = fw.quantize(w)
             ev, ew = qv + noise[0] * rng.normal(), qw + noise[1] * rng.normal()
             if hold_left == 0 and hold_rate and rng.random() < hold_rate:
                 hold_left = int(rng.integers(5, 21))
-                hold = (float(rng.choice(grammar.fields[0].values)),
-                        float(rng.choice(grammar.fields[1].values)))
+                hold = (float(rng.choice(fv.values)), float(rng.choice(fw.values)))
             if hold_left:
                 hold_left -= 1
                 ev, ew = hold
         if noise[0] or noise[1] or hold_rate or executed is not None:
             # what a policy that chose it would render
-            ev, ew = grammar.fields[0].quantize(ev), grammar.fields[1].quantize(ew)
+            ev, ew = fv.quantize(ev), fw.quantize(ew)
             episode.ticks[-1].executed_ids = tokenizer.encode(grammar.render(
-                {'linear.x': ev, 'angular.z': ew})).ids
+                {'linear.x': ev, 'angular.z': ew, **plan})).ids
         else:
             episode.ticks[-1].executed_ids = action_ids
         last_w = ew   # quantized either way: noiseless, ev and ew are qv and qw

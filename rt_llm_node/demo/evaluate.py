@@ -32,6 +32,7 @@ from rt_llm_node.demo.expert import expert_command
 from rt_llm_node.demo.messages import MessageFactory
 from rt_llm_node.demo.task import action_grammar
 from rt_llm_node.demo.task import INPUTS
+from rt_llm_node.demo.task import model_aim
 from rt_llm_node.demo.task import model_inputs
 from rt_llm_node.demo.task import SYSTEM_PROMPT
 from rt_llm_node.demo.world import DemoWorld
@@ -67,7 +68,8 @@ def _checkpoint(path):
 
 
 def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_ticks=None,
-                      observe=None, expert_drives=False, action_delay=0, inputs=INPUTS):
+                      observe=None, expert_drives=False, action_delay=0, inputs=INPUTS,
+                      aim=False):
     """One closed-loop episode; returns dict(results, ticks, agree, refusals, executed, pose,
     collisions).
 
@@ -80,12 +82,14 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
     the expert's command while the model still decides every tick (its fit on the expert's
     own states). ``action_delay``: ticks between an observation and its command's effect
     (``executed`` holds what the robot executed, so replays need no delay). ``inputs``: the
-    input specs the engine renders, those the policy was trained on (``model_inputs``).
+    input specs the engine renders, those the policy was trained on (``model_inputs``);
+    ``aim``: the policy states its aim first (``model_aim``; the '_aim' plan field).
     """
     actuate = Actuation(action_delay)
     backend = backend or NumpyBackend(checkpoint, capacity)
     backend.rollback(0)
-    grammar = action_grammar(checkpoint.tokenizer)
+    grammar = action_grammar(checkpoint.tokenizer, aim)
+    fv, fw = grammar.fields[-2], grammar.fields[-1]   # v and w, after any plan field
     clock = ModelClock()
     engine = TickEngine(backend, checkpoint.tokenizer, inputs, grammar,
                         Admission(CostModel(), margin_ms=0.0), policy=policy,
@@ -108,7 +112,7 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
         sectors = scan_sectors(msgs['/scan'], SCAN_SECTORS)
         ev, ew = expert_command(instruction, sectors, msgs['/detections'].data,
                                 last[1])
-        expert = (grammar.fields[0].quantize(ev), grammar.fields[1].quantize(ew))
+        expert = (fv.quantize(ev), fw.quantize(ew))
         result = engine.tick(snapshot, now, now + dt)
         if result.action is None:
             refusals += 1
@@ -163,7 +167,8 @@ def _job(job):
     if key not in _BACKENDS:   # reused by this worker's later episodes (rolled back to 0)
         _BACKENDS[key] = make_backend(backend, checkpoint, capacity)
     return run_model_episode(checkpoint, seed, policy, capacity, _BACKENDS[key],
-                             action_delay=delay, inputs=model_inputs(model))
+                             action_delay=delay, inputs=model_inputs(model),
+                             aim=model_aim(model))
 
 
 def summarize(episodes):

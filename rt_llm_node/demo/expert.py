@@ -41,6 +41,17 @@ def distractor_ahead(instruction, detections_text, off_axis_deg=30, ahead_deg=15
         d[:2] != target and abs(d[2]) <= ahead_deg for d in found)
 
 
+def expert_aim(instruction, detections_text, limit_deg=165.0, unseen_deg=180.0):
+    """The bearing (deg) the expert steers for: the instructed object's, within
+    +-``limit_deg``; ``unseen_deg`` when it is not in sight (the expert then turns on the
+    spot). What an aiming policy states before its command (task.AIM_FIELD)."""
+    target = parse_instruction(instruction)
+    seen = [d for d in parse_detections(detections_text) if target and d[:2] == target]
+    if not seen:
+        return unseen_deg
+    return _clip(float(seen[0][2]), limit_deg)
+
+
 def _clip(value, limit):
     return max(-limit, min(limit, value))
 

@@ -30,6 +30,12 @@ TWIST_FIELDS = (
     {'name': 'angular.z', 'key': 'w', 'min': -1.5, 'max': 1.5, 'step': 0.25},
 )
 
+# The plan field of an aiming policy (tools/train_demo_policy.py --aim): decoded before v and
+# w, never published. Its value is the instructed object's bearing, quantized to 15 deg and
+# held within +-165; +180 says "not in sight" (the expert then turns on the spot).
+AIM_FIELD = {'name': '_aim', 'key': 'a', 'min': -165.0, 'max': 180.0, 'step': 15.0}
+AIM_UNSEEN = 180.0
+
 
 REQUIRED_TOPICS = ('/instruction', '/scan', '/detections')   # what the expert reads
 
@@ -67,15 +73,32 @@ def model_inputs(model_dir):
     return demo_inputs(topics)
 
 
-def action_grammar(tokenizer):
-    """The demo's Twist grammar for ``tokenizer``."""
-    return twist_grammar(tokenizer, TWIST_FIELDS)
+def action_fields(aim=False):
+    """The demo's action fields: v and w, after the plan field '_aim' with ``aim``."""
+    return ((AIM_FIELD,) if aim else ()) + TWIST_FIELDS
 
 
-def action_words():
-    """Every word an action can contain (' v+0.3', ' w-1.25', ...), as rendered."""
+def action_grammar(tokenizer, aim=False):
+    """The demo's Twist grammar for ``tokenizer`` (with the '_aim' plan field first)."""
+    return twist_grammar(tokenizer, action_fields(aim))
+
+
+def model_aim(model_dir):
+    """Whether a checkpoint was trained to state its aim first: its ``training.json``
+    records "aim" (tools/train_demo_policy.py --aim); absent, it was not."""
+    record = Path(model_dir) / 'training.json'
+    if not record.is_file():
+        return False
+    try:
+        return bool(json.loads(record.read_text()).get('aim', False))
+    except (OSError, ValueError, AttributeError) as err:
+        raise ValueError(f'{record}: unreadable ({err})') from None
+
+
+def action_words(aim=False):
+    """Every word an action can contain (' v+0.3', ' w-1.25', ' a+045', ...), as rendered."""
     fields = [ActionField(f['name'], f['key'], f['min'], f['max'], f['step'])
-              for f in TWIST_FIELDS]
+              for f in action_fields(aim)]
     return [' ' + field.text(value) for field in fields for value in field.values]
 
 
@@ -95,10 +118,10 @@ def object_phrases():
     return [f' {colour} {shape}' for colour in COLOURS for shape in SHAPES]
 
 
-def whole_words():
+def whole_words(aim=False):
     """Words the demo tokenizer keeps whole.
 
     Each action word (one decode step per field) and each bearing (one token for the
     number the policy steers by, alike for either sign).
     """
-    return action_words() + detection_words()
+    return action_words(aim) + detection_words()
