@@ -53,7 +53,8 @@ PARAMETERS = (
     Param('action_type', 'geometry_msgs/msg/Twist', 'type of the action message',
           choices=ACTION_TYPES),
     Param('action_fields', ['linear.x', 'angular.z'],
-          'Twist fields, or joint names for JointTrajectory'),
+          "Twist fields, or joint names for JointTrajectory; a name '_...' is a plan "
+          'field: decoded and recorded, never published'),
     Param('action_keys', ['v', 'w'], 'short text key of each field in the action grammar'),
     Param('action_min', [-0.2, -1.5], 'lower limit of each field (SI units)'),
     Param('action_max', [0.8, 1.5], 'upper limit of each field (SI units)'),
