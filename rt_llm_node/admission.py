@@ -16,6 +16,7 @@ ticks, refused ones too, so a one-off spike expires). A safety margin in millise
 is added on top.
 """
 
+from collections import defaultdict
 from collections import deque
 from dataclasses import dataclass
 import json
@@ -77,16 +78,28 @@ def _fit(features, targets):
 
 
 def calibrate(backend, vocab_size, quantile=0.9, repeats=5, prefill_lengths=(1, 8, 24, 48),
-              cache_fractions=(0.0, 0.5, 0.9), log=None, clock=time.perf_counter):
+              cache_fractions=(0.0, 0.5, 0.9), log=None, clock=time.perf_counter, rounds=3):
     """Time ``backend`` over a grid and fit a CostModel to the upper ``quantile``.
 
+    The whole grid is timed ``rounds`` times over, ``repeats`` samples a point a round;
+    a point's figure is the median over the rounds of each round's ``quantile``. So a
+    stall of the host (another process, a page fault storm) inflates one round's figures,
+    not the fit: with one pass, a 0.3 s stall during one point's samples set the decode
+    intercept to 5 ms instead of 1.8 and the node refused every tick of its run (no tick
+    ran, so the admission scale, which learns from admitted ticks, could not correct it).
     Leaves the backend's cache empty. ``log(text)`` receives progress lines.
     """
+    if rounds < 1 or repeats < 1:
+        raise ValueError('calibration needs at least one round and one repeat')
     rng = np.random.default_rng(0)
     capacity = backend.capacity
     prefill_lengths = [n for n in prefill_lengths if n < capacity]
     max_prefill = max(prefill_lengths)
-    pre_x, pre_y, dec_x, dec_y, cmp_x, cmp_y = [], [], [], [], [], []
+    lengths = [max(0, min(int(f * capacity), capacity - max_prefill - 1))
+               for f in cache_fractions]
+    prefill_ids = {n: rng.integers(0, vocab_size, n) for n in prefill_lengths}
+    fills = {length: rng.integers(0, vocab_size, length) for length in lengths}
+    figures = defaultdict(list)   # (what, length, n) -> one figure a round
 
     def upper(samples):
         return float(np.quantile(samples, quantile))
@@ -94,45 +107,45 @@ def calibrate(backend, vocab_size, quantile=0.9, repeats=5, prefill_lengths=(1, 
     def fill(length):
         backend.rollback(0)
         if length:
-            backend.prefill(rng.integers(0, vocab_size, length))
+            backend.prefill(fills[length])
 
-    for fraction in cache_fractions:
-        length = max(0, min(int(fraction * capacity), capacity - max_prefill - 1))
-        fill(length)
-        for n in prefill_lengths:
-            ids = rng.integers(0, vocab_size, n)
-            samples = []
-            for _ in range(repeats):
-                backend.rollback(length)
-                start = clock()
-                backend.prefill(ids)
-                samples.append((clock() - start) * 1e3)
-            pre_x.append([1.0, n, n * length])
-            pre_y.append(upper(samples))
+    def timed(run, before=None):
         samples = []
         for _ in range(repeats):
-            backend.rollback(length)
+            if before is not None:
+                before()
             start = clock()
-            backend.decode(1)
+            run()
             samples.append((clock() - start) * 1e3)
-        dec_x.append([1.0, length])
-        dec_y.append(upper(samples))
-        if length > 1:
-            keep = np.arange(0, length, 2)
-            samples = []
-            for _ in range(repeats):
-                fill(length)
-                start = clock()
-                backend.compact(keep)
-                samples.append((clock() - start) * 1e3)
-            cmp_x.append([1.0, len(keep)])
-            cmp_y.append(upper(samples))
-        if log:
-            log(f'calibrated at cache length {length}: decode {dec_y[-1]:.2f} ms, '
-                f'prefill of {max_prefill} tokens {pre_y[-1]:.2f} ms')
+        return upper(samples)
+
+    for _ in range(rounds):
+        for length in lengths:
+            fill(length)
+            for n in prefill_lengths:
+                figures['prefill', length, n].append(timed(
+                    lambda: backend.prefill(prefill_ids[n]), lambda: backend.rollback(length)))
+            figures['decode', length, 1].append(timed(
+                lambda: backend.decode(1), lambda: backend.rollback(length)))
+            if length > 1:
+                keep = np.arange(0, length, 2)
+                figures['compact', length, len(keep)].append(timed(
+                    lambda: backend.compact(keep), lambda: fill(length)))
     backend.rollback(0)
-    return CostModel(prefill=_fit(pre_x, pre_y), decode=_fit(dec_x, dec_y),
-                     compact=_fit(cmp_x, cmp_y) if cmp_x else (0.0, 0.0))
+    xs, ys = defaultdict(list), defaultdict(list)
+    for (what, length, n), values in figures.items():
+        xs[what].append({'prefill': [1.0, n, n * length], 'decode': [1.0, length],
+                         'compact': [1.0, n]}[what])
+        ys[what].append(float(np.median(values)))
+    if log:
+        for length in lengths:
+            log(f'calibrated at cache length {length}: decode '
+                f'{np.median(figures["decode", length, 1]):.2f} ms, prefill of {max_prefill} '
+                f'tokens {np.median(figures["prefill", length, max_prefill]):.2f} ms '
+                f'(median of {rounds} rounds)')
+    return CostModel(prefill=_fit(xs['prefill'], ys['prefill']),
+                     decode=_fit(xs['decode'], ys['decode']),
+                     compact=_fit(xs['compact'], ys['compact']) if xs['compact'] else (0.0, 0.0))
 
 
 class Admission:

@@ -175,3 +175,38 @@ def test_joint_trajectory_actions_are_parsed_and_clamped():
         shoulder, elbow = result.action.values['shoulder'], result.action.values['elbow']
         assert -1.0 <= shoulder <= 1.0 and shoulder % 0.5 == 0
         assert 0.0 <= elbow <= 2.0 and elbow % 0.25 == 0
+
+
+def test_calibration_shrugs_off_a_host_stall(tmp_path):
+    """A stall of the host during some calibration samples must not set the cost model:
+    the grid is timed in rounds and each point takes the median over them. The clock is
+    synthetic (every timed call takes 0.5 ms, and 0.3 s while the stall lasts) so that
+    the figures are exact; the backend is the real numpy one."""
+    from rt_llm_node.admission import calibrate
+    from rt_llm_node.model.synthetic import write_random_checkpoint
+    tiny = load_checkpoint(write_random_checkpoint(tmp_path, 'tiny'))
+    backend = NumpyBackend(tiny, 256)
+
+    def stalled_clock(first, last):
+        calls = [0]
+
+        def clock():
+            calls[0] += 1
+            k = calls[0]   # the end of a timed call is an even call
+            stalled = sum(1 for i in range(2, k + 1, 2) if first <= i < last)
+            return (k * 0.5 + 300.0 * stalled) / 1e3
+        return clock
+
+    clean = calibrate(backend, tiny.config.vocab_size, repeats=3, clock=stalled_clock(0, 0))
+    assert clean.decode_ms(100) == pytest.approx(0.5, abs=1e-6)
+    assert clean.prefill_ms(48, 100) == pytest.approx(0.5, abs=1e-6)
+    # a stall over the 8 samples of round one's second grid point and the ones after it
+    stall = (8, 24)
+    once = calibrate(backend, tiny.config.vocab_size, repeats=3, rounds=1,
+                     clock=stalled_clock(*stall))
+    assert once.prefill_ms(48, 100) > 50.0   # one pass: the stall is in the model
+    robust = calibrate(backend, tiny.config.vocab_size, repeats=3, clock=stalled_clock(*stall))
+    for n, length in ((1, 0), (48, 100), (24, 200)):
+        assert robust.prefill_ms(n, length) == pytest.approx(0.5, abs=1e-6)
+    assert robust.decode_ms(200) == pytest.approx(0.5, abs=1e-6)
+    assert backend.length == 0
