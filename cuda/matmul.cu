@@ -201,19 +201,6 @@ __device__ __forceinline__ void w4_floats(const w4raw& r, float* o) {
 #endif
 }
 
-// Prefill tiles (_t16): y = W . xhat for T16_TOKENS tokens and the 8 units (16 rows) of a
-// block of 4 warps, 2 units (4 rows) a warp (grid = (ceil(units / 8), ceil(n_max / 16)),
-// tiles past the call's tokens exit). The lanes run along K: lane l takes the 4-weight
-// chunks l, l + 32, ... of its warp's 4 rows, so a warp's weight load is 256 contiguous
-// bytes a row (the design before, a lane per token, read each chunk at one address for
-// 16 lanes: 32 bytes a load, too few in flight to stream the weights), each weight is
-// converted once, and each 16-byte read of xhat feeds 16 multiply-adds (4 rows). xhat (x,
-// or rmsnorm(x) * norm_w) is staged in shared memory T16_KC values of K at a time, every
-// thread issuing its loads of a stage together, and a lane's next chunk loads while it
-// multiplies the current one (its first before the wait for the previous kernel). At the
-// end a lane holds 4 rows x 16 tokens of partial sums; a butterfly over the warp
-// (reduce-scatter, 62 shuffles) leaves lane l the two rows of unit l / 16, token l % 16,
-// which it runs through the epilogue.
 // Four consecutive floats from p: one 16-byte load when `aligned` (and count >= 4), else
 // the first min(count, 4) with zeros after them.
 __device__ __forceinline__ float4 load4f_upto(const float* p, int count, bool aligned) {
@@ -248,6 +235,19 @@ __device__ __forceinline__ void reduce_scatter_step(float* s, int lane) {
 #define T16_BATCH 5                // float4 loads a thread has in flight while staging
 #define T16_BATCHES (T16_TOKENS * T16_KC / 4 / 128 / T16_BATCH)
 
+// Prefill tiles (_t16): y = W . xhat for T16_TOKENS tokens and the 8 units (16 rows) of a
+// block of 4 warps, 2 units (4 rows) a warp (grid = (ceil(units / 8), ceil(n_max / 16)),
+// tiles past the call's tokens exit). The lanes run along K: lane l takes the 4-weight
+// chunks l, l + 32, ... of its warp's 4 rows, so a warp's weight load is 256 contiguous
+// bytes a row (the design before, a lane per token, read each chunk at one address for
+// 16 lanes: 32 bytes a load, too few in flight to stream the weights), each weight is
+// converted once, and each 16-byte read of xhat feeds 16 multiply-adds (4 rows). xhat (x,
+// or rmsnorm(x) * norm_w) is staged in shared memory T16_KC values of K at a time, every
+// thread issuing its loads of a stage together, and a lane's next chunk loads while it
+// multiplies the current one (its first before the wait for the previous kernel). At the
+// end a lane holds 4 rows x 16 tokens of partial sums; a butterfly over the warp
+// (reduce-scatter, 62 shuffles) leaves lane l the two rows of unit l / 16, token l % 16,
+// which it runs through the epilogue.
 template <int EPI>
 __device__ void tile16_body(int* __restrict__ state, const wt* __restrict__ W, int rows, int K,
                             const float* __restrict__ x, const wt* __restrict__ norm_w, float eps,
