@@ -20,8 +20,7 @@ import math
 from rt_llm_node.demo.evaluate import HELD_OUT_SEED0
 from rt_llm_node.demo.evaluate import run_model_episode
 from rt_llm_node.demo.expert import distractor_ahead
-from rt_llm_node.demo.expert import parse_detections
-from rt_llm_node.demo.expert import parse_instruction
+from rt_llm_node.demo.expert import target_detection
 from rt_llm_node.demo.task import INPUTS
 from rt_llm_node.demo.task import model_aim
 from rt_llm_node.demo.task import model_inputs
@@ -31,9 +30,8 @@ from rt_llm_node.model.embedded import default_model_path
 
 def target_bearing(instruction, detections):
     """Bearing (deg) of the instructed object in the detections line, or None."""
-    target = parse_instruction(instruction)
-    seen = [d for d in parse_detections(detections) if target and d[:2] == target]
-    return seen[0][2] if seen else None
+    seen = target_detection(instruction, detections)
+    return None if seen is None else seen[2]
 
 
 def situation(instruction, sectors, detections, bearing):

@@ -27,29 +27,31 @@ def parse_instruction(text):
     return (match.group(1), match.group(2)) if match else None
 
 
+def target_detection(instruction, detections_text):
+    """The first detection of the object ``instruction`` names, (colour, shape, bearing_deg,
+    distance_m), or None when it is not in sight (or there is no instruction)."""
+    target = parse_instruction(instruction)
+    if target is None:
+        return None
+    return next((d for d in parse_detections(detections_text) if d[:2] == target), None)
+
+
 def distractor_ahead(instruction, detections_text, off_axis_deg=30, ahead_deg=15):
     """True when the instructed object is seen ``off_axis_deg`` or more off the heading
     while another object lies within ``ahead_deg`` of it: the state where a policy that
     binds the instruction's colour or shape alone, not both, steers at the wrong object
     (tools/diagnose_policy.py; BENCHMARKS.md, why the demo policy fails)."""
-    target = parse_instruction(instruction)
-    if target is None:
-        return False
-    found = parse_detections(detections_text)
-    seen = [d for d in found if d[:2] == target]
-    return bool(seen) and abs(seen[0][2]) >= off_axis_deg and any(
-        d[:2] != target and abs(d[2]) <= ahead_deg for d in found)
+    seen = target_detection(instruction, detections_text)
+    return seen is not None and abs(seen[2]) >= off_axis_deg and any(
+        d[:2] != seen[:2] and abs(d[2]) <= ahead_deg for d in parse_detections(detections_text))
 
 
 def expert_aim(instruction, detections_text, limit_deg=165.0, unseen_deg=180.0):
     """The bearing (deg) the expert steers for: the instructed object's, within
     +-``limit_deg``; ``unseen_deg`` when it is not in sight (the expert then turns on the
     spot). What an aiming policy states before its command (task.AIM_FIELD)."""
-    target = parse_instruction(instruction)
-    seen = [d for d in parse_detections(detections_text) if target and d[:2] == target]
-    if not seen:
-        return unseen_deg
-    return _clip(float(seen[0][2]), limit_deg)
+    seen = target_detection(instruction, detections_text)
+    return unseen_deg if seen is None else _clip(float(seen[2]), limit_deg)
 
 
 def _clip(value, limit):
@@ -69,11 +71,10 @@ def expert_command(instruction, sectors, detections_text, last_w=0.0):
     """
     n = len(sectors)
     width = 2.0 * math.pi / n
-    target = parse_instruction(instruction)
-    seen = [d for d in parse_detections(detections_text) if target and d[:2] == target]
-    if not seen:  # nothing to go to: turn on the spot
+    seen = target_detection(instruction, detections_text)
+    if seen is None:  # nothing to go to: turn on the spot
         return 0.0, MAX_W / 2
-    _, _, bearing_deg, distance = seen[0]
+    _, _, bearing_deg, distance = seen
     bearing = math.radians(bearing_deg)
     turn = 2.0 * bearing
     slow = 1.0
