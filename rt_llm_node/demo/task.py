@@ -63,14 +63,21 @@ def model_inputs(model_dir):
     """The demo inputs a checkpoint was trained on: the topics its ``training.json``
     records under "inputs" (tools/train_demo_policy.py --inputs), else all of ``INPUTS``.
     Feeding a policy inputs it was not trained on loses most goals (BENCHMARKS.md)."""
-    record = Path(model_dir) / 'training.json'
-    if not record.is_file():
-        return INPUTS
+    return demo_inputs(_training_record(model_dir).get('inputs'))
+
+
+def _training_record(model_dir):
+    """A checkpoint's ``training.json`` as a dict ({} where it has none)."""
+    path = Path(model_dir) / 'training.json'
+    if not path.is_file():
+        return {}
     try:
-        topics = json.loads(record.read_text()).get('inputs')
-    except (OSError, ValueError, AttributeError) as err:
-        raise ValueError(f'{record}: unreadable ({err})') from None
-    return demo_inputs(topics)
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f'{path}: unreadable ({err})') from None
+    if not isinstance(record, dict):
+        raise ValueError(f'{path}: unreadable (not a JSON object)')
+    return record
 
 
 def action_fields(aim=False):
@@ -86,13 +93,7 @@ def action_grammar(tokenizer, aim=False):
 def model_aim(model_dir):
     """Whether a checkpoint was trained to state its aim first: its ``training.json``
     records "aim" (tools/train_demo_policy.py --aim); absent, it was not."""
-    record = Path(model_dir) / 'training.json'
-    if not record.is_file():
-        return False
-    try:
-        return bool(json.loads(record.read_text()).get('aim', False))
-    except (OSError, ValueError, AttributeError) as err:
-        raise ValueError(f'{record}: unreadable ({err})') from None
+    return bool(_training_record(model_dir).get('aim', False))
 
 
 def action_words(aim=False):
