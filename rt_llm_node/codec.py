@@ -314,6 +314,13 @@ class FieldGrammar:
             self.tries.append(trie)
         self._check_round_trip()
 
+    def field(self, name):
+        """The ActionField of message field (or plan field) ``name``."""
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise GrammarError(f'the action has no field {name!r}')
+
     def _word_ids(self, word):
         """Ids of ``' ' + word`` as it appears after the prefix (tokenized in context)."""
         base = self.tokenizer.encode(self.prefix).ids

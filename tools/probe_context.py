@@ -23,6 +23,7 @@ from rt_llm_node.demo.evaluate import run_model_episode
 from rt_llm_node.demo.expert import expert_command
 from rt_llm_node.demo.messages import MessageFactory
 from rt_llm_node.demo.task import action_grammar
+from rt_llm_node.demo.task import model_aim
 from rt_llm_node.demo.task import model_inputs
 from rt_llm_node.demo.world import DemoWorld
 from rt_llm_node.model import load_checkpoint
@@ -60,7 +61,7 @@ def takeover(seed, executed, tick, grammar):
         instruction = msgs['/instruction'].data if '/instruction' in msgs else instruction
         v, w = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
                               msgs['/detections'].data, last_w)
-        v, last_w = grammar.fields[0].quantize(v), grammar.fields[1].quantize(w)
+        v, last_w = grammar.field('linear.x').quantize(v), grammar.field('angular.z').quantize(w)
         world.step(v, last_w)
     return (world.results[goals] if len(world.results) > goals else 'episode over',
             world.tick - start)
@@ -76,11 +77,13 @@ def main():
     ticks = sorted(int(t) for t in args.ticks.split(','))
     checkpoint = load_checkpoint(args.model)
     tokenizer, inputs = checkpoint.tokenizer, model_inputs(args.model)
-    grammar = action_grammar(tokenizer)
+    aim = model_aim(args.model)
+    grammar = action_grammar(tokenizer, aim)
     run = run_model_episode(checkpoint, args.seed, 'meaning',
                             checkpoint.config.max_position_embeddings,
-                            max_ticks=ticks[-1] + 1, inputs=inputs)
-    episode = expert_episode(args.seed, tokenizer, executed=run['executed'], inputs=inputs)
+                            max_ticks=ticks[-1] + 1, inputs=inputs, aim=aim)
+    episode = expert_episode(args.seed, tokenizer, executed=run['executed'], inputs=inputs,
+                             aim=aim)
     backend = NumpyBackend(checkpoint, checkpoint.config.max_position_embeddings)
     system = system_ids(tokenizer)
     for tick in ticks:

@@ -122,7 +122,7 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
     codec = ObservationCodec(tokenizer, inputs)
     grammar = action_grammar(tokenizer, aim)
-    fv, fw = (grammar.fields[-2], grammar.fields[-1])
+    fv, fw = grammar.field('linear.x'), grammar.field('angular.z')
     rng = np.random.default_rng(seed if noise_seed is None else noise_seed)
     episode = Episode(seed)
     instruction = ''

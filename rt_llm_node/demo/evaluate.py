@@ -89,7 +89,7 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
     backend = backend or NumpyBackend(checkpoint, capacity)
     backend.rollback(0)
     grammar = action_grammar(checkpoint.tokenizer, aim)
-    fv, fw = grammar.fields[-2], grammar.fields[-1]   # v and w, after any plan field
+    fv, fw = grammar.field('linear.x'), grammar.field('angular.z')
     clock = ModelClock()
     engine = TickEngine(backend, checkpoint.tokenizer, inputs, grammar,
                         Admission(CostModel(), margin_ms=0.0), policy=policy,
