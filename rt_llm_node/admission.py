@@ -99,7 +99,7 @@ def calibrate(backend, vocab_size, quantile=0.9, repeats=5, prefill_lengths=(1, 
                for f in cache_fractions]
     prefill_ids = {n: rng.integers(0, vocab_size, n) for n in prefill_lengths}
     fills = {length: rng.integers(0, vocab_size, length) for length in lengths}
-    figures = defaultdict(list)   # (what, length, n) -> one figure a round
+    figures = defaultdict(list)   # (what, its cost-model features) -> one figure a round
 
     def upper(samples):
         return float(np.quantile(samples, quantile))
@@ -109,11 +109,10 @@ def calibrate(backend, vocab_size, quantile=0.9, repeats=5, prefill_lengths=(1, 
         if length:
             backend.prefill(fills[length])
 
-    def timed(run, before=None):
+    def timed(run, before):
         samples = []
         for _ in range(repeats):
-            if before is not None:
-                before()
+            before()
             start = clock()
             run()
             samples.append((clock() - start) * 1e3)
@@ -123,29 +122,28 @@ def calibrate(backend, vocab_size, quantile=0.9, repeats=5, prefill_lengths=(1, 
         for length in lengths:
             fill(length)
             for n in prefill_lengths:
-                figures['prefill', length, n].append(timed(
+                figures['prefill', (1.0, n, n * length)].append(timed(
                     lambda: backend.prefill(prefill_ids[n]), lambda: backend.rollback(length)))
-            figures['decode', length, 1].append(timed(
+            figures['decode', (1.0, length)].append(timed(
                 lambda: backend.decode(1), lambda: backend.rollback(length)))
             if length > 1:
                 keep = np.arange(0, length, 2)
-                figures['compact', length, len(keep)].append(timed(
+                figures['compact', (1.0, len(keep))].append(timed(
                     lambda: backend.compact(keep), lambda: fill(length)))
     backend.rollback(0)
-    xs, ys = defaultdict(list), defaultdict(list)
-    for (what, length, n), values in figures.items():
-        xs[what].append({'prefill': [1.0, n, n * length], 'decode': [1.0, length],
-                         'compact': [1.0, n]}[what])
-        ys[what].append(float(np.median(values)))
+    median = {key: float(np.median(values)) for key, values in figures.items()}
     if log:
         for length in lengths:
             log(f'calibrated at cache length {length}: decode '
-                f'{np.median(figures["decode", length, 1]):.2f} ms, prefill of {max_prefill} '
-                f'tokens {np.median(figures["prefill", length, max_prefill]):.2f} ms '
+                f'{median["decode", (1.0, length)]:.2f} ms, prefill of {max_prefill} tokens '
+                f'{median["prefill", (1.0, max_prefill, max_prefill * length)]:.2f} ms '
                 f'(median of {rounds} rounds)')
-    return CostModel(prefill=_fit(xs['prefill'], ys['prefill']),
-                     decode=_fit(xs['decode'], ys['decode']),
-                     compact=_fit(xs['compact'], ys['compact']) if xs['compact'] else (0.0, 0.0))
+
+    def fit(what):
+        points = [(list(x), y) for (kind, x), y in median.items() if kind == what]
+        return _fit([x for x, _ in points], [y for _, y in points]) if points else None
+    return CostModel(prefill=fit('prefill'), decode=fit('decode'),
+                     compact=fit('compact') or (0.0, 0.0))
 
 
 class Admission:
