@@ -10,10 +10,19 @@ of prefill lengths, cache lengths and decode steps:
 Each grid point is timed several times and its upper quantile is what the model
 fits, so predictions lean pessimistic. Online, the measured time of every tick that
 ran (admitted, or aborted by the watchdog, or late) is compared with the model; the
-prediction is scaled by the worst measured/model ratio in a recent window (never
-below 1), so it never drops below the worst recently observed (the window counts
+prediction is scaled by the worst measured/model ratio in a recent window, never
+below a floor, so it never drops below the worst recently observed (the window counts
 ticks, refused ones too, so a one-off spike expires). A safety margin in milliseconds
 is added on top.
+
+The floor starts at 1: the calibrated model is trusted until a tick shows otherwise.
+A model calibrated while the host was slow (another process, a thermal throttle)
+would otherwise refuse every tick for good, since refused ticks measure nothing.
+So after ``probe_ticks`` deadline refusals in a row, one tick is admitted as a probe
+if it would fit were the model ``1 / min_scale`` times too pessimistic; what it
+measures lowers the floor (to no less than ``min_scale``). A probe runs under the
+same watchdog and the same never-late rule as any tick: one that overruns is an
+``overrun_abort`` refusal, and the next probe waits twice as long (up to 64x).
 """
 
 from collections import defaultdict
@@ -149,14 +158,25 @@ def calibrate(backend, vocab_size, quantile=0.9, repeats=5, prefill_lengths=(1, 
 class Admission:
     """Decides admit/refuse from the cost model, a learned worst-case scale and a margin."""
 
-    def __init__(self, model, margin_ms=2.0, window=60):
+    MAX_BACKOFF = 64
+
+    def __init__(self, model, margin_ms=2.0, window=60, probe_ticks=0, min_scale=0.25):
         if margin_ms < 0:
             raise ValueError('margin_ms must be non-negative')
+        if probe_ticks < 0:
+            raise ValueError('probe_ticks must be non-negative (0: no probes)')
+        if not 0.0 < min_scale <= 1.0:
+            raise ValueError('min_scale must be in (0, 1]')
         self.model = model
         self.margin_ms = float(margin_ms)
         self.window = int(window)
+        self.probe_ticks = int(probe_ticks)
+        self.min_scale = float(min_scale)
+        self.floor = 1.0               # lowered only by what probe ticks measure
         self.tick = 0
         self.ratios = deque()          # (tick, measured / model) of admitted ticks
+        self.refused_in_a_row = 0      # deadline refusals since the last admitted tick
+        self.backoff = 1               # the next probe waits probe_ticks * backoff refusals
 
     def new_tick(self):
         """Advance the window by one tick, admitted or not, so old spikes expire."""
@@ -166,23 +186,52 @@ class Admission:
 
     @property
     def scale(self):
-        """Worst measured/model ratio of the last ``window`` ticks, at least 1."""
-        return max([1.0, *(r for _, r in self.ratios)])
+        """Worst measured/model ratio of the last ``window`` ticks, at least the floor."""
+        return max([self.floor, *(r for _, r in self.ratios)])
 
     def predict_ms(self, n_prefill, cache_length, n_decode, kept=None):
         """Pessimistic prediction of a tick's model time, margin included."""
         raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept)
         return raw * self.scale + self.margin_ms
 
-    def step_ms(self, cache_length):
-        """Pessimistic prediction of one decode step (for the watchdog), margin excluded."""
-        return self.model.decode_ms(cache_length) * self.scale
+    def step_ms(self, cache_length, scale=None):
+        """Pessimistic prediction of one decode step (for the watchdog), margin excluded;
+        ``scale``: the evidence of the tick so far instead of the learned scale (a probe)."""
+        return self.model.decode_ms(cache_length) * (self.scale if scale is None else scale)
 
     def admit(self, predicted_ms, available_ms):
         return predicted_ms <= available_ms
 
-    def observe(self, n_prefill, cache_length, n_decode, kept, measured_ms):
-        """Learn from one admitted tick's measured model time."""
+    def refused(self):
+        """A deadline refusal: one more toward the next probe."""
+        self.refused_in_a_row += 1
+
+    def probe(self, n_prefill, cache_length, n_decode, kept, available_ms):
+        """After enough deadline refusals in a row: True when this tick should run as a
+        probe, i.e. would fit were the model 1 / min_scale times too pessimistic."""
+        if not self.probe_ticks or \
+                self.refused_in_a_row < self.probe_ticks * self.backoff:
+            return False
         raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept)
-        if raw > 0 and np.isfinite(measured_ms):
-            self.ratios.append((self.tick, measured_ms / raw))
+        return raw * self.min_scale + self.margin_ms <= available_ms
+
+    def observe(self, n_prefill, cache_length, n_decode, kept, measured_ms, probe=False,
+                in_time=True):
+        """Learn from one admitted tick's measured model time; a ``probe`` that finished
+        ``in_time`` lowers the floor to what it measured (min_scale at the least), one
+        that did not doubles the wait for the next."""
+        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept)
+        ratio = measured_ms / raw if raw > 0 and np.isfinite(measured_ms) else None
+        if ratio is not None:
+            self.ratios.append((self.tick, ratio))
+        if not probe:
+            self.refused_in_a_row = 0
+            if not in_time and ratio is not None:   # a floor a probe lowered was too low
+                self.floor = min(1.0, max(self.floor, ratio))
+        elif in_time and ratio is not None:
+            self.floor = min(1.0, max(self.min_scale, ratio))
+            self.refused_in_a_row = 0
+            self.backoff = 1
+        else:
+            self.refused_in_a_row = 0
+            self.backoff = min(self.MAX_BACKOFF, 2 * self.backoff)

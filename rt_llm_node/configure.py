@@ -12,6 +12,7 @@ from rt_llm_node.codec import InputSpec
 from rt_llm_node.codec import joint_trajectory_grammar
 from rt_llm_node.codec import StringGrammar
 from rt_llm_node.codec import twist_grammar
+from rt_llm_node.engine import ModelClock
 from rt_llm_node.engine import TickEngine
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.embedded import default_model_path
@@ -85,8 +86,13 @@ def configure_engine(values, clock=None, log=print, cost_model=None):
         model = cost_model
     log(f'cost model: prefill {model.prefill}, decode {model.decode}, '
         f'compact {model.compact}')
+    # model time (replay --clock model) is the cost model's own prediction: a probe could
+    # only ever measure the model against itself, so there are none
     admission = Admission(model, margin_ms=values['deadline_margin_ms'],
-                          window=values['admission_window_ticks'])
+                          window=values['admission_window_ticks'],
+                          probe_ticks=(0 if isinstance(clock, ModelClock)
+                                       else values['admission_probe_ticks']),
+                          min_scale=values['admission_min_scale'])
     engine = TickEngine(backend, checkpoint.tokenizer, specs, grammar, admission,
                         policy=values['eviction_policy'], system_prompt=values['system_prompt'],
                         clock=clock)

@@ -94,6 +94,7 @@ class TickRecord:
     decode_ms: float = 0.0
     total_ms: float = 0.0
     late: bool = False             # admitted, then ran past the deadline
+    probe: bool = False            # admitted as a probe of a pessimistic cost model
 
 
 @dataclass
@@ -190,6 +191,15 @@ class TickEngine:
             parts.append((ids, spec.kind, spec.topic, entry[1]))
         return parts
 
+    def _probe_scale(self, record, n_prefill, length, kept, elapsed_ms):
+        """The watchdog's scale in a probe tick: what the tick has measured so far against
+        the model (the learned scale is what the probe doubts); None in any other tick."""
+        if not record.probe:
+            return None
+        raw = self.admission.model.tick_ms(n_prefill, length, record.n_decode, kept)
+        ratio = elapsed_ms / raw if raw > 0 else 1.0
+        return max(self.admission.min_scale, ratio)
+
     # -- the tick -----------------------------------------------------------------------
     def tick(self, snapshot, stamp, deadline):
         """Run one tick started at ``stamp`` that must finish by ``deadline`` (engine clock)."""
@@ -238,7 +248,10 @@ class TickEngine:
         record.predicted_ms, record.available_ms = predicted, available
         record.n_prefill = n_prefill
         if not self.admission.admit(predicted, available):
-            return refuse('deadline', predicted, available=available)
+            if not self.admission.probe(n_prefill, length, n_decode, kept, available):
+                self.admission.refused()
+                return refuse('deadline', predicted, available=available)
+            record.probe = True
         model = self.admission.model
         scale = self.admission.scale
         mark = None
@@ -267,14 +280,15 @@ class TickEngine:
                 # min_remaining more of which the last is deferred
                 # (the admission margin stays a guard band to the end of the tick)
                 remaining = self.grammar.min_remaining(state)
-                step = self.admission.step_ms(self.context.length)
+                step = self.admission.step_ms(self.context.length, self._probe_scale(
+                    record, n_prefill, length, kept, (clock.now() - t1) * 1e3))
                 if clock.now() + (remaining * step + self.admission.margin_ms) / 1e3 > deadline:
                     self.context.rollback(mark)
                     t4 = clock.now()
                     record.decode_ms = (t4 - t3) * 1e3
                     # what ran so far is evidence too: a slow prefill raises the scale
                     self.admission.observe(n_prefill, length, record.n_decode, kept,
-                                           (t4 - t1) * 1e3)
+                                           (t4 - t1) * 1e3, record.probe, in_time=False)
                     return refuse('overrun_abort', predicted,
                                   f'{remaining} decode steps left would pass the deadline')
                 self.context.decode(action_segment, token)
@@ -290,7 +304,8 @@ class TickEngine:
                     pass
             return refuse('backend_error', predicted, str(exc))
         # every admitted tick that ran teaches admission, above all one that ran late
-        self.admission.observe(n_prefill, length, record.n_decode, kept, (t4 - t1) * 1e3)
+        self.admission.observe(n_prefill, length, record.n_decode, kept, (t4 - t1) * 1e3,
+                               record.probe, in_time=t4 <= deadline)
         if t4 > deadline:
             record.late = True
             self.context.rollback(mark)

@@ -246,6 +246,7 @@ class RtLlmNode(LifecycleNode):
             self._refusals = Counter()
             self._latencies = deque(maxlen=3000)
             self._cache_occupancy = 0.0
+            self._admission_scale = 1.0
 
     def _on_deadline_missed(self, event):
         with self._stats_lock:
@@ -311,6 +312,8 @@ class RtLlmNode(LifecycleNode):
                 if result.refusal:
                     self._refusals[result.refusal.reason] += 1
                 self._stats['late'] += int(rec.late)
+                self._stats['probes'] += int(rec.probe)
+                self._admission_scale = engine.admission.scale
                 self._latencies.append((time.monotonic() - start) * 1e3)
                 self._cache_occupancy = rec.cache_length / max(1, rec.capacity)
             if consecutive_errors >= self._values['backend_error_limit']:
@@ -384,6 +387,7 @@ class RtLlmNode(LifecycleNode):
             refusals = dict(self._refusals)
             latencies = sorted(self._latencies)
             occupancy = self._cache_occupancy
+            scale = self._admission_scale
 
         def pct(q):
             return latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies \
@@ -399,7 +403,9 @@ class RtLlmNode(LifecycleNode):
                  'realtime_scheduling': str(self._realtime).lower(),
                  'tick_ms_p50': f'{pct(0.5):.2f}', 'tick_ms_p99': f'{pct(0.99):.2f}',
                  'tick_ms_max': f'{latencies[-1] if latencies else 0.0:.2f}',
-                 'cache_occupancy': f'{occupancy:.3f}'}
+                 'cache_occupancy': f'{occupancy:.3f}',
+                 'admission_scale': f'{scale:.3f}',
+                 'admission_probes': stats.get('probes', 0)}
         pairs.update({f'refusals_{k}': v for k, v in refusals.items()})
         if refusals:
             status.level = DiagnosticStatus.WARN

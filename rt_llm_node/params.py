@@ -63,6 +63,10 @@ PARAMETERS = (
     Param('action_stop_text', '\n', 'std_msgs/String actions: text that ends the action'),
     Param('admission_window_ticks', 60, 'ticks over which the worst measured/predicted '
           'ratio is kept', 1, 100000),
+    Param('admission_probe_ticks', 30, 'deadline refusals in a row after which one tick '
+          'runs as a probe of a cost model calibrated on a slow host (0: never)', 0, 100000),
+    Param('admission_min_scale', 0.25, 'the least fraction of the calibrated cost a probe '
+          'may teach admission to expect', 0.01, 1.0),
     Param('calibration_repeats', 5, 'timings per calibration grid point', 2, 50),
     Param('cost_model_path', '', 'configure writes the calibrated cost model here (JSON, '
           'for rt-llm-replay --cost-model); empty: not written'),

@@ -374,6 +374,7 @@ def summarize(records, bag_seconds, wall_s, clock_mode):
         'refusals': sum(reasons.values()),
         'refusals_by_reason': dict(sorted(reasons.items())),
         'late': sum(r.late for r in records),
+        'probes': sum(r.probe for r in records),
         'latency_ms': {'p50': round(float(np.percentile(latencies, 50)), 3),
                        'p99': round(float(np.percentile(latencies, 99)), 3),
                        'max': round(float(latencies.max()), 3)},

@@ -1,6 +1,7 @@
 """TickEngine without ROS, on a model clock: every decision path, deterministic."""
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -107,6 +108,74 @@ def test_a_late_tick_raises_the_scale_so_the_next_is_refused_in_time(checkpoint)
     assert reasons[0] == 'overrun_abort' and results[0].record.late
     assert engine.admission.scale >= 4.0
     assert reasons[1:] == ['deadline', 'deadline'], reasons
+
+
+class HostClock(ModelClock):
+    """A machine ``factor`` times as fast as its cost model says (0.2: five times faster)."""
+
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+
+    def charge(self, ms):
+        super().charge(self.factor * ms)
+
+
+def probing_engine(checkpoint, factor):
+    # predicted 41 ms a tick (prefill 1, one decode step 40) against 33 ms: refused, unless
+    # the model is 4x too pessimistic (min_scale 0.25: 10.25 ms)
+    engine = TickEngine(NumpyBackend(checkpoint, 256), checkpoint.tokenizer, INPUTS,
+                        action_grammar(checkpoint.tokenizer),
+                        Admission(CostModel(prefill=(1.0, 0.0, 0.0), decode=(40.0, 0.0)),
+                                  margin_ms=0.0, probe_ticks=5, min_scale=0.25),
+                        policy='meaning', system_prompt=SYSTEM_PROMPT,
+                        clock=HostClock(factor))
+    engine.start()
+    return engine
+
+
+def drive(engine, world, n):
+    results = []
+    for result in run_ticks(engine, engine.clock, world, n):
+        results.append(result)
+        if result.action is not None:
+            world.step(result.action.values['linear.x'], result.action.values['angular.z'])
+    return results
+
+
+def test_a_probe_unlocks_a_cost_model_calibrated_on_a_slow_host(checkpoint):
+    engine = probing_engine(checkpoint, 0.2)   # the host is 5x faster than calibrated
+    results = drive(engine, DemoWorld(11, messages=MessageFactory(ros=False)), 12)
+    reasons = [r.refusal.reason if r.refusal else 'action' for r in results]
+    assert reasons == ['deadline'] * 5 + ['action'] * 7, reasons
+    assert [r.record.probe for r in results] == [False] * 5 + [True] + [False] * 6
+    assert engine.admission.floor == pytest.approx(0.25), 'never below min_scale'
+    for r in results[5:]:
+        assert r.record.total_ms <= 1e3 / 30 and not r.record.late
+
+
+def test_a_probe_that_would_overrun_is_aborted_and_the_next_waits_twice_as_long(checkpoint):
+    engine = probing_engine(checkpoint, 1.0)   # the model was right
+    results = drive(engine, DemoWorld(12, messages=MessageFactory(ros=False)), 40)
+    reasons = [r.refusal.reason if r.refusal else 'action' for r in results]
+    probes = [i for i, r in enumerate(results) if r.record.probe]
+    assert probes == [5, 16, 37], probes          # after 5, then 10, then 20 refusals
+    assert all(reasons[i] == 'overrun_abort' for i in probes), reasons
+    assert reasons.count('action') == 0 and not any(r.record.late for r in results)
+    assert engine.admission.floor == 1.0
+
+
+def test_no_probes_under_the_model_clock(checkpoint):
+    import yaml
+    from rt_llm_node.configure import configure_engine
+    from rt_llm_node.params import PARAMETERS
+    values = {p.name: p.default for p in PARAMETERS}
+    config = Path(__file__).resolve().parents[1] / 'config' / 'demo.yaml'
+    values.update(yaml.safe_load(config.read_text())['rt_llm_node']['ros__parameters'])
+    values.update(backend='numpy', admission_probe_ticks=5)
+    engine = configure_engine(values, clock=ModelClock(), log=lambda text: None,
+                              cost_model=CostModel(prefill=(50.0, 0.0, 0.0)))
+    assert engine.admission.probe_ticks == 0
 
 
 def test_stale_and_malformed_inputs_are_refusals_not_crashes(checkpoint):
