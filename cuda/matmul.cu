@@ -11,7 +11,9 @@
 // stride over the row groups (grid-stride), each warp loading its next unit's weights
 // while it sums the current one. The _t1 kernels issue a warp's first MV_BATCH weight
 // loads per row and lane before the wait for the previous kernel, so the weights stream
-// in while the block waits (nothing but the weights is needed to start).
+// in while the block waits (nothing but the weights is needed to start). _sp (one token,
+// staged_body): a block of 4 warps owns `per_block` units whose rows it copies into
+// shared memory before that wait; see staged_body.
 // Dtypes: W, bias, norm_w: wt; x, outputs and sums: fp32; cache slots fp32.
 //
 // Epilogues (one extern "C" wrapper each):
@@ -67,9 +69,14 @@ __device__ __forceinline__ void epilogue(int* state, int tok, int u, int rows, i
                                          int kind, float y0, float y1, float* out,
                                          int last_only, int start, const QkvArgs& qa,
                                          bool have_cs = false, float c = 0.f, float s = 0.f) {
-  if (EPI == EPI_RESIDUAL) {
-    out[(long long)tok * rows + r0] += y0;
-    if (2 * u + 1 < rows) out[(long long)tok * rows + r1] += y1;
+  if (EPI == EPI_RESIDUAL) {   // the residual through L2: a staged kernel's block may share
+    // its SM, and so L1, with an earlier kernel's blocks that read x before it was updated
+    float* o0 = out + (long long)tok * rows + r0;
+    *o0 = ld_cg(o0) + y0;
+    if (2 * u + 1 < rows) {
+      float* o1 = out + (long long)tok * rows + r1;
+      *o1 = ld_cg(o1) + y1;
+    }
   } else if (EPI == EPI_STORE) {
     const long long base = last_only ? 0 : (long long)tok * rows;
     out[base + r0] = y0;
@@ -510,6 +517,125 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
   }
 }
 
+// One token, staged (_sp): every weight of the block's units, and the RMSNorm weights,
+// are copied into shared memory (cp.async, 16 bytes a thread and copy) *before* the wait
+// for the previous kernel, and the block lets the next kernel launch at once, also before
+// its wait. So a chain of staged kernels loads its weights while an earlier kernel still
+// runs (the next one's blocks sit beside this one's, shared memory allowing), and after
+// its wait a block has only x to read (from L2) and shared memory to multiply.
+// Correctness: every block waits before it reads x or writes anything, and before it
+// exits, so a kernel's completion still implies its predecessors' (common.cuh).
+// Geometry: block = SP_THREADS (4 warps); block b owns units [b * per_block, ...) (fewer
+// in the last), warp w the block's units w, w + 4, ..., its lanes along K in chunks of 8.
+// Dynamic shared memory: per_block * 2 rows * K weights, K norm weights, K fp32 of xhat.
+// Needs K % 8 == 0 (16-byte rows) and n == 1 (decode); the backend picks it per matrix
+// when the block's rows fit (CudaBackend, staged_decode).
+#define SP_THREADS 128
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+}
+
+__device__ __forceinline__ void pdl_release_early() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+template <int EPI>
+__device__ void staged_body(int* __restrict__ state, const wt* __restrict__ W, int rows, int K,
+                            const float* __restrict__ x, const wt* __restrict__ norm_w,
+                            float eps, float* __restrict__ out, int units, QkvArgs qa,
+                            int per_block) {
+  extern __shared__ __align__(16) unsigned char sp_smem[];
+  __shared__ float scratch[WARP];
+  wt* ws = reinterpret_cast<wt*>(sp_smem);                        // [per_block * 2][K]
+  wt* nws = ws + (long long)per_block * 2 * K;                    // [K]
+  float* xs = reinterpret_cast<float*>(nws + K);                  // [K] (16-byte aligned)
+  const int u_begin = blockIdx.x * per_block;
+  const int n_units = max(0, min(per_block, units - u_begin));
+  constexpr int VEC = 16 / sizeof(wt);   // weights a 16-byte copy
+  const int per_row = K / VEC;
+  for (int i = threadIdx.x; i < n_units * 2 * per_row; i += blockDim.x) {
+    const int slot = i / per_row, c = i - slot * per_row;
+    int r0, r1, kind;
+    unit_rows<EPI>(u_begin + slot / 2, rows, qa, &r0, &r1, &kind);
+    const int r = (slot & 1) ? r1 : r0;
+    cp_async16(ws + (long long)slot * K + c * VEC, W + (long long)r * K + c * VEC);
+  }
+  if (norm_w)
+    for (int c = threadIdx.x; c < per_row; c += blockDim.x)
+      cp_async16(nws + c * VEC, norm_w + c * VEC);
+  pdl_release_early();
+  pdl_wait();   // from here on x is the previous kernel's
+  const int n = state[STATE_N], start = state[STATE_START];
+  const int tok = n - 1;   // the one token of a decode step
+  if (n_units == 0 || tok < 0) {
+    cp_async_wait_all();
+    return;   // the whole block leaves together
+  }
+  const float* xt = x + (long long)tok * K;
+  float ss = 0.f;
+  for (int k = 4 * threadIdx.x; k < K; k += 4 * blockDim.x) {
+    const float4 v = ld_cg4(reinterpret_cast<const float4*>(xt + k));
+    *reinterpret_cast<float4*>(xs + k) = v;
+    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+  }
+  cp_async_wait_all();
+  float inv_rms = 1.f;
+  if (norm_w) inv_rms = 1.f / sqrtf(block_sum(ss, scratch) / K + eps);   // syncs the block
+  if (norm_w)
+    for (int k = 4 * threadIdx.x; k < K; k += 4 * blockDim.x)   // the same k as above
+#pragma unroll
+      for (int j = 0; j < 4; ++j) xs[k + j] *= inv_rms * w2f(nws[k + j]);
+  __syncthreads();
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+  const int half = qa.head_dim / 2, q_size = qa.n_heads * qa.head_dim;
+  for (int lu = warp; lu < n_units; lu += blockDim.x / WARP) {
+    const int u = u_begin + lu;
+    int r0, r1, kind;
+    unit_rows<EPI>(u, rows, qa, &r0, &r1, &kind);
+    const wt* w0 = ws + (long long)(2 * lu) * K;
+    const wt* w1 = w0 + K;
+    float a0 = 0.f, a1 = 0.f;
+    for (int k = 8 * lane; k < K; k += 8 * WARP) {
+      float fa[8], fb[8], xv[8];
+      w8_floats(*reinterpret_cast<const w8raw*>(w0 + k), fa);
+      w8_floats(*reinterpret_cast<const w8raw*>(w1 + k), fb);
+      load8f(xs + k, xv);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        a0 = fmaf(fa[j], xv[j], a0);
+        a1 = fmaf(fb[j], xv[j], a1);
+      }
+    }
+    a0 = warp_sum(a0);
+    a1 = warp_sum(a1);
+    if (lane == 0) {
+      float rc = 0.f, rs = 0.f;
+      if (EPI == EPI_QKV_ROPE && kind < 2) {
+        const int i = (kind == 0 ? r0 : r0 - q_size) % qa.head_dim;
+        const long long at = (long long)(qa.cap + start + tok) * half + i;
+        rc = qa.cos_t[at];
+        rs = qa.sin_t[at];
+      }
+      epilogue<EPI>(state, tok, u, rows, r0, r1, kind, a0, a1, out, 0, start, qa, true, rc,
+                    rs);
+    }
+  }
+}
+
 #if defined(RT_WEIGHT_BF16)
 // Prefill on tensor cores (bf16 weights; the _mma wrappers below): y = W . xhat for up to
 // MMA_TN tokens a block, with the same epilogues and unit layout as tile16_body.
@@ -706,6 +832,31 @@ MATMUL_PLAIN(matmul_swiglu_t16, BOUNDS_t16, tile16_body<EPI_SWIGLU>)
 
 MATMUL_QKV(matmul_qkv_rope_t1, BOUNDS_t1, matvec_body<EPI_QKV_ROPE>)
 MATMUL_QKV(matmul_qkv_rope_t16, BOUNDS_t16, tile16_body<EPI_QKV_ROPE>)
+
+// The staged one-token kernels: per_block (units a block) replaces last_only and split.
+#define BOUNDS_sp __launch_bounds__(SP_THREADS, 8)
+extern "C" __global__ void BOUNDS_sp
+matmul_residual_sp(int* state, const wt* W, int rows, int K, const float* x, const wt* norm_w,
+                   float eps, float* out, int units, int per_block) {
+  QkvArgs none = {};
+  staged_body<EPI_RESIDUAL>(state, W, rows, K, x, norm_w, eps, out, units, none, per_block);
+}
+
+extern "C" __global__ void BOUNDS_sp
+matmul_swiglu_sp(int* state, const wt* W, int rows, int K, const float* x, const wt* norm_w,
+                 float eps, float* out, int units, int per_block) {
+  QkvArgs none = {};
+  staged_body<EPI_SWIGLU>(state, W, rows, K, x, norm_w, eps, out, units, none, per_block);
+}
+
+extern "C" __global__ void BOUNDS_sp
+matmul_qkv_rope_sp(int* state, const wt* W, int rows, int K, const float* x, const wt* norm_w,
+                   float eps, int units, const wt* bias, float* q_out, float* k_cache,
+                   float* v_cache, const float* cos_t, const float* sin_t, int n_heads,
+                   int n_kv, int head_dim, int cap, int per_block) {
+  QkvArgs qa = {bias, q_out, k_cache, v_cache, cos_t, sin_t, n_heads, n_kv, head_dim, cap};
+  staged_body<EPI_QKV_ROPE>(state, W, rows, K, x, norm_w, eps, nullptr, units, qa, per_block);
+}
 
 #if defined(RT_WEIGHT_BF16)
 #define BOUNDS_mma __launch_bounds__(128)

@@ -202,10 +202,11 @@ def main(argv=None):
     header = ['shape', 'weights MB', 'floor us', 'ours us @256 (p99)', 'ours us @1024 (p99)',
               'host step us @256', 'prefill 48 ms', 'prefill 48 ms, tensor cores',
               'persistent step us @256 (p99)',
-              'block per row group us @256 (p99)',
+              'block per row group us @256 (p99)', 'unstaged us @256 (p99)',
+              'staged where it fits us @256 (p99)',
               'HF compile us @256 (p99)', 'HF / ours']
     rows = []
-    tick_ms = tick_mma_ms = None
+    tick_ms = tick_mma_ms = tick_unstaged_ms = None
     for shape in [s for s in args.shapes.split(',') if s]:
         with tempfile.TemporaryDirectory() as tmp:
             directory = write_random_checkpoint(tmp, shape, seed=0)
@@ -225,6 +226,14 @@ def main(argv=None):
                 if shape == 'smollm2-135m' and args.ticks:
                     tick_mma_ms = full_ticks(backend, vocab, args.ticks)
                 backend.set_prefill_mma(False)
+            staged = None   # every matmul that fits staged, whether or not the default is
+            if backend.dependent_launch:
+                backend.set_staged_decode(True)
+                staged = measure_ours(backend, vocab, args.repeats, contexts=(256,))
+            backend.set_staged_decode(False)   # the streaming _t1 kernels alone
+            unstaged = measure_ours(backend, vocab, args.repeats, contexts=(256,))
+            if shape == 'smollm2-135m' and args.ticks:
+                tick_unstaged_ms = full_ticks(backend, vocab, args.ticks)
             backend.set_grid_stride(False)
             per_group = measure_ours(backend, vocab, args.repeats, contexts=(256,))
             backend.set_grid_stride(True)
@@ -246,6 +255,8 @@ def main(argv=None):
                '-' if persistent is None else
                f'{persistent[256][0]:.0f} ({persistent[256][1]:.0f})',
                f'{per_group[256][0]:.0f} ({per_group[256][1]:.0f})',
+               f'{unstaged[256][0]:.0f} ({unstaged[256][1]:.0f})',
+               '-' if staged is None else f'{staged[256][0]:.0f} ({staged[256][1]:.0f})',
                '-' if hf is None else f'{hf[0] * 1e3:.0f} ({hf[1] * 1e3:.0f})',
                '-' if hf is None else f'{hf[0] * 1e3 / ours[256][0]:.2f}x']
         rows.append(row)
@@ -255,17 +266,25 @@ def main(argv=None):
     body = (f'Read bandwidth measured by our read_sum kernel: {bandwidth / 1e12:.2f} TB/s. '
             'Floor = weight bytes / that bandwidth. Ours: GPU time of one decode-graph replay '
             '(CUDA events), median (p99), five kernels a layer under programmatic dependent '
-            'launch, the one-token matmuls on a resident grid that strides over the rows; '
+            'launch, the backend as configured by default: the one-token matmuls staged where '
+            'all four of a layer fit (staged_decode=None), else on a resident grid that strides '
+            'over the rows; '
             'host step = decode + constrained argmax as Python calls them, wall '
             'clock. Side by side in the same run: the persistent step (one cooperative '
             'launch of decode_persistent, persistent.cu, the backend option persistent_decode'
-            '), and a block per row group (grid_stride=False: the same kernels on the grid layout '
-            "of before stop 18). Prefill, tensor cores: the prefill's matmuls as the _mma "
+            '), a block per row group (grid_stride=False, unstaged: the streaming kernels on '
+            'the grid layout of before stop 18), unstaged (staged_decode=False: the streaming '
+            'one-token kernels on the resident grid) and staged where it fits '
+            "(staged_decode=True: each one-token matmul whose rows fit a block's shared "
+            'memory copies them in before it waits for the previous kernel and releases the '
+            'next at once). '
+            "Prefill, tensor cores: the prefill's matmuls as the _mma "
             'kernels (backend option prefill_mma: mma.sync bf16, x as a bf16 hi + lo pair). '
             'HF: transformers, bf16, StaticCache, '
             "torch.compile(mode='reduce-overhead'), one decode step, CUDA events.\n\n"
             + markdown_table(header, rows))
-    for label, ms in (('', tick_ms), (', prefill on tensor cores', tick_mma_ms)):
+    for label, ms in (('', tick_ms), (', prefill on tensor cores', tick_mma_ms),
+                      (', unstaged decode', tick_unstaged_ms)):
         if ms is None:
             continue
         pct = np.percentile(ms, [50, 99, 99.9])

@@ -128,7 +128,7 @@ def test_dependent_launch_changes_timing_not_results(shape_dirs):
     read that runs ahead of griddepcontrol.wait would show up as logits that differ from
     the serial launch's, which does the same arithmetic in the same order (bit for bit)."""
     checkpoint = load_checkpoint(shape_dirs['smollm2-135m'])
-    backend = cuda_backend(checkpoint, 320)
+    backend = cuda_backend(checkpoint, 320, staged_decode=False)   # the same kernels both ways
     if backend.kernels.arch < 90:
         pytest.skip('programmatic dependent launch needs sm_90, '
                     f'this GPU is sm_{backend.kernels.arch}')
@@ -154,7 +154,8 @@ def test_grid_stride_changes_the_layout_not_results(shape, shape_dirs):
     hundreds of row groups (the split's shared sums reused round after round, every next
     row's weights loaded while the current one is summed) give the same bits."""
     checkpoint = load_checkpoint(shape_dirs[shape])
-    backend = cuda_backend(checkpoint, 320, grid_stride=False)
+    # unstaged: the grid layouts are the streaming one-token kernels'
+    backend = cuda_backend(checkpoint, 320, grid_stride=False, staged_decode=False)
     prompt = np.random.default_rng(7).integers(0, checkpoint.config.vocab_size, 100)
     runs = []
     for layout in (False, True, 3):
@@ -166,6 +167,89 @@ def test_grid_stride_changes_the_layout_not_results(shape, shape_dirs):
         for step in range(6):
             np.testing.assert_array_equal(run[0][step], runs[0][0][step])
             np.testing.assert_array_equal(run[2][step], runs[0][2][step])
+
+
+def staged_backend(checkpoint, capacity):
+    backend = cuda_backend(checkpoint, capacity)
+    if not backend.dependent_launch:
+        pytest.skip('staged decode needs programmatic dependent launch (sm_90), this GPU is '
+                    f'sm_{backend.kernels.arch}')
+    backend.set_staged_decode(True)
+    return backend
+
+
+@pytest.mark.parametrize('shape', SHAPES)
+def test_staged_decode_matches_numpy_backend(shape, shape_dirs):
+    """The staged one-token matmuls (weights in shared memory before the wait, the next
+    kernel released at once) against the numpy backend, over a 150-token prompt."""
+    checkpoint = load_checkpoint(shape_dirs[shape])
+    backend = staged_backend(checkpoint, 256)
+    plans = backend.staged_matmuls()
+    backend.set_staged_decode(None)
+    assert backend.staged_decode == all(plans.values()), 'the default: all four or none'
+    backend.set_staged_decode(True)
+    expected = {'smollm2-135m': {'qkv', 'o', 'gate_up', 'down'},
+                'qwen2.5-0.5b': {'qkv', 'o', 'gate_up', 'down'},
+                'llama-3.2-1b': {'qkv', 'o'}}[shape] if backend.n_sm >= 100 else None
+    if expected is not None:   # an H100/H200-sized chip; fewer SMs stage fewer matrices
+        assert {k for k, v in plans.items() if v is not None} == expected, plans
+    assert any(plans.values()), 'nothing staged: the test would prove nothing'
+    prompt = np.random.default_rng(1).integers(0, checkpoint.config.vocab_size, 150)
+    ours = run_steps(backend, prompt, 6)
+    ref = run_steps(NumpyBackend(checkpoint, 256), prompt, 6)
+    for step in range(6):
+        assert rel_err(ours[0][step], ref[0][step]) < REL, (shape, step)
+        np.testing.assert_allclose(ours[2][step], ref[2][step], rtol=1e-3, atol=1e-4)
+    assert ours[1] == ref[1]
+
+
+def test_staged_decode_is_repeatable_bit_for_bit(shape_dirs):
+    """Each staged output has one writer and a fixed order of sums: two runs agree bit for
+    bit, however early the next kernels' blocks started."""
+    checkpoint = load_checkpoint(shape_dirs['smollm2-135m'])
+    backend = staged_backend(checkpoint, 320)
+    prompt = np.random.default_rng(8).integers(0, checkpoint.config.vocab_size, 100)
+    first = run_steps(backend, prompt, 24)
+    backend.rollback(0)
+    second = run_steps(backend, prompt, 24)
+    assert first[1] == second[1]
+    for step in range(24):
+        np.testing.assert_array_equal(first[0][step], second[0][step])
+        np.testing.assert_array_equal(first[2][step], second[2][step])
+
+
+def test_staged_decode_fp32_greedy_tokens_and_compaction(tmp_path):
+    config = shape_config('tiny')
+    weights = {name: w if name.endswith('norm.weight') else 10 * w   # std 0.2: varied tokens
+               for name, w in random_weights(config, seed=9).items()}
+    directory = write_checkpoint(tmp_path, config, weights, word_tokenizer(config.vocab_size),
+                                 dtype='F32')
+    checkpoint = load_checkpoint(directory)
+    backend = staged_backend(checkpoint, 128)
+    assert all(backend.staged_matmuls().values()), backend.staged_matmuls()
+    ref = NumpyBackend(checkpoint, 128)
+    prompt = np.random.default_rng(3).integers(0, config.vocab_size, 30)
+    ours, theirs = run_steps(backend, prompt, 32), run_steps(ref, prompt, 32)
+    assert ours[1] == theirs[1] and len(set(theirs[1])) > 1
+    keep = np.arange(0, 60, 3)
+    for b in (backend, ref):
+        b.compact(keep)
+        b.decode(7)
+    assert rel_err(backend.logits(), ref.logits()) < REL
+
+
+def test_staged_decode_needs_dependent_launch(shape_dirs):
+    from rt_llm_node.backends import BackendError
+    checkpoint = load_checkpoint(shape_dirs['smollm2-135m'])
+    backend = cuda_backend(checkpoint, 64, dependent_launch=False)
+    assert not backend.staged_decode, 'the default stages only under dependent launch'
+    with pytest.raises(BackendError, match='dependent launch'):
+        backend.set_staged_decode(True)
+    if backend.kernels.arch >= 90:
+        backend.set_dependent_launch(True)
+        backend.set_staged_decode(True)
+        backend.set_dependent_launch(False)
+        assert not backend.staged_decode, 'staged kernels without dependent launch'
 
 
 # head_dim 32: the smallest shape decode_persistent takes (tiny's head_dim 16 does not)

@@ -61,6 +61,23 @@ def test_matvec_split(units, k, mv_batch, expected):
     assert matvec_split(units, k, mv_batch, n_sm=132) == expected
 
 
+@pytest.mark.parametrize('units,k,wbytes,expected', [
+    (480, 576, 2, (120, 4, 4 * 2 * 576 * 2 + 576 * 2 + 576 * 4)),   # SmolLM2 qkv
+    (1536, 576, 2, (128, 12, 25 * 576 * 2 + 576 * 4)),   # SmolLM2 gate/up: 12 units a block
+    (4864, 896, 2, (256, 19, 39 * 896 * 2 + 896 * 4)),   # Qwen2.5 gate/up: two an SM
+    (1536, 2048, 2, (256, 6, 13 * 2048 * 2 + 2048 * 4)),   # Llama-3.2 qkv: two an SM
+    (8192, 2048, 2, None),   # Llama-3.2 gate/up: 31 units a block at two an SM, 254 KB
+    (1024, 8192, 2, None),   # Llama-3.2 down: K 8192, even 4 units a block are 147 KB
+    (1536, 576, 4, (128, 12, 25 * 576 * 4 + 576 * 4)),   # fp32 weights: twice the bytes
+    (24, 36, 2, None),       # K not a multiple of 8: no 16-byte copies
+])
+def test_staged_plan(units, k, wbytes, expected):
+    """Blocks, units a block and the shared memory that matmul.cu's staged_body lays out:
+    2 rows a unit and the norm weights in the weight dtype, xhat in fp32."""
+    from rt_llm_node.backends.cuda_backend import staged_plan
+    assert staged_plan(units, k, wbytes, n_sm=132) == expected
+
+
 @pytest.mark.parametrize('bad', [0, -2, 2.5, 'yes', None])
 def test_grid_stride_option_refuses_nonsense(bad):
     from rt_llm_node.backends.cuda_backend import CudaBackend

@@ -224,6 +224,84 @@ def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias, split):
     assert np.isnan(kc.get()[:start]).all() and np.isnan(kc.get()[start + n:]).all()
 
 
+def staged(k, family, dtype, units, K, per_block, args):
+    """Launch ``family``_sp as the backend does (staged_plan): a block per ``per_block``
+    units, their rows, the norm and xhat in dynamic shared memory (past 48 KB allowed)."""
+    from cupy_backends.cuda.api import driver
+    shared = (2 * per_block + 1) * K * (4 if dtype == 'F32' else 2) + 4 * K
+    function = k.functions[family + '_sp']
+    driver.funcSetAttribute(function.ptr, 8, shared)   # MAX_DYNAMIC_SHARED_SIZE_BYTES
+    function((-(-units // per_block),), (128,), args, shared_mem=shared)
+
+
+# the staged one-token kernels (decode): one unit a block, blocks of several with a short
+# last one, K of several 8-weight rounds a lane, and 74-131 KB of shared memory (4104)
+@pytest.mark.parametrize('K,per_block,norm', [(96, 1, False), (600, 4, True), (4104, 2, False),
+                                              (4104, 3, True)])
+def test_matmul_residual_staged(kit, K, per_block, norm):
+    cp, k, dtype = kit
+    rng = np.random.default_rng()
+    rows = 77
+    units = (rows + 1) // 2
+    w, wf = weights(cp, dtype, (rows, K), rng)
+    nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
+    x = rng.standard_normal((2, K)).astype(np.float32)
+    out0 = rng.standard_normal((2, rows)).astype(np.float32)
+    out = cp.asarray(out0)
+    staged(k, 'matmul_residual', dtype, units, K, per_block, (
+        state(cp, 3, 1), w, i32(rows), i32(K), cp.asarray(x), nw if norm else NULL,
+        np.float32(1e-5), out, i32(units), i32(per_block)))
+    ref = out0.copy()
+    ref[0] += (rmsnorm(x[:1], nwf, 1e-5) if norm else x[:1])[0] @ wf.T
+    close(out.get(), ref)
+
+
+@pytest.mark.parametrize('per_block', [1, 3])
+def test_matmul_swiglu_staged(kit, per_block):
+    cp, k, dtype = kit
+    rng = np.random.default_rng()
+    inter, K = 40, 64
+    w, wf = weights(cp, dtype, (2 * inter, K), rng)
+    nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
+    x = rng.standard_normal((2, K)).astype(np.float32)
+    act = poisoned(cp, (2, inter))
+    staged(k, 'matmul_swiglu', dtype, inter, K, per_block, (
+        state(cp, 0, 1), w, i32(2 * inter), i32(K), cp.asarray(x), nw, np.float32(1e-5), act,
+        i32(inter), i32(per_block)))
+    gu = rmsnorm(x[:1], nwf, 1e-5) @ wf.T
+    close(act.get()[:1], silu(gu[:, :inter]) * gu[:, inter:])
+    assert np.isnan(act.get()[1:]).all(), 'only the decode token is written'
+
+
+@pytest.mark.parametrize('bias,per_block', [(True, 5), (False, 1)])
+def test_matmul_qkv_rope_staged(kit, bias, per_block):
+    cp, k, dtype = kit
+    rng = np.random.default_rng()
+    heads, kv, d, K, cap, start = 4, 2, 32, 512, 128, 7
+    rows = (heads + 2 * kv) * d
+    w, wf = weights(cp, dtype, (rows, K), rng)
+    b, bf = weights(cp, dtype, (rows,), rng)
+    nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
+    x = rng.standard_normal((2, K)).astype(np.float32)
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
+    cos, sin = rope_tables(np.arange(-cap, cap), inv_freq)
+    q = poisoned(cp, (2, heads * d))
+    kc, vc = poisoned(cp, (cap, kv, d)), poisoned(cp, (cap, kv, d))
+    units = rows // 2
+    staged(k, 'matmul_qkv_rope', dtype, units, K, per_block, (
+        state(cp, start, 1), w, i32(rows), i32(K), cp.asarray(x), nw, np.float32(1e-5),
+        i32(units), b if bias else NULL, q, kc, vc, cp.asarray(cos), cp.asarray(sin),
+        i32(heads), i32(kv), i32(d), i32(cap), i32(per_block)))
+    qkv = rmsnorm(x[:1], nwf, 1e-5) @ wf.T + (bf if bias else 0)
+    c, s = cos[cap + start:cap + start + 1], sin[cap + start:cap + start + 1]
+    close(q.get()[:1], apply_rope(qkv[:, :heads * d].reshape(1, heads, d), c, s).reshape(1, -1))
+    close(kc.get()[start:start + 1],
+          apply_rope(qkv[:, heads * d:(heads + kv) * d].reshape(1, kv, d), c, s))
+    close(vc.get()[start:start + 1], qkv[:, (heads + kv) * d:].reshape(1, kv, d))
+    assert np.isnan(kc.get()[:start]).all() and np.isnan(kc.get()[start + 1:]).all()
+    assert np.isnan(q.get()[1:]).all()
+
+
 @pytest.mark.parametrize('start,n,d', [(0, 1, 64), (150, 1, 64), (0, 17, 64), (70, 33, 64),
                                        (130, 1, 128), (40, 9, 32)])
 def test_attention_and_mass(kit, start, n, d):

@@ -71,6 +71,13 @@ def main():
         backend.set_grid_stride(layout)
         backend.prefill(np.random.default_rng(0).integers(0, vocab, args.context))
         print(f'  gpu: decode graph replay, grid_stride={layout} {replay_us():.1f} us')
+    if backend.dependent_launch:   # side by side: the staged one-token matmuls
+        backend.set_staged_decode(True)
+        backend.prefill(np.random.default_rng(0).integers(0, vocab, args.context))
+        print(f'  gpu: decode graph replay, staged_decode=True {replay_us():.1f} us '
+              f'(staged: {backend.staged_matmuls()})')
+        backend.set_staged_decode(False)
+        backend.prefill(np.random.default_rng(0).integers(0, vocab, args.context))
     print('  resident blocks an SM: '
           + ', '.join(f'{k[0]}: {v}' for k, v in sorted(backend._resident.items())))
     # per kernel: each launch of the forward's first layer (and the LM head) captured

@@ -34,6 +34,26 @@ MATMUL_WARPS = 4     # warps per block of the matmul kernels
 MMA_UNITS, MMA_TN = 8, 64   # a _mma prefill block's units and tokens (matmul.cu, mma_body)
 PD_THREADS, PD_KEYS = 256, 32    # decode_persistent's block and attention split (persistent.cu)
 PD_MAX_SHARED = 40 * 1024        # its dynamic shared memory: the largest input vector
+# the staged one-token matmuls (matmul.cu, staged_body): a block's rows, norm and xhat in
+# at most this much dynamic shared memory, so that the next kernel's blocks fit beside it;
+# one or two blocks an SM, else the matrix stays on the streaming _t1 kernel
+SP_THREADS, SP_MAX_SHARED, SP_MAX_BLOCKS_PER_SM = 128, 96 * 1024, 2
+MAX_DYNAMIC_SHARED = 8           # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cuda.h
+
+
+def staged_plan(units, k, weight_bytes, n_sm):
+    """(blocks, units a block, dynamic shared bytes) of a staged one-token matmul over
+    ``units`` row pairs of length ``k``, or None where it does not fit (then the _t1
+    kernel streams it): the fewest blocks, n_sm or 2 n_sm, whose rows fit SP_MAX_SHARED."""
+    if k % 8:
+        return None
+    for per_sm in range(1, SP_MAX_BLOCKS_PER_SM + 1):
+        blocks = min(units, per_sm * n_sm)
+        per_block = -(-units // blocks)
+        shared = (2 * per_block + 1) * k * weight_bytes + 4 * k
+        if shared <= SP_MAX_SHARED:
+            return -(-units // per_block), per_block, shared
+    return None
 
 
 def matvec_split(units, k, mv_batch, n_sm, warps=MATMUL_WARPS):
@@ -103,7 +123,8 @@ class CudaBackend:
     name = 'cuda'
 
     def __init__(self, checkpoint, capacity, device_id=0, dependent_launch=None,
-                 persistent_decode=False, grid_stride=True, prefill_mma=False):
+                 persistent_decode=False, grid_stride=True, prefill_mma=False,
+                 staged_decode=None):
         """``dependent_launch``: launch each kernel of a forward with programmatic dependent
         launch, so that it loads its weights while the previous one finishes (None: where
         the device has it, compute capability 9.0 and later). ``grid_stride``: size the
@@ -115,7 +136,14 @@ class CudaBackend:
         slower on the H200 for the SmolLM2 and Qwen2.5 shapes (BENCHMARKS.md). None: where
         the model's shape allows it; True raises where it does not. ``prefill_mma``: run the
         prefill's matmuls on tensor cores (``*_mma`` kernels: bf16 weights, every K a
-        multiple of 8; True raises elsewhere), not on the 16-token CUDA-core tiles."""
+        multiple of 8; True raises elsewhere), not on the 16-token CUDA-core tiles.
+        ``staged_decode``: a decode step's q/k/v, o, gate/up and down matmuls whose rows fit
+        a block's shared memory (``staged_plan``) run as the ``*_sp`` kernels, which copy
+        their weights in before the wait for the previous kernel and let the next one
+        start at once (needs programmatic dependent launch; True raises without it).
+        None: where dependent launch is on and all four fit (on the H200 3.6% and 4.6%
+        faster a step for the SmolLM2 and Qwen2.5 shapes, where all four fit, and 2.6%
+        slower for Llama-3.2, where only q/k/v and o do: BENCHMARKS.md)."""
         import cupy as cp
         self.cp = cp
         cfg = checkpoint.config
@@ -145,6 +173,7 @@ class CudaBackend:
             self._choose_launch(dependent_launch)
             self._choose_persistent(persistent_decode)
             self._prefill_mma = self._check_prefill_mma(prefill_mma)
+            self._staged = self._check_staged(staged_decode)
             self._warm_up_and_capture()
 
     @property
@@ -201,6 +230,44 @@ class CudaBackend:
         """Switch the one-token matmuls' grid layout and recapture the graphs (clears the
         cache)."""
         self._grid_stride = self._check_grid_stride(value)
+        with self.device:
+            self._warm_up_and_capture()
+
+    def _check_staged(self, wanted):
+        if wanted is None:
+            wanted = self._dependent is not None and all(self.staged_matmuls().values())
+        if not wanted:
+            return False
+        if self._dependent is None:
+            raise BackendError('staged_decode needs programmatic dependent launch (compute '
+                               'capability 9.0 and dependent_launch on)')
+        from cupy_backends.cuda.api import driver
+        for name in ('matmul_qkv_rope_sp', 'matmul_residual_sp', 'matmul_swiglu_sp'):
+            driver.funcSetAttribute(self.kernels.functions[name].ptr, MAX_DYNAMIC_SHARED,
+                                    SP_MAX_SHARED)
+        return True
+
+    @property
+    def staged_decode(self):
+        """Whether a decode step's matmuls that fit shared memory run staged (``*_sp``)."""
+        return self._staged
+
+    def staged_matmuls(self):
+        """{matmul: (blocks, units a block, shared bytes) or None} of a decode step: which
+        of a layer's matmuls run staged, whether or not staged_decode is on."""
+        cfg = self.config
+        wbytes = 4 if self.weight_dtype == 'F32' else 2
+        hid, inter = cfg.hidden_size, cfg.intermediate_size
+        shapes = {'qkv': ((cfg.q_size + 2 * cfg.kv_size) // 2, hid), 'o': ((hid + 1) // 2,
+                  cfg.q_size), 'gate_up': (inter, hid), 'down': ((hid + 1) // 2, inter)}
+        return {name: staged_plan(units, k, wbytes, self.n_sm)
+                for name, (units, k) in shapes.items()}
+
+    @reports_device_errors
+    def set_staged_decode(self, enabled):
+        """Switch the staged one-token matmuls (None: where they measured faster, see the
+        constructor) and recapture the graphs (clears the cache)."""
+        self._staged = self._check_staged(enabled)
         with self.device:
             self._warm_up_and_capture()
 
@@ -288,6 +355,8 @@ class CudaBackend:
     def set_dependent_launch(self, enabled):
         """Switch programmatic dependent launch and recapture the graphs (clears the cache)."""
         self._choose_launch(enabled)
+        if self._dependent is None:
+            self._staged = False   # the staged kernels need it
         with self.device:
             self._warm_up_and_capture()
 
@@ -419,6 +488,25 @@ class CudaBackend:
 
         def launch(name, grid, block, *args, shared=0):   # every kernel after the first
             self._launch(name, grid, block, *args, shared=shared, dependent=True)
+        wbytes = 4 if self.weight_dtype == 'F32' else 2
+
+        def staged(units, k):
+            """staged_plan of a decode matmul when staged_decode is on, else None."""
+            return (staged_plan(units, k, wbytes, self.n_sm) if decode and self._staged
+                    else None)
+
+        def matmul(kind, units, k, *args):
+            """The residual or swiglu matmul: the staged kernel where it fits, else the
+            _t1 or 16-token one. args: W, rows, K, x, norm_w, eps, out."""
+            plan = staged(units, k)
+            if plan is not None:
+                blocks, per_block, shared = plan
+                launch(kind + '_sp', (blocks,), (SP_THREADS,), self.state, *args,
+                       _i32(units), _i32(per_block), shared=shared)
+            else:
+                grid, split = mm(units, k, kind)
+                launch(kind + sfx, grid, block, self.state, *args, _i32(units), _i32(0),
+                       split)
         if decode and self._pd_args is not None:
             self._cooperative(self.kernels.functions['decode_persistent'], (self.n_sm,),
                               (PD_THREADS,), (self.state, self._pd_args), self._pd_shared(),
@@ -430,12 +518,19 @@ class CudaBackend:
         qkv_units = qkv_rows // 2
         for i, layer in enumerate(self.layers):
             kc, vc = self.k[i], self.v[i]
-            grid, split = mm(qkv_units, hid, 'matmul_qkv_rope')
-            launch('matmul_qkv_rope' + sfx, grid, block, self.state,
-                   layer.wqkv, _i32(qkv_rows), _i32(hid), self.x, layer.attn_norm, eps,
-                   _i32(qkv_units), layer.bqkv if layer.bqkv is not None else NULL,
-                   self.q, kc, vc, self.cos, self.sin, _i32(cfg.num_heads),
-                   _i32(cfg.num_kv_heads), _i32(d), _i32(cap), split)
+            qkv_args = (self.state, layer.wqkv, _i32(qkv_rows), _i32(hid), self.x,
+                        layer.attn_norm, eps, _i32(qkv_units),
+                        layer.bqkv if layer.bqkv is not None else NULL, self.q, kc, vc,
+                        self.cos, self.sin, _i32(cfg.num_heads), _i32(cfg.num_kv_heads),
+                        _i32(d), _i32(cap))
+            plan = staged(qkv_units, hid)
+            if plan is not None:
+                blocks, per_block, shared = plan
+                launch('matmul_qkv_rope_sp', (blocks,), (SP_THREADS,), *qkv_args,
+                       _i32(per_block), shared=shared)
+            else:
+                grid, split = mm(qkv_units, hid, 'matmul_qkv_rope')
+                launch('matmul_qkv_rope' + sfx, grid, block, *qkv_args, split)
             scale = np.float32(1.0 / np.sqrt(d))
             if decode:   # the last split of each head merges them (no attn_combine)
                 launch('attn_decode', (cfg.num_heads, self.n_splits), (128,),
@@ -455,18 +550,12 @@ class CudaBackend:
                        _i32(n_max), _i32(cfg.num_heads), _i32(d), _i32(cap),
                        _i32(self.n_splits), _i32(self.chunk))
                 self._enqueue_mass(self.scores, cfg.num_heads * n_max, n_max, first=i == 0)
-            grid, split = mm((hid + 1) // 2, cfg.q_size, 'matmul_residual')
-            launch('matmul_residual' + sfx, grid, block,
-                   self.state, layer.wo, _i32(hid), _i32(cfg.q_size), self.attn_out,
-                   NULL, eps, self.x, _i32((hid + 1) // 2), _i32(0), split)
-            grid, split = mm(inter, hid, 'matmul_swiglu')
-            launch('matmul_swiglu' + sfx, grid, block, self.state,
-                   layer.wgate_up, _i32(2 * inter), _i32(hid), self.x, layer.mlp_norm,
-                   eps, self.act, _i32(inter), _i32(0), split)
-            grid, split = mm((hid + 1) // 2, inter, 'matmul_residual')
-            launch('matmul_residual' + sfx, grid, block, self.state,
-                   layer.wdown, _i32(hid), _i32(inter), self.act, NULL, eps, self.x,
-                   _i32((hid + 1) // 2), _i32(0), split)
+            matmul('matmul_residual', (hid + 1) // 2, cfg.q_size, layer.wo, _i32(hid),
+                   _i32(cfg.q_size), self.attn_out, NULL, eps, self.x)
+            matmul('matmul_swiglu', inter, hid, layer.wgate_up, _i32(2 * inter), _i32(hid),
+                   self.x, layer.mlp_norm, eps, self.act)
+            matmul('matmul_residual', (hid + 1) // 2, inter, layer.wdown, _i32(hid),
+                   _i32(inter), self.act, NULL, eps, self.x)
         if decode:
             self._enqueue_mass(self.scores_dec, cfg.num_layers * cfg.num_heads, 1, first=True,
                                row_ml=self.ml_dec)

@@ -29,6 +29,7 @@ KERNELS = (
     'embed_gather',
     'matmul_residual_t1', 'matmul_residual_t16', 'matmul_store_t1',
     'matmul_swiglu_t1', 'matmul_swiglu_t16', 'matmul_qkv_rope_t1', 'matmul_qkv_rope_t16',
+    'matmul_residual_sp', 'matmul_swiglu_sp', 'matmul_qkv_rope_sp',
     'attn_partial', 'attn_combine', 'attn_decode', 'attn_mass',
     'argmax_masked',
     'compact_gather', 'compact_store',
