@@ -277,6 +277,19 @@ def test_an_aiming_policy_states_the_expert_aim_first_and_publishes_only_v_and_w
         assert tokenizer.decode(tick.executed_ids).split()[1] == text.split()[1]
         aims.add(text.split()[1])
     assert len(aims) > 5                              # the target seen at several bearings
+    # aim noise: the context shows a noisy aim (what a policy might have stated), the label
+    # stays the expert's, and the robot, its commands and v, w as shown are unchanged
+    noisy = expert_episode(1_000_000, tokenizer, noise=(0.2, 0.6), aim=True, aim_noise=45.0)
+    assert noisy.results == plain.results
+    differ = 0
+    for tick, clean in zip(noisy.ticks, episode.ticks):
+        assert tick.action_ids == clean.action_ids
+        shown, was = tokenizer.decode(tick.executed_ids).split(), \
+            tokenizer.decode(clean.executed_ids).split()
+        assert len(tick.executed_ids) == len(clean.executed_ids)
+        assert shown[2:] == was[2:] and grammar.parse(' '.join(shown))
+        differ += shown[1] != was[1]
+    assert 0.4 * len(noisy.ticks) < differ < len(noisy.ticks), differ
     # a plan field is decoded and kept, never published
     action = grammar.action((3, None, (-15.0, 0.5, -0.75)))
     twist = action_message(action, 'geometry_msgs/msg/Twist', 1 / 30,

@@ -226,24 +226,50 @@ def test_size_sets_the_shape_of_a_from_scratch_model_and_rejects_bad_shapes(tmp_
     import sys
     tool = str(Path(train_demo_policy.__file__))
     for bad in (['--size', '100,2,2,128'], ['--size', '96,2,3,128'], ['--size', '64,2,2'],
-                ['--size', '64,2,2,128', '--init', str(default_model_path())]):
+                ['--size', '64,2,2,128', '--init', str(default_model_path())],
+                ['--size', '128,2,4,128', '--kv-heads', '3'], ['--kv-heads', '0'],
+                ['--short-first', '-1']):
         run = subprocess.run([sys.executable, tool, '--out', str(tmp_path / 'x'), *bad],
                              capture_output=True, text=True, timeout=120)
-        assert run.returncode == 2 and '--size' in run.stderr, (bad, run.stderr[-500:])
+        option = [a for a in bad if a.startswith('--') and a != '--init'][-1]
+        assert run.returncode == 2 and option in run.stderr, (bad, run.stderr[-500:])
         assert not (tmp_path / 'x').exists()
     out = tmp_path / 'model'
     run = subprocess.run(
-        [sys.executable, tool, '--size', '64,2,2,128', '--out', str(out), '--episodes', '4',
-         '--steps', '2', '--batch', '2', '--workers', '1'],
+        [sys.executable, tool, '--size', '64,2,2,128', '--kv-heads', '2', '--short-first', '1',
+         '--out', str(out), '--episodes', '4', '--steps', '2', '--batch', '2', '--workers', '1'],
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     config = json.loads((out / 'config.json').read_text())
     assert (config['hidden_size'], config['num_hidden_layers'], config['num_attention_heads'],
-            config['intermediate_size']) == (64, 2, 2, 128)
+            config['num_key_value_heads'], config['intermediate_size']) == (64, 2, 2, 2, 128)
+    record = json.loads((out / 'training.json').read_text())
+    assert (record['kv_heads'], record['short_first']) == (2, 1)
     from rt_llm_node.backends.numpy_backend import NumpyBackend
     backend = NumpyBackend(load_checkpoint(out), 32)
     backend.prefill([1, 2, 3])
     assert np.isfinite(backend.logits()).all()
+
+
+def test_short_first_steps_draw_the_shortest_budgets(data):
+    """--short-first N: round 0's first N batches come from the 128 and 192-token budgets
+    (a context at most that wide, but where the newest tick alone is wider), later steps
+    and later rounds from all of them."""
+    episode, system = data
+    train_demo_policy._EPISODES, train_demo_policy._SYSTEM = [episode], system
+    train_demo_policy._SHORT_FIRST = 30
+    try:
+        short = [train_demo_policy._build_batch((0, 0, step, 4))[0].shape[1]
+                 for step in range(30)]
+        later = [train_demo_policy._build_batch((0, 0, step, 4))[0].shape[1]
+                 for step in range(30, 60)]
+        round1 = [train_demo_policy._build_batch((0, 1, step, 4))[0].shape[1]
+                  for step in range(30)]
+    finally:
+        train_demo_policy._EPISODES = train_demo_policy._SYSTEM = None
+        train_demo_policy._SHORT_FIRST = 0
+    assert max(short) <= 192, short
+    assert max(later) > 192 and max(round1) > 192, (later, round1)
 
 
 def test_distractor_ticks_are_flagged_and_weighted(data):

@@ -67,13 +67,14 @@ def _texts(job):
 
 
 def _episode(job):
-    seed, tokenizer_json, noise, hold_rate, executed, (topics, aim) = job
+    seed, tokenizer_json, noise, hold_rate, executed, (topics, aim, aim_noise) = job
     tokenizer = Tokenizer.from_str(tokenizer_json)
     inputs = demo_inputs(topics)
     if executed is not None:   # DAgger: the policy's own states, the expert's labels
-        return expert_episode(seed, tokenizer, executed=executed, inputs=inputs, aim=aim)
+        return expert_episode(seed, tokenizer, executed=executed, inputs=inputs, aim=aim,
+                              aim_noise=aim_noise)
     return expert_episode(seed, tokenizer, noise=noise, hold_rate=hold_rate, inputs=inputs,
-                          aim=aim)
+                          aim=aim, aim_noise=aim_noise)
 
 
 def _drive(job):
@@ -157,7 +158,9 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
                 labels += [-100] * len(a)
                 weights += [0.0] * len(a)
             else:
-                changed = t > 0 and tick.action_ids[n:] != ticks[t - 1].executed_ids[n:]
+                # the command (v, w) only: a shown plan is noisy (--aim-noise) by design
+                c = n + tick.n_plan
+                changed = t > 0 and tick.action_ids[c:] != ticks[t - 1].executed_ids[c:]
                 labels += [-100] * n + taught
                 weight = (keyframe_weight if changed else 1.0) * (
                     distractor_weight if tick.distractor else 1.0)
@@ -204,6 +207,7 @@ def _tick_tables(episode):
 
 
 _EPISODES, _SYSTEM, _KEYFRAME, _DISTRACTOR = None, None, 1.0, 1.0   # set before the fork
+_SHORT_FIRST = 0   # round 0's first steps that draw the two shortest budgets (--short-first)
 
 
 def _build_batch(job):
@@ -217,7 +221,8 @@ def _build_batch(job):
     rng = np.random.default_rng((seed, round_, step))
     episodes = _EPISODES
     batch_ids, batch_labels, batch_weights = [], [], []
-    budget = int(rng.choice(BUDGETS))
+    short = round_ == 0 and step < _SHORT_FIRST
+    budget = int(rng.choice(BUDGETS[:2] if short else BUDGETS))
     for _ in range(size):
         episode = episodes[rng.integers(len(episodes))]
         if rng.random() < 0.2:  # oversample the first ticks of a goal (no useful history)
@@ -331,6 +336,25 @@ def main():
                              'through the turn rate only (the shipped policy turns to the '
                              'target with another object ahead on 0.26 of such ticks, the '
                              'expert 0.94); never published, recorded in training.json')
+    parser.add_argument('--aim-noise', type=float, default=45.0, metavar='DEG',
+                        help='with --aim: std (deg) of the noise on the aim the context shows '
+                             'for each tick, a random aim on a quarter of them (the label '
+                             "stays the expert's). 0 shows the expert's aim, which the policy "
+                             'then copies from the tick before instead of finding the target; '
+                             'at run time it copies its own wrong ones (stop 23: stated aims '
+                             'within 15 deg of the expert on 15-44%% of ticks)')
+    parser.add_argument('--kv-heads', type=int, default=None,
+                        help='key/value heads of a from-scratch model (default: '
+                             f"{MODEL['num_key_value_heads']}, grouped-query attention; the "
+                             'head count for one key per query head). Finding the instructed '
+                             "object's bearing in the newest detections line is a lookup an "
+                             'aiming policy states wrongly on most ticks (BENCHMARKS.md, stop '
+                             '23), and two keys a layer leave it few patterns to look up with')
+    parser.add_argument('--short-first', type=int, default=0, metavar='STEPS',
+                        help="round 0's first STEPS steps draw only the shortest context "
+                             f'budgets ({BUDGETS[0]} and {BUDGETS[1]} tokens), where the '
+                             'instruction and the newest observation lie close together, '
+                             'before the full mix: a curriculum for the lookup above')
     parser.add_argument('--online-dagger', type=float, default=None, metavar='START',
                         help='DAgger during one continuous training run instead of rounds: '
                              'from this fraction of the training time on, --dagger-workers '
@@ -364,6 +388,16 @@ def main():
                          f'head count and HIDDEN = HEADS x {shape["head_dim"]}')
         shape.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                      intermediate_size=inter)
+    if args.kv_heads is not None:
+        heads = shape['num_attention_heads']
+        if args.init or args.kv_heads <= 0 or heads % args.kv_heads:
+            parser.error(f'--kv-heads {args.kv_heads}: needs no --init and a divisor of the '
+                         f'head count ({heads})')
+        shape['num_key_value_heads'] = args.kv_heads
+    if not (args.aim_noise >= 0 and np.isfinite(args.aim_noise)):
+        parser.error(f'--aim-noise must be a finite std >= 0, got {args.aim_noise}')
+    if args.short_first < 0:
+        parser.error(f'--short-first must be a step count >= 0, got {args.short_first}')
     if args.inputs is not None:
         try:
             args.inputs = [spec.topic for spec in demo_inputs(
@@ -413,7 +447,7 @@ def main():
         tokenizer_json = tokenizer.to_str()
         noisy = ((args.noise_v, args.noise_w), args.hold_rate)
         jobs = [(s, tokenizer_json, *(noisy if i % 4 else ((0.0, 0.0), 0.0)), None,
-                 (args.inputs, args.aim)) for i, s in enumerate(seeds)]
+                 (args.inputs, args.aim, args.aim_noise)) for i, s in enumerate(seeds)]
         first = seeds[-1] + 1
         episodes = _with_goal_starts(list(pool.map(_episode, jobs, chunksize=8)))
         rollout_s = None
@@ -533,7 +567,8 @@ def main():
         'keyframe_weight': args.keyframe_weight, 'distractor_weight': args.distractor_weight,
         'object_tokens': args.object_tokens,
         'inputs': [spec.topic for spec in demo_inputs(args.inputs)],
-        'aim': args.aim,
+        'aim': args.aim, 'aim_noise': args.aim_noise if args.aim else None,
+        'kv_heads': model.config.num_key_value_heads, 'short_first': args.short_first,
         'init': args.init,
         'selected_round': None if best is None else best[1],
         'final_loss': rounds[-1 if best is None else best[1]]['final_loss'],
@@ -565,7 +600,8 @@ def _dagger_episodes(pool, models, first, args, tokenizer_json):
             for seed in range(first, first + args.dagger_episodes)])]
         first += args.dagger_episodes
         # rendered with this run's inputs, whatever the driving model saw
-        jobs += [(seed, tokenizer_json, (0.0, 0.0), 0.0, executed, (args.inputs, args.aim))
+        jobs += [(seed, tokenizer_json, (0.0, 0.0), 0.0, executed,
+                  (args.inputs, args.aim, args.aim_noise))
                  for seed, executed in rollouts]
     return _with_goal_starts(list(pool.map(_episode, jobs, chunksize=8))), first
 
@@ -622,7 +658,8 @@ class _OnlineDagger:
             self.goals = (sum(r[2] for r in driven), sum(r[3] for r in driven))
             self.labels = [self.pool.submit(_episode, (seed, self.tokenizer_json, (0.0, 0.0),
                                                        0.0, executed,
-                                                       (self.args.inputs, self.args.aim)))
+                                                       (self.args.inputs, self.args.aim,
+                                                        self.args.aim_noise)))
                            for seed, executed, _, _ in driven]
             return []
         if not all(f.done() for f in self.labels):
@@ -701,7 +738,8 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
     round's time on; the episodes it returns join ``episodes`` and the builders are forked
     again to inherit them (batches already queued come from the old ones)."""
     import torch
-    global _EPISODES, _SYSTEM, _KEYFRAME, _DISTRACTOR
+    global _EPISODES, _SYSTEM, _KEYFRAME, _DISTRACTOR, _SHORT_FIRST
+    _SHORT_FIRST = args.short_first
     _EPISODES, _SYSTEM = episodes, system
     _KEYFRAME = 1.0 if args.keyframe_weight is None else args.keyframe_weight
     _DISTRACTOR = 1.0 if args.distractor_weight is None else args.distractor_weight

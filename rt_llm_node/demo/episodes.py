@@ -24,6 +24,7 @@ from rt_llm_node.demo.expert import expert_aim
 from rt_llm_node.demo.expert import expert_command
 from rt_llm_node.demo.messages import MessageFactory
 from rt_llm_node.demo.task import action_grammar
+from rt_llm_node.demo.task import AIM_FIELD
 from rt_llm_node.demo.task import INPUTS
 from rt_llm_node.demo.task import SYSTEM_PROMPT
 from rt_llm_node.demo.world import DemoWorld
@@ -40,6 +41,7 @@ class TickTokens:
     n_prefix: int            # the action's first n_prefix ids are prefilled, not predicted
     executed_ids: list = None  # the command the robot executed (with DART noise), as rendered
     distractor: bool = False   # the target off to one side, another object ahead (expert.py)
+    n_plan: int = 0            # ids of plan fields ('_aim') after the prefix, before v and w
 
 
 @dataclass
@@ -101,8 +103,11 @@ def train_tokenizer(texts, vocab_size=768, whole_words=(), repeats=3000, phrases
     return tokenizer
 
 
+AIM_RANDOM = 0.25   # with aim noise, the share of shown aims drawn at random
+
+
 def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate=0.0,
-                   executed=None, inputs=INPUTS, aim=False):
+                   executed=None, inputs=INPUTS, aim=False, aim_noise=0.0):
     """Run the expert in the world; record each tick's tokens (label: the clean expert action).
 
     ``noise``: std of Gaussian noise (v, w) added to the executed command, so the
@@ -116,14 +121,21 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
     the episode ends with it, while each tick's label is still the expert's: DAgger
     data, the states the policy itself reaches. ``inputs``: the input specs rendered (the
     expert reads the messages either way). ``aim``: actions start with the plan field
-    '_aim', labelled with the expert's aim (``expert_aim``), also in the executed actions
-    the context shows (a policy states an aim; the robot executes only v and w).
+    '_aim', labelled with the expert's aim (``expert_aim``). ``aim_noise``: std (degrees)
+    of Gaussian noise on the aim the context shows for the tick (what a policy stated;
+    the robot executes only v and w), and a random aim on AIM_RANDOM of the ticks; 0:
+    the context shows the expert's aim, which changes slowly, so a learner can copy the
+    aim of the tick before instead of finding the target in the detections, and at run
+    time copies its own wrong ones (BENCHMARKS.md, stop 23). Drawn from a generator of
+    its own: the executed commands are the same with or without it.
     """
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
     codec = ObservationCodec(tokenizer, inputs)
     grammar = action_grammar(tokenizer, aim)
     fv, fw = grammar.field('linear.x'), grammar.field('angular.z')
     rng = np.random.default_rng(seed if noise_seed is None else noise_seed)
+    aim_rng = np.random.default_rng([seed if noise_seed is None else noise_seed, 1])
+    fa = grammar.field(AIM_FIELD['name']) if aim else None
     episode = Episode(seed)
     instruction = ''
     hold_left, hold = 0, (0.0, 0.0)
@@ -139,10 +151,17 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
         values = {'linear.x': v, 'angular.z': w}
         plan = {'_aim': expert_aim(instruction, msgs['/detections'].data)} if aim else {}
         values.update(plan)
+        shown = dict(plan)   # the plan the context shows for this tick
+        if aim and aim_noise > 0:
+            if aim_rng.random() < AIM_RANDOM:
+                shown['_aim'] = float(aim_rng.choice(fa.values))
+            else:
+                shown['_aim'] = fa.quantize(plan['_aim'] + aim_noise * aim_rng.normal())
         action_ids = tokenizer.encode(grammar.render(values)).ids
         episode.ticks.append(TickTokens(segments, action_ids, len(grammar.prefix_ids),
                                         distractor=distractor_ahead(
-                                            instruction, msgs['/detections'].data)))
+                                            instruction, msgs['/detections'].data),
+                                        n_plan=1 if aim else 0))   # one token (test_demo)
         if executed is not None:   # the policy's command, replayed
             ev, ew = executed[world.tick]
         else:
@@ -155,11 +174,11 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
             if hold_left:
                 hold_left -= 1
                 ev, ew = hold
-        if noise[0] or noise[1] or hold_rate or executed is not None:
+        if noise[0] or noise[1] or hold_rate or executed is not None or shown != plan:
             # what a policy that chose it would render
             ev, ew = fv.quantize(ev), fw.quantize(ew)
             episode.ticks[-1].executed_ids = tokenizer.encode(grammar.render(
-                {'linear.x': ev, 'angular.z': ew, **plan})).ids
+                {'linear.x': ev, 'angular.z': ew, **shown})).ids
         else:
             episode.ticks[-1].executed_ids = action_ids
         last_w = ew   # quantized either way: noiseless, ev and ew are qv and qw

@@ -77,8 +77,9 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
     ``seed`` replays the episode exactly (``episodes.expert_episode(executed=...)``, the
     DAgger data of ``tools/train_demo_policy.py``); ``pose``: (x, y, yaw) at the end.
     ``max_ticks`` ends the episode early. ``observe(msgs, instruction, sectors, expert,
-    model)`` sees every tick's messages, instruction, scan sector minima and both commands
-    (quantized; the model's is None on a refusal); with ``expert_drives`` the robot executes
+    model, action)`` sees every tick's messages, instruction, scan sector minima, both
+    commands (quantized; the model's is None on a refusal) and the model's whole Action
+    (plan fields too; None on a refusal); with ``expert_drives`` the robot executes
     the expert's command while the model still decides every tick (its fit on the expert's
     own states). ``action_delay``: ticks between an observation and its command's effect
     (``executed`` holds what the robot executed, so replays need no delay). ``inputs``: the
@@ -121,7 +122,7 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
             model = (result.action.values['linear.x'], result.action.values['angular.z'])
             agree += model == expert
         if observe is not None:
-            observe(msgs, instruction, sectors, expert, model)
+            observe(msgs, instruction, sectors, expert, model, result.action)
         last = expert if expert_drives else (model or (0.0, 0.0))
         command = actuate(last)
         executed.append(command)
@@ -136,10 +137,9 @@ def run_expert_episode(seed, action_delay=0):
     actuate = Actuation(action_delay)
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
     instruction = ''
-    from rt_llm_node.codec import ActionField
+    from rt_llm_node.demo.task import numeric_field
     from rt_llm_node.demo.task import TWIST_FIELDS
-    fv, fw = (ActionField(f['name'], f['key'], f['min'], f['max'], f['step'])
-              for f in TWIST_FIELDS)
+    fv, fw = (numeric_field(f) for f in TWIST_FIELDS)
     last_w = 0.0
     while not world.done:
         msgs = world.observe()

@@ -96,10 +96,14 @@ def model_aim(model_dir):
     return bool(_training_record(model_dir).get('aim', False))
 
 
+def numeric_field(spec):
+    """The ActionField of one of the demo's field specs (TWIST_FIELDS, AIM_FIELD)."""
+    return ActionField(spec['name'], spec['key'], spec['min'], spec['max'], spec['step'])
+
+
 def action_words(aim=False):
     """Every word an action can contain (' v+0.3', ' w-1.25', ' a+045', ...), as rendered."""
-    fields = [ActionField(f['name'], f['key'], f['min'], f['max'], f['step'])
-              for f in action_fields(aim)]
+    fields = [numeric_field(f) for f in action_fields(aim)]
     return [' ' + field.text(value) for field in fields for value in field.values]
 
 
