@@ -32,6 +32,28 @@ def cuda_backend(checkpoint, capacity, **options):
     return CudaBackend(checkpoint, capacity, **options)
 
 
+def assert_repeatable(backend, checkpoint, steps=24):
+    """The same 100-token prompt and greedy steps twice: tokens, logits and attention mass
+    equal bit for bit."""
+    prompt = np.random.default_rng(8).integers(0, checkpoint.config.vocab_size, 100)
+    first = run_steps(backend, prompt, steps)
+    backend.rollback(0)
+    second = run_steps(backend, prompt, steps)
+    assert first[1] == second[1]
+    for step in range(steps):
+        np.testing.assert_array_equal(first[0][step], second[0][step])
+        np.testing.assert_array_equal(first[2][step], second[2][step])
+
+
+def fp32_tiny_checkpoint(directory):
+    """The tiny shape with fp32 weights of std 0.2 (varied greedy tokens), loaded."""
+    config = shape_config('tiny')
+    weights = {name: w if name.endswith('norm.weight') else 10 * w
+               for name, w in random_weights(config, seed=9).items()}
+    return load_checkpoint(write_checkpoint(directory, config, weights,
+                                            word_tokenizer(config.vocab_size), dtype='F32'))
+
+
 def run_steps(backend, prompt, steps):
     backend.prefill(prompt)
     logits, tokens, masses = [], [], []
@@ -110,12 +132,8 @@ def test_shapes_match_transformers_on_the_gpu(shape, shape_dirs):
 
 
 def test_fp32_weights_give_identical_greedy_tokens(tmp_path):
-    config = shape_config('tiny')
-    weights = {name: w if name.endswith('norm.weight') else 10 * w   # std 0.2: varied tokens
-               for name, w in random_weights(config, seed=9).items()}
-    directory = write_checkpoint(tmp_path, config, weights, word_tokenizer(config.vocab_size),
-                                 dtype='F32')
-    checkpoint = load_checkpoint(directory)
+    checkpoint = fp32_tiny_checkpoint(tmp_path)
+    config = checkpoint.config
     prompt = np.random.default_rng(3).integers(0, config.vocab_size, 30)
     ours = run_steps(cuda_backend(checkpoint, 128), prompt, 32)
     ref = run_steps(NumpyBackend(checkpoint, 128), prompt, 32)
@@ -207,24 +225,12 @@ def test_staged_decode_is_repeatable_bit_for_bit(shape_dirs):
     """Each staged output has one writer and a fixed order of sums: two runs agree bit for
     bit, however early the next kernels' blocks started."""
     checkpoint = load_checkpoint(shape_dirs['smollm2-135m'])
-    backend = staged_backend(checkpoint, 320)
-    prompt = np.random.default_rng(8).integers(0, checkpoint.config.vocab_size, 100)
-    first = run_steps(backend, prompt, 24)
-    backend.rollback(0)
-    second = run_steps(backend, prompt, 24)
-    assert first[1] == second[1]
-    for step in range(24):
-        np.testing.assert_array_equal(first[0][step], second[0][step])
-        np.testing.assert_array_equal(first[2][step], second[2][step])
+    assert_repeatable(staged_backend(checkpoint, 320), checkpoint)
 
 
 def test_staged_decode_fp32_greedy_tokens_and_compaction(tmp_path):
-    config = shape_config('tiny')
-    weights = {name: w if name.endswith('norm.weight') else 10 * w   # std 0.2: varied tokens
-               for name, w in random_weights(config, seed=9).items()}
-    directory = write_checkpoint(tmp_path, config, weights, word_tokenizer(config.vocab_size),
-                                 dtype='F32')
-    checkpoint = load_checkpoint(directory)
+    checkpoint = fp32_tiny_checkpoint(tmp_path)
+    config = checkpoint.config
     backend = staged_backend(checkpoint, 128)
     assert all(backend.staged_matmuls().values()), backend.staged_matmuls()
     ref = NumpyBackend(checkpoint, 128)
@@ -286,14 +292,7 @@ def test_persistent_decode_is_repeatable_bit_for_bit(shape_dirs):
     checkpoint = load_checkpoint(shape_dirs['smollm2-135m'])
     backend = cuda_backend(checkpoint, 320, persistent_decode=True)
     assert backend.persistent_decode
-    prompt = np.random.default_rng(8).integers(0, checkpoint.config.vocab_size, 100)
-    first = run_steps(backend, prompt, 24)
-    backend.rollback(0)
-    second = run_steps(backend, prompt, 24)
-    assert first[1] == second[1]
-    for step in range(24):
-        np.testing.assert_array_equal(first[0][step], second[0][step])
-        np.testing.assert_array_equal(first[2][step], second[2][step])
+    assert_repeatable(backend, checkpoint)
 
 
 def test_persistent_decode_after_compaction_matches_numpy(tmp_path):
