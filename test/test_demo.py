@@ -302,3 +302,9 @@ def test_an_aiming_policy_states_the_expert_aim_first_and_publishes_only_v_and_w
     assert model_aim(default_model_path()) is False
     (tmp_path / 'training.json').write_text(json.dumps({'aim': True}))
     assert model_aim(tmp_path) is True
+    # likewise whether its tokenizer keeps object names whole (what an --init run records)
+    from rt_llm_node.demo.task import model_object_tokens
+    assert model_object_tokens(default_model_path()) is False
+    assert model_object_tokens(tmp_path) is False
+    (tmp_path / 'training.json').write_text(json.dumps({'object_tokens': True}))
+    assert model_object_tokens(tmp_path) is True

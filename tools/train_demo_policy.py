@@ -48,6 +48,7 @@ from rt_llm_node.demo.task import demo_inputs  # noqa: E402
 from rt_llm_node.demo.task import INPUTS  # noqa: E402
 from rt_llm_node.demo.task import model_aim  # noqa: E402
 from rt_llm_node.demo.task import model_inputs  # noqa: E402
+from rt_llm_node.demo.task import model_object_tokens  # noqa: E402
 from rt_llm_node.demo.task import object_phrases  # noqa: E402
 from rt_llm_node.demo.task import whole_words  # noqa: E402
 
@@ -565,7 +566,8 @@ def main():
         'parameters': n_params,
         'noise': [args.noise_v, args.noise_w], 'hold_rate': args.hold_rate,
         'keyframe_weight': args.keyframe_weight, 'distractor_weight': args.distractor_weight,
-        'object_tokens': args.object_tokens,
+        # the tokenizer's: an --init run keeps the checkpoint's
+        'object_tokens': args.object_tokens or bool(args.init and model_object_tokens(args.init)),
         'inputs': [spec.topic for spec in demo_inputs(args.inputs)],
         'aim': args.aim, 'aim_noise': args.aim_noise if args.aim else None,
         'kv_heads': model.config.num_key_value_heads, 'short_first': args.short_first,

@@ -101,6 +101,13 @@ def numeric_field(spec):
     return ActionField(spec['name'], spec['key'], spec['min'], spec['max'], spec['step'])
 
 
+def model_object_tokens(model_dir):
+    """Whether a checkpoint's tokenizer keeps each object name one token: its
+    ``training.json`` records "object_tokens" (tools/train_demo_policy.py --object-tokens,
+    or an --init from such a checkpoint)."""
+    return bool(_training_record(model_dir).get('object_tokens', False))
+
+
 def action_words(aim=False):
     """Every word an action can contain (' v+0.3', ' w-1.25', ' a+045', ...), as rendered."""
     fields = [numeric_field(f) for f in action_fields(aim)]
