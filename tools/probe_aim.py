@@ -1,26 +1,26 @@
-"""Does an aiming policy find the target, or copy the aim of the tick before? Hand-made contexts.
+"""Does a policy find its answer, or copy the one of the tick before? Hand-made contexts.
 
-    python tools/probe_aim.py --model M [--episodes 2] [--history 8] [--every 37]
+    python tools/probe_aim.py --model M [--field aim|w] [--episodes 2] [--history 8]
 
-For a checkpoint trained with ``--aim`` (tools/train_demo_policy.py): clean expert
-episodes on held-out seeds, rendered as training renders them; at every ``--every``-th
-tick (``--history`` or more ticks into a goal) the model greedy-decodes its stated aim
-after the system prompt, the instruction, the newest ``--history`` ticks (observations
-and the actions the context shows) and the tick's observation, three ways:
+``--field aim`` (default; a checkpoint trained with ``--aim``): the stated aim; ``--field w``
+(any checkpoint): the turn rate. Clean expert episodes on held-out seeds, rendered as
+training renders them; at every ``--every``-th tick (``--history`` or more ticks into a
+goal) the model greedy-decodes an action after the system prompt, the instruction, the
+newest ``--history`` ticks (observations and the actions the context shows) and the tick's
+observation, three ways:
 
-  true     the past actions show the expert's aims (what training without --aim-noise
-           shows, and what a policy that is always right would have said)
-  shifted  the same, each shown aim moved 90 degrees (what a policy that was wrong said)
-  none     no past ticks at all: the lookup alone
+  true     the past actions show the expert's values (what training without noise shows,
+           and what a policy that is always right would have said)
+  shifted  the same, the field moved (aim 90 degrees, w 0.75 rad/s) in every past action
+  none     no past ticks at all
 
-A policy that finds the target scores about the same in all three; one that copies the
-aim of the tick before scores high on 'true' and near 0 on 'shifted'. Stop 23's aiming
-model: 1.00 / 0.00 / 0.93 (BENCHMARKS.md): it can find the target but copies.
+Scores: the field equals the expert's label (exactly, within one step), and equals the
+value the newest past action shows (copies). A policy that finds its answer scores about
+the same in all three; one that copies scores high on 'true', near 0 on 'shifted', and
+copies there. Stop 23's aiming model: aim exact 1.00 / 0.00 / 0.85 (BENCHMARKS.md).
 """
 
 import argparse
-
-import numpy as np
 
 from rt_llm_node.backends.numpy_backend import NumpyBackend
 from rt_llm_node.demo.episodes import expert_episode
@@ -33,45 +33,61 @@ from rt_llm_node.demo.task import model_inputs
 from rt_llm_node.model import load_checkpoint
 
 WAYS = ('true', 'shifted', 'none')
+FIELDS = {'aim': (AIM_FIELD['name'], 90.0), 'w': ('angular.z', 0.75)}   # name, shift
 
 
-def stated_aim(backend, grammar, ids):
-    """The aim greedy-decoded after ``ids`` and the action prefix."""
+def decoded(backend, grammar, ids):
+    """The field values of the action greedy-decoded after ``ids`` and the action prefix."""
     backend.rollback(0)
     backend.prefill(list(ids) + list(grammar.prefix_ids))
     state = grammar.start()
-    state = grammar.advance(state, backend.argmax(grammar.allowed(state)))
-    return state[2][0]
+    while not grammar.done(state):
+        token = backend.argmax(grammar.allowed(state))
+        state = grammar.advance(state, token)
+        if not grammar.done(state):
+            backend.decode(token)
+    return state[2]
 
 
-def shifted(tokenizer, grammar, ids):
-    """An action's ids with its aim moved 90 degrees (kept in range), v and w as they were."""
-    field = grammar.field(AIM_FIELD['name'])
+def value_of(tokenizer, field, word_index, ids):
+    """The value of ``field`` in an action's ids (its word ``word_index``, after 'act')."""
+    return float(tokenizer.decode(ids).split()[word_index][len(field.key):])
+
+
+def shifted(tokenizer, field, word_index, shift, ids):
+    """An action's ids with ``field`` moved by ``shift`` (the other way near the top)."""
     words = tokenizer.decode(ids).split()
-    aim = float(words[1][len(field.key):])
-    words[1] = field.text(field.quantize(aim + 90.0 if aim < 90.0 else aim - 90.0))
+    value = float(words[word_index][len(field.key):])
+    top = field.values[-1]
+    words[word_index] = field.text(field.quantize(value + shift if value + shift <= top
+                                                  else value - shift))
     return tokenizer.encode(' '.join(words) + '\n').ids
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--model', required=True)
+    parser.add_argument('--field', choices=sorted(FIELDS), default='aim')
     parser.add_argument('--episodes', type=int, default=2)
     parser.add_argument('--first-seed', type=int, default=HELD_OUT_SEED0)
     parser.add_argument('--history', type=int, default=8)
     parser.add_argument('--every', type=int, default=37)
     args = parser.parse_args()
-    if not model_aim(args.model):
+    aim = model_aim(args.model)
+    if args.field == 'aim' and not aim:
         parser.error(f'{args.model} does not state an aim (its training.json has no "aim")')
     checkpoint = load_checkpoint(args.model)
     tokenizer = checkpoint.tokenizer
-    grammar = action_grammar(tokenizer, aim=True)
-    field = grammar.field(AIM_FIELD['name'])
+    grammar = action_grammar(tokenizer, aim=aim)
+    name, shift = FIELDS[args.field]
+    field = grammar.field(name)
+    at = [f.name for f in grammar.fields].index(name)
+    word = 1 + at   # after 'act'
     backend = NumpyBackend(checkpoint, checkpoint.config.max_position_embeddings)
     system = system_ids(tokenizer)
-    scores = {way: [] for way in WAYS}
+    scores = {way: [] for way in WAYS}   # (decoded, label, newest shown or None)
     for seed in range(args.first_seed, args.first_seed + args.episodes):
-        episode = expert_episode(seed, tokenizer, aim=True, inputs=model_inputs(args.model))
+        episode = expert_episode(seed, tokenizer, aim=aim, inputs=model_inputs(args.model))
         ticks = episode.ticks
         starts = [i for i, t in enumerate(ticks)
                   if any(kind == 'instruction' for kind, _, _ in t.segments)]
@@ -85,23 +101,28 @@ def main():
                 continue
             instruction = next(ids for kind, _, ids in ticks[start].segments
                                if kind == 'instruction')
-            label = field.quantize(float(
-                tokenizer.decode(ticks[t].action_ids).split()[1][len(field.key):]))
+            label = field.quantize(value_of(tokenizer, field, word, ticks[t].action_ids))
             for way in WAYS:
                 ids = list(system) + list(instruction)
+                newest = None
                 for i in range(t - (0 if way == 'none' else args.history), t):
-                    shown = ticks[i].executed_ids
-                    ids += observation(i) + (shifted(tokenizer, grammar, shown)
-                                             if way == 'shifted' else list(shown))
+                    shown = list(ticks[i].executed_ids)
+                    if way == 'shifted':
+                        shown = shifted(tokenizer, field, word, shift, shown)
+                    newest = value_of(tokenizer, field, word, shown)
+                    ids += observation(i) + shown
                 ids += observation(t)
-                scores[way].append((stated_aim(backend, grammar, ids), label))
-    print(f"{'past aims shown':16s} {'ticks':>6s} {'exact':>6s} {'within 15':>9s}")
+                scores[way].append((decoded(backend, grammar, ids)[at], label, newest))
+    print(f'{args.field}: {"past values shown":18s} {"ticks":>6s} {"exact":>6s} '
+          f'{"within a step":>13s} {"copies the newest shown":>23s}')
     for way in WAYS:
-        got = np.array(scores[way])
-        n = len(got)
-        exact = np.mean(got[:, 0] == got[:, 1]) if n else float('nan')
-        near = np.mean(np.abs(got[:, 0] - got[:, 1]) <= field.step) if n else float('nan')
-        print(f'{way:16s} {n:6d} {exact:6.2f} {near:9.2f}')
+        got = scores[way]
+        n = max(1, len(got))
+        exact = sum(d == lab for d, lab, _ in got) / n
+        near = sum(abs(d - lab) <= field.step + 1e-9 for d, lab, _ in got) / n
+        copies = ('-' if way == 'none' else
+                  f'{sum(d == shown for d, _, shown in got) / n:.2f}')
+        print(f'{args.field}: {way:18s} {len(got):6d} {exact:6.2f} {near:13.2f} {copies:>23s}')
 
 
 if __name__ == '__main__':
