@@ -175,19 +175,21 @@ class Admission:
         self.floor = 1.0               # lowered only by what probe ticks measure
         self.tick = 0
         self.ratios = deque()          # (tick, measured / model) of admitted ticks
+        self.scale = 1.0               # max(floor, ratios): kept current, read every tick
         self.refused_in_a_row = 0      # deadline refusals since the last admitted tick
         self.backoff = 1               # the next probe waits probe_ticks * backoff refusals
+
+    def _rescale(self):
+        """The worst measured/model ratio of the last ``window`` ticks, at least the floor."""
+        self.scale = max([self.floor, *(r for _, r in self.ratios)])
 
     def new_tick(self):
         """Advance the window by one tick, admitted or not, so old spikes expire."""
         self.tick += 1
-        while self.ratios and self.ratios[0][0] <= self.tick - self.window:
-            self.ratios.popleft()
-
-    @property
-    def scale(self):
-        """Worst measured/model ratio of the last ``window`` ticks, at least the floor."""
-        return max([self.floor, *(r for _, r in self.ratios)])
+        if self.ratios and self.ratios[0][0] <= self.tick - self.window:
+            while self.ratios and self.ratios[0][0] <= self.tick - self.window:
+                self.ratios.popleft()
+            self._rescale()
 
     def predict_ms(self, n_prefill, cache_length, n_decode, kept=None):
         """Pessimistic prediction of a tick's model time, margin included."""
@@ -196,24 +198,28 @@ class Admission:
 
     def step_ms(self, cache_length, scale=None):
         """Pessimistic prediction of one decode step (for the watchdog), margin excluded;
-        ``scale``: the evidence of the tick so far instead of the learned scale (a probe)."""
+        ``scale``: instead of the learned one (``probe_scale`` in a probe tick)."""
         return self.model.decode_ms(cache_length) * (self.scale if scale is None else scale)
 
     def admit(self, predicted_ms, available_ms):
         return predicted_ms <= available_ms
 
-    def refused(self):
-        """A deadline refusal: one more toward the next probe."""
+    def probe_instead(self, n_prefill, cache_length, n_decode, kept, available_ms):
+        """For a tick ``admit`` refused: True when it should run as a probe instead (enough
+        deadline refusals in a row, and it would fit were the model 1 / min_scale times
+        too pessimistic); else it counts as one more deadline refusal."""
+        if self.probe_ticks and self.refused_in_a_row >= self.probe_ticks * self.backoff:
+            raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept)
+            if raw * self.min_scale + self.margin_ms <= available_ms:
+                return True
         self.refused_in_a_row += 1
+        return False
 
-    def probe(self, n_prefill, cache_length, n_decode, kept, available_ms):
-        """After enough deadline refusals in a row: True when this tick should run as a
-        probe, i.e. would fit were the model 1 / min_scale times too pessimistic."""
-        if not self.probe_ticks or \
-                self.refused_in_a_row < self.probe_ticks * self.backoff:
-            return False
+    def probe_scale(self, n_prefill, cache_length, n_decode, kept, elapsed_ms):
+        """The watchdog's scale in a probe tick: what the tick has measured so far against
+        the model (the learned scale is what the probe doubts), min_scale at the least."""
         raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept)
-        return raw * self.min_scale + self.margin_ms <= available_ms
+        return max(self.min_scale, elapsed_ms / raw if raw > 0 else 1.0)
 
     def observe(self, n_prefill, cache_length, n_decode, kept, measured_ms, probe=False,
                 in_time=True):
@@ -222,16 +228,14 @@ class Admission:
         that did not doubles the wait for the next."""
         raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept)
         ratio = measured_ms / raw if raw > 0 and np.isfinite(measured_ms) else None
+        self.refused_in_a_row = 0
         if ratio is not None:
             self.ratios.append((self.tick, ratio))
-        if not probe:
-            self.refused_in_a_row = 0
-            if not in_time and ratio is not None:   # a floor a probe lowered was too low
+            if probe and in_time:
+                self.floor = min(1.0, max(self.min_scale, ratio))
+            elif not in_time:   # late: a floor a probe lowered was too low
                 self.floor = min(1.0, max(self.floor, ratio))
-        elif in_time and ratio is not None:
-            self.floor = min(1.0, max(self.min_scale, ratio))
-            self.refused_in_a_row = 0
-            self.backoff = 1
-        else:
-            self.refused_in_a_row = 0
-            self.backoff = min(self.MAX_BACKOFF, 2 * self.backoff)
+        if probe:
+            self.backoff = 1 if in_time and ratio is not None else min(self.MAX_BACKOFF,
+                                                                       2 * self.backoff)
+        self._rescale()

@@ -191,15 +191,6 @@ class TickEngine:
             parts.append((ids, spec.kind, spec.topic, entry[1]))
         return parts
 
-    def _probe_scale(self, record, n_prefill, length, kept, elapsed_ms):
-        """The watchdog's scale in a probe tick: what the tick has measured so far against
-        the model (the learned scale is what the probe doubts); None in any other tick."""
-        if not record.probe:
-            return None
-        raw = self.admission.model.tick_ms(n_prefill, length, record.n_decode, kept)
-        ratio = elapsed_ms / raw if raw > 0 else 1.0
-        return max(self.admission.min_scale, ratio)
-
     # -- the tick -----------------------------------------------------------------------
     def tick(self, snapshot, stamp, deadline):
         """Run one tick started at ``stamp`` that must finish by ``deadline`` (engine clock)."""
@@ -248,8 +239,7 @@ class TickEngine:
         record.predicted_ms, record.available_ms = predicted, available
         record.n_prefill = n_prefill
         if not self.admission.admit(predicted, available):
-            if not self.admission.probe(n_prefill, length, n_decode, kept, available):
-                self.admission.refused()
+            if not self.admission.probe_instead(n_prefill, length, n_decode, kept, available):
                 return refuse('deadline', predicted, available=available)
             record.probe = True
         model = self.admission.model
@@ -280,8 +270,9 @@ class TickEngine:
                 # min_remaining more of which the last is deferred
                 # (the admission margin stays a guard band to the end of the tick)
                 remaining = self.grammar.min_remaining(state)
-                step = self.admission.step_ms(self.context.length, self._probe_scale(
-                    record, n_prefill, length, kept, (clock.now() - t1) * 1e3))
+                step = self.admission.step_ms(self.context.length, self.admission.probe_scale(
+                    n_prefill, length, record.n_decode, kept, (clock.now() - t1) * 1e3)
+                    if record.probe else None)
                 if clock.now() + (remaining * step + self.admission.margin_ms) / 1e3 > deadline:
                     self.context.rollback(mark)
                     t4 = clock.now()

@@ -22,6 +22,8 @@ copies there. Stop 23's aiming model: aim exact 1.00 / 0.00 / 0.85 (BENCHMARKS.m
 
 import argparse
 
+from probe_context import decode_values   # tools/, beside this script
+
 from rt_llm_node.backends.numpy_backend import NumpyBackend
 from rt_llm_node.demo.episodes import expert_episode
 from rt_llm_node.demo.episodes import system_ids
@@ -34,19 +36,6 @@ from rt_llm_node.model import load_checkpoint
 
 WAYS = ('true', 'shifted', 'none')
 FIELDS = {'aim': (AIM_FIELD['name'], 90.0), 'w': ('angular.z', 0.75)}   # name, shift
-
-
-def decoded(backend, grammar, ids):
-    """The field values of the action greedy-decoded after ``ids`` and the action prefix."""
-    backend.rollback(0)
-    backend.prefill(list(ids) + list(grammar.prefix_ids))
-    state = grammar.start()
-    while not grammar.done(state):
-        token = backend.argmax(grammar.allowed(state))
-        state = grammar.advance(state, token)
-        if not grammar.done(state):
-            backend.decode(token)
-    return state[2]
 
 
 def value_of(tokenizer, field, word_index, ids):
@@ -81,8 +70,7 @@ def main():
     grammar = action_grammar(tokenizer, aim=aim)
     name, shift = FIELDS[args.field]
     field = grammar.field(name)
-    at = [f.name for f in grammar.fields].index(name)
-    word = 1 + at   # after 'act'
+    word = 1 + [f.name for f in grammar.fields].index(name)   # its word, after 'act'
     backend = NumpyBackend(checkpoint, checkpoint.config.max_position_embeddings)
     system = system_ids(tokenizer)
     scores = {way: [] for way in WAYS}   # (decoded, label, newest shown or None)
@@ -112,7 +100,8 @@ def main():
                     newest = value_of(tokenizer, field, word, shown)
                     ids += observation(i) + shown
                 ids += observation(t)
-                scores[way].append((decoded(backend, grammar, ids)[at], label, newest))
+                scores[way].append((decode_values(backend, grammar, ids)[name], label,
+                                    newest))
     print(f'{args.field}: {"past values shown":18s} {"ticks":>6s} {"exact":>6s} '
           f'{"within a step":>13s} {"copies the newest shown":>23s}')
     for way in WAYS:

@@ -32,8 +32,8 @@ from rt_llm_node.model.embedded import default_model_path
 ODOM_TWIST = re.compile(r'v -?[\d.]+ w -?[\d.]+')
 
 
-def decode(backend, grammar, ids):
-    """Greedy constrained action after ``ids`` + the action prefix: (v, w)."""
+def decode_values(backend, grammar, ids):
+    """Greedy constrained action after ``ids`` + the action prefix: {field: value}."""
     backend.rollback(0)
     backend.prefill(list(ids) + list(grammar.prefix_ids))
     state = grammar.start()
@@ -42,7 +42,12 @@ def decode(backend, grammar, ids):
         state = grammar.advance(state, token)
         if not grammar.done(state):
             backend.decode(token)
-    values = grammar.action(state).values
+    return grammar.action(state).values
+
+
+def decode(backend, grammar, ids):
+    """Greedy constrained action after ``ids`` + the action prefix: (v, w)."""
+    values = decode_values(backend, grammar, ids)
     return values['linear.x'], values['angular.z']
 
 
