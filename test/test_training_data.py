@@ -336,3 +336,68 @@ def test_online_dagger_adds_the_rollouts_of_the_newest_weights_while_training(tm
     backend = NumpyBackend(load_checkpoint(out), 32)
     backend.prefill([1, 2, 3])
     assert np.isfinite(backend.logits()).all()
+
+
+def test_counterfactual_contexts_name_another_object_and_teach_its_expert_command():
+    """--counterfactual: episodes carry, per tick, the expert's command had the instruction
+    named each other detected object (the robot drives the same, the labels and shown
+    actions are unchanged); a counterfactual context shows that object's instruction in
+    place of the real one, and its newest label is the expert's command for the instruction
+    shown, recomputed here on the world replayed to that tick."""
+    from rt_llm_node.codec import scan_sectors
+    from rt_llm_node.demo.episodes import SCAN_SECTORS
+    from rt_llm_node.demo.expert import expert_command
+    from rt_llm_node.demo.messages import MessageFactory
+    from rt_llm_node.demo.task import action_grammar
+    from rt_llm_node.demo.world import DemoWorld
+    tokenizer = load_checkpoint(default_model_path()).tokenizer
+    plain = expert_episode(7, tokenizer, noise=(0.2, 0.6), hold_rate=0.05)
+    episode = expert_episode(7, tokenizer, noise=(0.2, 0.6), hold_rate=0.05,
+                             counterfactual=True)
+    assert episode.results == plain.results
+    assert [(t.action_ids, t.executed_ids) for t in episode.ticks] == \
+        [(t.action_ids, t.executed_ids) for t in plain.ticks]
+    assert plain.instructions is None and all(t.alternatives is None for t in plain.ticks)
+    assert len(episode.instructions) == 9
+    episode.goal_starts = [t for t, tick in enumerate(episode.ticks)
+                           if any(s[0] == 'instruction' for s in tick.segments)]
+    # the world replayed with the executed commands: each tick's scan and detections
+    executed = [[float(w[1:]) for w in tokenizer.decode(t.executed_ids).split()[1:]]
+                for t in episode.ticks]
+    world = DemoWorld(7, messages=MessageFactory(ros=False))
+    seen = []
+    for v, w in executed:
+        msgs = world.observe()
+        seen.append((scan_sectors(msgs['/scan'], SCAN_SECTORS), msgs['/detections'].data))
+        world.step(v, w)
+    assert world.results == episode.results
+    system = system_ids(tokenizer)
+    grammar = action_grammar(tokenizer)
+    fv, fw = grammar.field('linear.x'), grammar.field('angular.z')
+    instructions = {tuple(ids): name for name, ids in episode.instructions.items()}
+    rng = np.random.default_rng(0)
+    changed = 0
+    for _ in range(40):
+        end = int(rng.integers(episode.goal_starts[0] + 1, len(episode.ticks)))
+        ids, labels, _ = train_demo_policy.build_sample(episode, system, end, 1024, rng,
+                                                        counterfactual=1.0)
+        shown = [name for key, name in instructions.items() if _find(ids, list(key))]
+        assert len(shown) == 1
+        name = shown[0]
+        _, real = _instruction_at(episode, end)
+        assert not _find(ids, real)            # the real instruction is not in the context
+        assert name in episode.ticks[end].alternatives
+        sectors, detections = seen[end]
+        assert f'{name[0]} {name[1]} ' in detections
+        v, w = expert_command(f'go to the {name[0]} {name[1]}', sectors, detections,
+                              executed[end - 1][1])
+        tick = episode.ticks[end]
+        assert ids[-len(tick.action_ids):] == tick.alternatives[name]   # shown and taught
+        taught = tokenizer.decode([x for x in labels[-4:] if x != -100]).split()
+        assert taught == [fv.text(fv.quantize(v)), fw.text(fw.quantize(w))], (taught, v, w)
+        changed += tick.action_ids != tick.alternatives[name]
+    assert changed >= 20, changed
+    # without the option the same call draws nothing more: the contexts of old runs stay
+    a = train_demo_policy.build_sample(episode, system, 300, 512, np.random.default_rng(1))
+    b = train_demo_policy.build_sample(plain, system, 300, 512, np.random.default_rng(1))
+    assert a == b

@@ -68,14 +68,14 @@ def _texts(job):
 
 
 def _episode(job):
-    seed, tokenizer_json, noise, hold_rate, executed, (topics, aim, aim_noise) = job
+    seed, tokenizer_json, noise, hold_rate, executed, (topics, aim, aim_noise, cf) = job
     tokenizer = Tokenizer.from_str(tokenizer_json)
     inputs = demo_inputs(topics)
     if executed is not None:   # DAgger: the policy's own states, the expert's labels
         return expert_episode(seed, tokenizer, executed=executed, inputs=inputs, aim=aim,
-                              aim_noise=aim_noise)
+                              aim_noise=aim_noise, counterfactual=cf)
     return expert_episode(seed, tokenizer, noise=noise, hold_rate=hold_rate, inputs=inputs,
-                          aim=aim, aim_noise=aim_noise)
+                          aim=aim, aim_noise=aim_noise, counterfactual=cf)
 
 
 def _drive(job):
@@ -106,7 +106,8 @@ def _one_cycle_lrs(schedule, step):
         schedule.last_epoch = saved
 
 
-def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distractor_weight=1.0):
+def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distractor_weight=1.0,
+                 counterfactual=0.0):
     """Token ids, labels (-100: no loss) and loss weights (0 off the labels) of one
     context ending at tick ``end``.
 
@@ -123,11 +124,22 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
     own last action). A supervised tick whose target is off to one side with another object
     ahead (``TickTokens.distractor``) weighs ``distractor_weight`` times more again: where
     the shipped policy steers at the wrong object (tools/diagnose_policy.py).
+
+    Counterfactual: with probability ``counterfactual`` (an episode made with
+    ``expert_episode(counterfactual=True)``), the context's instruction names another
+    object of the newest tick's detections and every supervised tick is labelled with the
+    expert's command for that instruction (``TickTokens.alternatives``); the actions shown
+    stay what the robot executed. No draw is made when it is 0.
     """
     ticks = episode.ticks
     observed, starts = _tick_tables(episode)
     at = bisect.bisect_right(starts, end) - 1   # the instruction in force at ``end``
     instr = (starts[at], observed[starts[at]][1]) if at >= 0 else None
+    alt = None   # the object a counterfactual instruction names
+    if counterfactual and instr and ticks[end].alternatives and rng.random() < counterfactual:
+        names = sorted(ticks[end].alternatives)
+        alt = names[int(rng.integers(len(names)))]
+        instr = (instr[0], episode.instructions[alt])
     p_drop_obs = rng.choice([0.0, 0.0, 0.5, 0.8, 1.0])
     p_drop_act = 1.0 if rng.random() < 0.2 else rng.choice([0.0, 0.3, 0.7])
     pieces = []          # reversed chronological list of (tick, ids, labels, weights)
@@ -145,12 +157,16 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
         n_obs = len(chunk)
         labels = [-100] * n_obs
         weights = [0.0] * n_obs
+        label = tick.action_ids
+        if alt is not None:   # the label had the instruction named ``alt``
+            label = (tick.alternatives or {}).get(alt)
+            complete = complete and label is not None
         if t == end:  # the newest tick: the expert's command is also what the context shows
-            a = tick.action_ids
+            a = label
             taught = a[n:]
         elif rng.random() >= p_drop_act:
             a = tick.executed_ids
-            taught = tick.action_ids[n:] if complete and len(a) == len(tick.action_ids) else None
+            taught = label[n:] if complete and len(a) == len(label) else None
         else:
             a = taught = None
         if a is not None:
@@ -161,10 +177,11 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
             else:
                 # the command (v, w) only: a shown plan is noisy (--aim-noise) by design
                 c = n + tick.n_plan
-                changed = t > 0 and tick.action_ids[c:] != ticks[t - 1].executed_ids[c:]
+                changed = t > 0 and label[c:] != ticks[t - 1].executed_ids[c:]
                 labels += [-100] * n + taught
+                distracted = tick.distractor if alt is None else alt in tick.alt_distractor
                 weight = (keyframe_weight if changed else 1.0) * (
-                    distractor_weight if tick.distractor else 1.0)
+                    distractor_weight if distracted else 1.0)
                 weights += [0.0] * n + [weight] * len(taught)
         if used + len(chunk) > budget:
             break
@@ -208,6 +225,7 @@ def _tick_tables(episode):
 
 
 _EPISODES, _SYSTEM, _KEYFRAME, _DISTRACTOR = None, None, 1.0, 1.0   # set before the fork
+_COUNTERFACTUAL = 0.0   # --counterfactual
 _SHORT_FIRST = 0   # round 0's first steps that draw the two shortest budgets (--short-first)
 
 
@@ -231,10 +249,11 @@ def _build_batch(job):
             end = min(len(episode.ticks) - 1, start + int(rng.integers(30)))
         else:
             end = int(rng.integers(len(episode.ticks)))
-        sample = build_sample(episode, _SYSTEM, end, budget, rng, _KEYFRAME, _DISTRACTOR)
+        sample = build_sample(episode, _SYSTEM, end, budget, rng, _KEYFRAME, _DISTRACTOR,
+                              _COUNTERFACTUAL)
         if max(sample[1]) == -100:  # the newest tick alone outgrew the budget
             sample = build_sample(episode, _SYSTEM, end, max(BUDGETS), rng, _KEYFRAME,
-                                  _DISTRACTOR)
+                                  _DISTRACTOR, _COUNTERFACTUAL)
         batch_ids.append(sample[0])
         batch_labels.append(sample[1])
         batch_weights.append(sample[2])
@@ -344,6 +363,15 @@ def main():
                              'then copies from the tick before instead of finding the target; '
                              'at run time it copies its own wrong ones (stop 23: stated aims '
                              'within 15 deg of the expert on 15-44%% of ticks)')
+    parser.add_argument('--counterfactual', type=float, default=0.0, metavar='P',
+                        help='the share of training contexts whose instruction names another '
+                             'object in view, every tick labelled with the expert command '
+                             'for that instruction (the expert reads only the text, so the '
+                             'label is exact). Without it a policy can steer at the object '
+                             'ahead and still fit most ticks: the stop-23 aiming policy, given '
+                             'only its newest observation, named the target with another '
+                             'object ahead on 13 of 225 closed-loop ticks, 184 with that '
+                             'object removed from the detections (BENCHMARKS.md, stop 24)')
     parser.add_argument('--kv-heads', type=int, default=None,
                         help='key/value heads of a from-scratch model (default: '
                              f"{MODEL['num_key_value_heads']}, grouped-query attention; the "
@@ -397,6 +425,8 @@ def main():
         shape['num_key_value_heads'] = args.kv_heads
     if not (args.aim_noise >= 0 and np.isfinite(args.aim_noise)):
         parser.error(f'--aim-noise must be a finite std >= 0, got {args.aim_noise}')
+    if not 0.0 <= args.counterfactual <= 1.0:
+        parser.error(f'--counterfactual must be a share in [0, 1], got {args.counterfactual}')
     if args.short_first < 0:
         parser.error(f'--short-first must be a step count >= 0, got {args.short_first}')
     if args.inputs is not None:
@@ -448,7 +478,8 @@ def main():
         tokenizer_json = tokenizer.to_str()
         noisy = ((args.noise_v, args.noise_w), args.hold_rate)
         jobs = [(s, tokenizer_json, *(noisy if i % 4 else ((0.0, 0.0), 0.0)), None,
-                 (args.inputs, args.aim, args.aim_noise)) for i, s in enumerate(seeds)]
+                 (args.inputs, args.aim, args.aim_noise, args.counterfactual > 0))
+                for i, s in enumerate(seeds)]
         first = seeds[-1] + 1
         episodes = _with_goal_starts(list(pool.map(_episode, jobs, chunksize=8)))
         rollout_s = None
@@ -570,6 +601,7 @@ def main():
         'object_tokens': args.object_tokens or bool(args.init and model_object_tokens(args.init)),
         'inputs': [spec.topic for spec in demo_inputs(args.inputs)],
         'aim': args.aim, 'aim_noise': args.aim_noise if args.aim else None,
+        'counterfactual': args.counterfactual,
         'kv_heads': model.config.num_key_value_heads, 'short_first': args.short_first,
         'init': args.init,
         'selected_round': None if best is None else best[1],
@@ -603,7 +635,7 @@ def _dagger_episodes(pool, models, first, args, tokenizer_json):
         first += args.dagger_episodes
         # rendered with this run's inputs, whatever the driving model saw
         jobs += [(seed, tokenizer_json, (0.0, 0.0), 0.0, executed,
-                  (args.inputs, args.aim, args.aim_noise))
+                  (args.inputs, args.aim, args.aim_noise, args.counterfactual > 0))
                  for seed, executed in rollouts]
     return _with_goal_starts(list(pool.map(_episode, jobs, chunksize=8))), first
 
@@ -661,7 +693,8 @@ class _OnlineDagger:
             self.labels = [self.pool.submit(_episode, (seed, self.tokenizer_json, (0.0, 0.0),
                                                        0.0, executed,
                                                        (self.args.inputs, self.args.aim,
-                                                        self.args.aim_noise)))
+                                                        self.args.aim_noise,
+                                                        self.args.counterfactual > 0)))
                            for seed, executed, _, _ in driven]
             return []
         if not all(f.done() for f in self.labels):
@@ -740,8 +773,9 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
     round's time on; the episodes it returns join ``episodes`` and the builders are forked
     again to inherit them (batches already queued come from the old ones)."""
     import torch
-    global _EPISODES, _SYSTEM, _KEYFRAME, _DISTRACTOR, _SHORT_FIRST
+    global _EPISODES, _SYSTEM, _KEYFRAME, _DISTRACTOR, _SHORT_FIRST, _COUNTERFACTUAL
     _SHORT_FIRST = args.short_first
+    _COUNTERFACTUAL = args.counterfactual
     _EPISODES, _SYSTEM = episodes, system
     _KEYFRAME = 1.0 if args.keyframe_weight is None else args.keyframe_weight
     _DISTRACTOR = 1.0 if args.distractor_weight is None else args.distractor_weight

@@ -22,12 +22,16 @@ from rt_llm_node.codec import scan_sectors
 from rt_llm_node.demo.expert import distractor_ahead
 from rt_llm_node.demo.expert import expert_aim
 from rt_llm_node.demo.expert import expert_command
+from rt_llm_node.demo.expert import parse_detections
+from rt_llm_node.demo.expert import parse_instruction
 from rt_llm_node.demo.messages import MessageFactory
 from rt_llm_node.demo.task import action_grammar
 from rt_llm_node.demo.task import AIM_FIELD
 from rt_llm_node.demo.task import INPUTS
 from rt_llm_node.demo.task import SYSTEM_PROMPT
+from rt_llm_node.demo.world import COLOURS
 from rt_llm_node.demo.world import DemoWorld
+from rt_llm_node.demo.world import SHAPES
 
 SCAN_SECTORS = next(s.options['sectors'] for s in INPUTS if s.topic == '/scan')
 
@@ -42,6 +46,11 @@ class TickTokens:
     executed_ids: list = None  # the command the robot executed (with DART noise), as rendered
     distractor: bool = False   # the target off to one side, another object ahead (expert.py)
     n_plan: int = 0            # ids of plan fields ('_aim') after the prefix, before v and w
+    # counterfactual labels: {(colour, shape): the expert's action ids had the instruction
+    # named that object instead} for the other objects in the detections (expert_episode's
+    # ``counterfactual``); the ones among them that would be a distractor tick
+    alternatives: dict = None
+    alt_distractor: frozenset = frozenset()
 
 
 @dataclass
@@ -50,6 +59,7 @@ class Episode:
     ticks: list = field(default_factory=list)
     results: list = field(default_factory=list)
     final_pose: tuple = None
+    instructions: dict = None   # (colour, shape) -> its instruction segment's ids
 
 
 def episode_texts(seed, noise=0.0, inputs=INPUTS):
@@ -107,7 +117,8 @@ AIM_RANDOM = 0.25   # with aim noise, the share of shown aims drawn at random
 
 
 def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate=0.0,
-                   executed=None, inputs=INPUTS, aim=False, aim_noise=0.0):
+                   executed=None, inputs=INPUTS, aim=False, aim_noise=0.0,
+                   counterfactual=False):
     """Run the expert in the world; record each tick's tokens (label: the clean expert action).
 
     ``noise``: std of Gaussian noise (v, w) added to the executed command, so the
@@ -128,6 +139,12 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
     aim of the tick before instead of finding the target in the detections, and at run
     time copies its own wrong ones (BENCHMARKS.md, stop 23). Drawn from a generator of
     its own: the executed commands are the same with or without it.
+    ``counterfactual``: also label every tick of a goal as if the instruction had named each
+    other object in its detections (``TickTokens.alternatives``, ``Episode.instructions``):
+    the expert reads only the rendered text, so the same observation with another
+    instruction has an exact label of its own. A learner shown those cannot do well by
+    steering at whichever object is ahead or nearest: it must read the instruction
+    (BENCHMARKS.md, stop 24). Draws nothing from the generators.
     """
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
     codec = ObservationCodec(tokenizer, inputs)
@@ -138,6 +155,19 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
     fa = grammar.field(AIM_FIELD['name']) if aim else None
     episode = Episode(seed)
     instruction = ''
+    rendered = {}   # action text -> ids: one shared list per distinct action
+
+    def action_of(values):
+        text = grammar.render(values)
+        if text not in rendered:
+            rendered[text] = tokenizer.encode(text).ids
+        return rendered[text]
+    if counterfactual:
+        spec = next(s for s in inputs if s.kind == 'instruction')
+        factory = MessageFactory(ros=False)
+        episode.instructions = {
+            (c, s): codec.encode(spec.topic, factory.string(f'go to the {c} {s}'))
+            for c in COLOURS for s in SHAPES}
     hold_left, hold = 0, (0.0, 0.0)
     last_w = 0.0   # the previous command's turn rate, as its action segment renders it
     while not world.done and (executed is None or world.tick < len(executed)):
@@ -157,11 +187,15 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
                 shown['_aim'] = float(aim_rng.choice(fa.values))
             else:
                 shown['_aim'] = fa.quantize(plan['_aim'] + aim_noise * aim_rng.normal())
-        action_ids = tokenizer.encode(grammar.render(values)).ids
+        action_ids = action_of(values)
         episode.ticks.append(TickTokens(segments, action_ids, len(grammar.prefix_ids),
                                         distractor=distractor_ahead(
                                             instruction, msgs['/detections'].data),
                                         n_plan=1 if aim else 0))   # one token (test_demo)
+        if counterfactual and instruction:
+            _counterfactuals(episode.ticks[-1], instruction, msgs['/detections'].data,
+                             scan_sectors(msgs['/scan'], SCAN_SECTORS), last_w, aim,
+                             action_of)
         if executed is not None:   # the policy's command, replayed
             ev, ew = executed[world.tick]
         else:
@@ -186,6 +220,25 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
     episode.results = list(world.results)
     episode.final_pose = (world.x, world.y, world.yaw)
     return episode
+
+
+def _counterfactuals(tick, instruction, detections, sectors, last_w, aim, action_of):
+    """Fill ``tick.alternatives``: the expert's action for each other detected object."""
+    target = parse_instruction(instruction)
+    tick.alternatives, distracted = {}, set()
+    for colour, shape, _, _ in parse_detections(detections):
+        name = (colour, shape)
+        if name == target or name in tick.alternatives:
+            continue
+        other = f'go to the {colour} {shape}'
+        v, w = expert_command(other, sectors, detections, last_w)
+        values = {'linear.x': v, 'angular.z': w}
+        if aim:
+            values['_aim'] = expert_aim(other, detections)
+        tick.alternatives[name] = action_of(values)
+        if distractor_ahead(other, detections):
+            distracted.add(name)
+    tick.alt_distractor = frozenset(distracted)
 
 
 def system_ids(tokenizer):
