@@ -4,6 +4,8 @@ Runs where CuPy sees a GPU (``make gpu-test``); skipped with the reason elsewher
 Tolerance: |gpu - ref| <= ATOL + RTOL * |ref| elementwise.
 """
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -190,38 +192,57 @@ def test_matmul_swiglu(kit, n, tt, split):
     assert np.isnan(act.get()[n:]).all(), 'tokens past n must be left alone'
 
 
+def qkv_case(cp, dtype, n_rows, rng):
+    """Weights, input and poisoned outputs of a Q/K/V + RoPE case (4 heads, 2 KV heads of 32,
+    K 512, a 128-slot cache written from slot 7), on the host and the device."""
+    c = SimpleNamespace(heads=4, kv=2, d=32, K=512, cap=128, start=7)
+    c.rows = (c.heads + 2 * c.kv) * c.d
+    c.units = c.rows // 2
+    c.w, c.wf = weights(cp, dtype, (c.rows, c.K), rng)
+    c.b, c.bf = weights(cp, dtype, (c.rows,), rng)
+    c.nw, c.nwf = weights(cp, dtype, (c.K,), rng, scale=1.0)
+    c.x = rng.standard_normal((n_rows, c.K)).astype(np.float32)
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, c.d, 2) / c.d))
+    c.cos, c.sin = rope_tables(np.arange(-c.cap, c.cap), inv_freq)
+    c.q = poisoned(cp, (n_rows, c.heads * c.d))
+    c.kc, c.vc = poisoned(cp, (c.cap, c.kv, c.d)), poisoned(cp, (c.cap, c.kv, c.d))
+    return c
+
+
+def qkv_args(cp, c, n, bias, last):
+    """The kernel's arguments for ``n`` tokens; ``last``: split (tiles) or per_block (_sp)."""
+    return (state(cp, c.start, n), c.w, i32(c.rows), i32(c.K), cp.asarray(c.x), c.nw,
+            np.float32(1e-5), i32(c.units), c.b if bias else NULL, c.q, c.kc, c.vc,
+            cp.asarray(c.cos), cp.asarray(c.sin), i32(c.heads), i32(c.kv), i32(c.d), i32(c.cap),
+            i32(last))
+
+
+def check_qkv(c, n, bias, atol=ATOL):
+    """q of the n tokens, and their K (rotated) and V in the cache slots from c.start, against
+    numpy; every other cache slot untouched."""
+    h, kv, d = c.heads, c.kv, c.d
+    qkv = rmsnorm(c.x[:n], c.nwf, 1e-5) @ c.wf.T + (c.bf if bias else 0)
+    cos = c.cos[c.cap + c.start:c.cap + c.start + n]
+    sin = c.sin[c.cap + c.start:c.cap + c.start + n]
+    close(c.q.get()[:n], apply_rope(qkv[:, :h * d].reshape(n, h, d), cos, sin).reshape(n, -1),
+          atol=atol)
+    close(c.kc.get()[c.start:c.start + n],
+          apply_rope(qkv[:, h * d:(h + kv) * d].reshape(n, kv, d), cos, sin), atol=atol)
+    close(c.vc.get()[c.start:c.start + n], qkv[:, (h + kv) * d:].reshape(n, kv, d), atol=atol)
+    kc = c.kc.get()
+    assert np.isnan(kc[:c.start]).all() and np.isnan(kc[c.start + n:]).all()
+
+
 @pytest.mark.parametrize('n,tt,bias,split', [(1, 1, True, 1), (1, 1, False, 2),
                                              (10, 16, False, 1), (20, 16, True, 1),
                                              (20, 'mma', True, 1), (70, 'mma', False, 1)])
 def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias, split):
     cp, k, dtype = kit
     n_rows = matmul_rows(dtype, tt)
-    rng = np.random.default_rng()
-    heads, kv, d, K, cap, start = 4, 2, 32, 512, 128, 7
-    rows = (heads + 2 * kv) * d
-    w, wf = weights(cp, dtype, (rows, K), rng)
-    b, bf = weights(cp, dtype, (rows,), rng)
-    nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
-    x = rng.standard_normal((n_rows, K)).astype(np.float32)
-    inv_freq = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
-    cos, sin = rope_tables(np.arange(-cap, cap), inv_freq)
-    q = poisoned(cp, (n_rows, heads * d))
-    kc, vc = poisoned(cp, (cap, kv, d)), poisoned(cp, (cap, kv, d))
-    units = rows // 2
-    grid = matmul_grid(units, split, tt, n_rows)
-    matmul_kernel(k, 'matmul_qkv_rope', tt)(grid, (128,), (
-        state(cp, start, n), w, i32(rows), i32(K), cp.asarray(x), nw, np.float32(1e-5),
-        i32(units), b if bias else NULL, q, kc, vc, cp.asarray(cos), cp.asarray(sin),
-        i32(heads), i32(kv), i32(d), i32(cap), i32(split)))
-    qkv = rmsnorm(x[:n], nwf, 1e-5) @ wf.T + (bf if bias else 0)
-    c, s = cos[cap + start:cap + start + n], sin[cap + start:cap + start + n]
-    q_ref = apply_rope(qkv[:, :heads * d].reshape(n, heads, d), c, s).reshape(n, -1)
-    k_ref = apply_rope(qkv[:, heads * d:(heads + kv) * d].reshape(n, kv, d), c, s)
-    close(q.get()[:n], q_ref, atol=matmul_atol(tt))
-    close(kc.get()[start:start + n], k_ref, atol=matmul_atol(tt))
-    close(vc.get()[start:start + n], qkv[:, (heads + kv) * d:].reshape(n, kv, d),
-          atol=matmul_atol(tt))
-    assert np.isnan(kc.get()[:start]).all() and np.isnan(kc.get()[start + n:]).all()
+    c = qkv_case(cp, dtype, n_rows, np.random.default_rng())
+    grid = matmul_grid(c.units, split, tt, n_rows)
+    matmul_kernel(k, 'matmul_qkv_rope', tt)(grid, (128,), qkv_args(cp, c, n, bias, split))
+    check_qkv(c, n, bias, atol=matmul_atol(tt))
 
 
 def staged(k, family, dtype, units, K, per_block, args):
@@ -276,30 +297,11 @@ def test_matmul_swiglu_staged(kit, per_block):
 @pytest.mark.parametrize('bias,per_block', [(True, 5), (False, 1)])
 def test_matmul_qkv_rope_staged(kit, bias, per_block):
     cp, k, dtype = kit
-    rng = np.random.default_rng()
-    heads, kv, d, K, cap, start = 4, 2, 32, 512, 128, 7
-    rows = (heads + 2 * kv) * d
-    w, wf = weights(cp, dtype, (rows, K), rng)
-    b, bf = weights(cp, dtype, (rows,), rng)
-    nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
-    x = rng.standard_normal((2, K)).astype(np.float32)
-    inv_freq = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
-    cos, sin = rope_tables(np.arange(-cap, cap), inv_freq)
-    q = poisoned(cp, (2, heads * d))
-    kc, vc = poisoned(cp, (cap, kv, d)), poisoned(cp, (cap, kv, d))
-    units = rows // 2
-    staged(k, 'matmul_qkv_rope', dtype, units, K, per_block, (
-        state(cp, start, 1), w, i32(rows), i32(K), cp.asarray(x), nw, np.float32(1e-5),
-        i32(units), b if bias else NULL, q, kc, vc, cp.asarray(cos), cp.asarray(sin),
-        i32(heads), i32(kv), i32(d), i32(cap), i32(per_block)))
-    qkv = rmsnorm(x[:1], nwf, 1e-5) @ wf.T + (bf if bias else 0)
-    c, s = cos[cap + start:cap + start + 1], sin[cap + start:cap + start + 1]
-    close(q.get()[:1], apply_rope(qkv[:, :heads * d].reshape(1, heads, d), c, s).reshape(1, -1))
-    close(kc.get()[start:start + 1],
-          apply_rope(qkv[:, heads * d:(heads + kv) * d].reshape(1, kv, d), c, s))
-    close(vc.get()[start:start + 1], qkv[:, (heads + kv) * d:].reshape(1, kv, d))
-    assert np.isnan(kc.get()[:start]).all() and np.isnan(kc.get()[start + 1:]).all()
-    assert np.isnan(q.get()[1:]).all()
+    c = qkv_case(cp, dtype, 2, np.random.default_rng())
+    staged(k, 'matmul_qkv_rope', dtype, c.units, c.K, per_block,
+           qkv_args(cp, c, 1, bias, per_block))
+    check_qkv(c, 1, bias)
+    assert np.isnan(c.q.get()[1:]).all()
 
 
 @pytest.mark.parametrize('start,n,d', [(0, 1, 64), (150, 1, 64), (0, 17, 64), (70, 33, 64),

@@ -255,13 +255,18 @@ class CudaBackend:
     def staged_matmuls(self):
         """{matmul: (blocks, units a block, shared bytes) or None} of a decode step: which
         of a layer's matmuls run staged, whether or not staged_decode is on."""
-        cfg = self.config
         wbytes = 4 if self.weight_dtype == 'F32' else 2
-        hid, inter = cfg.hidden_size, cfg.intermediate_size
-        shapes = {'qkv': ((cfg.q_size + 2 * cfg.kv_size) // 2, hid), 'o': ((hid + 1) // 2,
-                  cfg.q_size), 'gate_up': (inter, hid), 'down': ((hid + 1) // 2, inter)}
         return {name: staged_plan(units, k, wbytes, self.n_sm)
-                for name, (units, k) in shapes.items()}
+                for name, (units, k) in self._layer_matmuls().items()}
+
+    def _layer_matmuls(self):
+        """{matmul: (units, K)} of one layer: the row pairs (units) each kernel computes
+        (a SwiGLU unit is one gate row and its up row) and the length of each row."""
+        cfg = self.config
+        hid, inter = cfg.hidden_size, cfg.intermediate_size
+        return {'qkv': ((cfg.q_size + 2 * cfg.kv_size) // 2, hid),
+                'o': ((hid + 1) // 2, cfg.q_size), 'gate_up': (inter, hid),
+                'down': ((hid + 1) // 2, inter)}
 
     @reports_device_errors
     def set_staged_decode(self, enabled):
@@ -515,7 +520,8 @@ class CudaBackend:
         self._launch('embed_gather', (n_max,), (256,), self.state, self.ids, self.embed, self.x,
                      _i32(hid), _i32(1 if decode else 0))
         qkv_rows = cfg.q_size + 2 * cfg.kv_size
-        qkv_units = qkv_rows // 2
+        shapes = self._layer_matmuls()
+        qkv_units = shapes['qkv'][0]
         for i, layer in enumerate(self.layers):
             kc, vc = self.k[i], self.v[i]
             qkv_args = (self.state, layer.wqkv, _i32(qkv_rows), _i32(hid), self.x,
@@ -523,13 +529,13 @@ class CudaBackend:
                         layer.bqkv if layer.bqkv is not None else NULL, self.q, kc, vc,
                         self.cos, self.sin, _i32(cfg.num_heads), _i32(cfg.num_kv_heads),
                         _i32(d), _i32(cap))
-            plan = staged(qkv_units, hid)
+            plan = staged(*shapes['qkv'])
             if plan is not None:
                 blocks, per_block, shared = plan
                 launch('matmul_qkv_rope_sp', (blocks,), (SP_THREADS,), *qkv_args,
                        _i32(per_block), shared=shared)
             else:
-                grid, split = mm(qkv_units, hid, 'matmul_qkv_rope')
+                grid, split = mm(*shapes['qkv'], 'matmul_qkv_rope')
                 launch('matmul_qkv_rope' + sfx, grid, block, *qkv_args, split)
             scale = np.float32(1.0 / np.sqrt(d))
             if decode:   # the last split of each head merges them (no attn_combine)
@@ -550,11 +556,11 @@ class CudaBackend:
                        _i32(n_max), _i32(cfg.num_heads), _i32(d), _i32(cap),
                        _i32(self.n_splits), _i32(self.chunk))
                 self._enqueue_mass(self.scores, cfg.num_heads * n_max, n_max, first=i == 0)
-            matmul('matmul_residual', (hid + 1) // 2, cfg.q_size, layer.wo, _i32(hid),
+            matmul('matmul_residual', *shapes['o'], layer.wo, _i32(hid),
                    _i32(cfg.q_size), self.attn_out, NULL, eps, self.x)
-            matmul('matmul_swiglu', inter, hid, layer.wgate_up, _i32(2 * inter), _i32(hid),
-                   self.x, layer.mlp_norm, eps, self.act)
-            matmul('matmul_residual', (hid + 1) // 2, inter, layer.wdown, _i32(hid),
+            matmul('matmul_swiglu', *shapes['gate_up'], layer.wgate_up, _i32(2 * inter),
+                   _i32(hid), self.x, layer.mlp_norm, eps, self.act)
+            matmul('matmul_residual', *shapes['down'], layer.wdown, _i32(hid),
                    _i32(inter), self.act, NULL, eps, self.x)
         if decode:
             self._enqueue_mass(self.scores_dec, cfg.num_layers * cfg.num_heads, 1, first=True,
