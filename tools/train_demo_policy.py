@@ -126,10 +126,12 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
     the shipped policy steers at the wrong object (tools/diagnose_policy.py).
 
     Counterfactual: with probability ``counterfactual`` (an episode made with
-    ``expert_episode(counterfactual=True)``), the context's instruction names another
-    object of the newest tick's detections and every supervised tick is labelled with the
-    expert's command for that instruction (``TickTokens.alternatives``); the actions shown
-    stay what the robot executed. No draw is made when it is 0.
+    ``expert_episode(counterfactual=True)``), the context's instruction names an object of
+    the newest tick's detections drawn uniformly, the real target among them, and every
+    supervised tick is labelled with the expert's command for that instruction
+    (``TickTokens.alternatives``); the actions shown stay what the robot executed, so what
+    the history and /odom say of the target is right only as often as chance. No draw is
+    made when it is 0.
     """
     ticks = episode.ticks
     observed, starts = _tick_tables(episode)
@@ -137,9 +139,10 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
     instr = (starts[at], observed[starts[at]][1]) if at >= 0 else None
     alt = None   # the object a counterfactual instruction names
     if counterfactual and instr and ticks[end].alternatives and rng.random() < counterfactual:
-        names = sorted(ticks[end].alternatives)
+        names = sorted(ticks[end].alternatives) + [None]   # None: the real one, as often
         alt = names[int(rng.integers(len(names)))]
-        instr = (instr[0], episode.instructions[alt])
+        if alt is not None:
+            instr = (instr[0], episode.instructions[alt])
     p_drop_obs = rng.choice([0.0, 0.0, 0.5, 0.8, 1.0])
     p_drop_act = 1.0 if rng.random() < 0.2 else rng.choice([0.0, 0.3, 0.7])
     pieces = []          # reversed chronological list of (tick, ids, labels, weights)
@@ -364,8 +367,9 @@ def main():
                              'at run time it copies its own wrong ones (stop 23: stated aims '
                              'within 15 deg of the expert on 15-44%% of ticks)')
     parser.add_argument('--counterfactual', type=float, default=0.0, metavar='P',
-                        help='the share of training contexts whose instruction names another '
-                             'object in view, every tick labelled with the expert command '
+                        help='the share of training contexts whose instruction names an '
+                             'object in view drawn uniformly (the real target among them), '
+                             'every tick labelled with the expert command '
                              'for that instruction (the expert reads only the text, so the '
                              'label is exact). Without it a policy can steer at the object '
                              'ahead and still fit most ticks: the stop-23 aiming policy, given '
