@@ -308,3 +308,41 @@ def test_an_aiming_policy_states_the_expert_aim_first_and_publishes_only_v_and_w
     assert model_object_tokens(tmp_path) is False
     (tmp_path / 'training.json').write_text(json.dumps({'object_tokens': True}))
     assert model_object_tokens(tmp_path) is True
+
+
+def test_the_binding_probe_changes_one_part_of_the_context_at_a_time():
+    """tools/probe_binding.py: from a cache ending with the tick's action, each variant
+    changes what it says and nothing else (the newest detections, the history, the aims)."""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'tools'))
+    from probe_binding import Variants
+    texts = [line for seed in range(2) for line in episode_texts(seed)]
+    tokenizer = train_tokenizer(texts, 1280, whole_words=whole_words(aim=True))
+    grammar = action_grammar(tokenizer, aim=True)
+    codec = ObservationCodec(tokenizer, INPUTS)
+    m = MessageFactory(ros=False)
+
+    def det(text):
+        return list(codec.encode('/detections', m.string(text)))
+    instruction = 'go to the red box'
+    old = 'blue cone 2deg 1.0m; red box -60deg 2.0m'
+    new = 'blue cone 4deg 0.9m; red box -58deg 1.9m'
+    ids = (tokenizer.encode('go to the object in the task\n').ids
+           + list(codec.encode('/instruction', m.string(instruction)))
+           + det(old) + tokenizer.encode(grammar.render({'_aim': 0, 'linear.x': 0.5,
+                                                        'angular.z': 0.25})).ids
+           + det(new) + tokenizer.encode(grammar.render({'_aim': 0, 'linear.x': 0.5,
+                                                        'angular.z': 0.0})).ids)
+    variants = Variants(SimpleNamespace(tokenizer=tokenizer), INPUTS, grammar)
+    got = {way: tokenizer.decode(c) for way, c in
+           variants.build(ids, instruction, new, -60.0).items()}
+    assert got['as is'].endswith('det blue cone 4deg 0.9m; red box -58deg 1.9m\n')
+    assert got['as is'].count('act ') == 1                      # the tick's own action gone
+    assert got['target only'] == got['as is'].replace('blue cone 4deg 0.9m; ', '')
+    assert got['target first'].endswith('det red box -58deg 1.9m; blue cone 4deg 0.9m\n')
+    assert got['target first'].count('blue cone 2deg') == 1     # older ticks unchanged
+    assert got['newest tick'] == ('go to the object in the task\ntask go to the red box\n'
+                                  'det blue cone 4deg 0.9m; red box -58deg 1.9m\n')
+    assert got['past aims right'] == got['as is'].replace('a+000', 'a-060')

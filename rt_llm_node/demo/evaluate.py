@@ -69,7 +69,7 @@ def _checkpoint(path):
 
 def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_ticks=None,
                       observe=None, expert_drives=False, action_delay=0, inputs=INPUTS,
-                      aim=False):
+                      aim=False, on_engine=None):
     """One closed-loop episode; returns dict(results, ticks, agree, refusals, executed, pose,
     collisions).
 
@@ -85,6 +85,7 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
     (``executed`` holds what the robot executed, so replays need no delay). ``inputs``: the
     input specs the engine renders, those the policy was trained on (``model_inputs``);
     ``aim``: the policy states its aim first (``model_aim``; the '_aim' plan field).
+    ``on_engine(engine)``: called with the started TickEngine (tools read its cache).
     """
     actuate = Actuation(action_delay)
     backend = backend or NumpyBackend(checkpoint, capacity)
@@ -96,6 +97,8 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
                         Admission(CostModel(), margin_ms=0.0), policy=policy,
                         system_prompt=SYSTEM_PROMPT, clock=clock)
     engine.start()
+    if on_engine is not None:
+        on_engine(engine)
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
     dt = world.config.dt
     snapshot, instruction = {}, ''
