@@ -1,0 +1,163 @@
+"""How fast does a fresh demo policy learn to find the instructed object? A CPU learning curve.
+
+    python tools/binding_curve.py --counterfactual 1.0 [--steps 600] [--budget 128]
+
+Trains a fresh model of the demo policy's shape (tools/train_demo_policy.py's MODEL) on the
+contexts ``build_sample`` makes from ``--episodes`` expert episodes (DART noise, aim noise,
+``--aim``), at one ``--budget`` (128: the instruction and the newest tick, no history),
+and every 100 steps prints the stated aim's accuracy (teacher-forced arg-max) on 200
+contexts of three validation seeds built the same way. ``--counterfactual 0``: the real
+instruction, so the target can also be told from where the robot is heading (/odom, the
+bearings); ``1``: an instruction drawn uniformly over the objects in view, so only the
+instruction tells (BENCHMARKS.md, stop 24). ``--model M --steps 0``: the same accuracy of a
+trained aiming checkpoint (its tokenizer), no training. Offline tooling: torch on the CPU.
+"""
+
+import argparse
+import time
+
+import numpy as np
+from train_demo_policy import _with_goal_starts   # tools/, beside this script
+from train_demo_policy import build_sample
+from train_demo_policy import MODEL
+from train_demo_policy import VALIDATION_SEED0
+from train_demo_policy import weighted_loss
+
+from rt_llm_node.demo.episodes import episode_texts
+from rt_llm_node.demo.episodes import expert_episode
+from rt_llm_node.demo.episodes import system_ids
+from rt_llm_node.demo.episodes import train_tokenizer
+from rt_llm_node.demo.task import INPUTS
+from rt_llm_node.demo.task import model_aim
+from rt_llm_node.demo.task import model_inputs
+from rt_llm_node.demo.task import object_phrases
+from rt_llm_node.demo.task import whole_words
+from rt_llm_node.model import load_checkpoint
+
+
+def with_hint(ids, labels, hint):
+    """``hint`` = (task id, act id, object ids): the instruction's object token put before
+    every action prefix, unlabelled (what a plan field naming the target first would show)."""
+    task, act, objects = hint
+    start = ids.index(task)
+    target = next(t for t in ids[start:] if t in objects)
+    out_ids, out_labels = [], []
+    for t, lab in zip(ids, labels):
+        if t == act:
+            out_ids.append(target)
+            out_labels.append(-100)
+        out_ids.append(t)
+        out_labels.append(lab)
+    return out_ids, out_labels
+
+
+def batch(rng, episodes, size, system, budget, counterfactual, hint=None):
+    """(ids, labels) int64 tensors of ``size`` contexts ending at random ticks of a goal."""
+    import torch
+    ids, labels = [], []
+    while len(ids) < size:
+        episode = episodes[rng.integers(len(episodes))]
+        end = int(rng.integers(episode.goal_starts[0] + 1, len(episode.ticks)))
+        i, lab, _ = build_sample(episode, system, end, budget, rng,
+                                 counterfactual=counterfactual)
+        if hint is not None and max(lab) != -100:
+            i, lab = with_hint(i, lab, hint)
+        if max(lab) != -100:   # the newest tick fit
+            ids.append(i)
+            labels.append(lab)
+    width = max(len(i) for i in ids)
+    out = torch.zeros(size, width, dtype=torch.long), torch.full((size, width), -100)
+    for b, (i, lab) in enumerate(zip(ids, labels)):
+        out[0][b, :len(i)] = torch.tensor(i)
+        out[1][b, :len(lab)] = torch.tensor(lab)
+    return out
+
+
+def aim_accuracy(model, ids, labels):
+    """Share of contexts whose newest action's aim (its fourth-last label) is the arg-max."""
+    import torch
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    model.train()
+    right = 0
+    for b in range(ids.shape[0]):
+        at = int((labels[b] != -100).nonzero().flatten()[-4])   # aim, v, w, newline
+        right += int(logits[b, at - 1].argmax() == labels[b, at])
+    return right / ids.shape[0]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--counterfactual', type=float, default=1.0)
+    parser.add_argument('--budget', type=int, default=128)
+    parser.add_argument('--steps', type=int, default=600)
+    parser.add_argument('--batch', type=int, default=32)
+    parser.add_argument('--lr', type=float, default=1e-3)
+    parser.add_argument('--episodes', type=int, default=20)
+    parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--model', default=None, help='start from this checkpoint (--aim)')
+    parser.add_argument('--target-hint', action='store_true',
+                        help="put the instruction's object token before every action: the "
+                             'lookup left is one token matched in the newest detections, '
+                             'what a plan field naming the target before its bearing gives')
+    args = parser.parse_args()
+    import torch
+    import transformers
+    torch.manual_seed(args.seed)
+    inputs = model_inputs(args.model) if args.model else INPUTS
+    if args.model:
+        if not model_aim(args.model):
+            parser.error(f'{args.model} does not state an aim (its training.json has no "aim")')
+        tokenizer = load_checkpoint(args.model).tokenizer
+    else:
+        texts = [line for seed in range(20) for line in episode_texts(seed)]
+        tokenizer = train_tokenizer(texts, MODEL['vocab_size'], whole_words=whole_words(True),
+                                    phrases=object_phrases())
+
+    def episodes(seeds, noisy):
+        extra = {'noise': (0.2, 0.6), 'hold_rate': 0.02} if noisy else {}
+        return _with_goal_starts([expert_episode(s, tokenizer, aim=True, aim_noise=45.0,
+                                                 counterfactual=True, inputs=inputs, **extra)
+                                  for s in seeds])
+    train = episodes(range(args.episodes), True) if args.steps else []
+    system = system_ids(tokenizer)
+    hint = None
+    if args.target_hint:
+        found = [tokenizer.encode(p).ids for p in object_phrases()]
+        if any(len(ids) != 1 for ids in found):
+            parser.error('--target-hint needs one token an object name (not this tokenizer)')
+        hint = (tokenizer.encode('task').ids[0], tokenizer.encode('act').ids[0],
+                {ids[0] for ids in found})
+    rng = np.random.default_rng(args.seed)
+    test = batch(np.random.default_rng(1), episodes(range(VALIDATION_SEED0,
+                                                          VALIDATION_SEED0 + 3), False),
+                 200, system, args.budget, args.counterfactual, hint)
+    if args.model:
+        model = transformers.LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **MODEL, bos_token_id=None, eos_token_id=None))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
+                                  betas=(0.9, 0.95))
+    started = time.time()
+    print(f'{"step":>5s} {"aim accuracy":>12s} {"loss":>6s} {"s":>5s}', flush=True)
+    loss = float('nan')
+    for step in range(args.steps + 1):
+        if step % 100 == 0:
+            print(f'{step:5d} {aim_accuracy(model, *test):12.2f} {loss:6.3f} '
+                  f'{time.time() - started:5.0f}', flush=True)
+        if step == args.steps:
+            break
+        ids, labels = batch(rng, train, args.batch, system, args.budget, args.counterfactual,
+                            hint)
+        value = weighted_loss(model, ids, None, labels, (labels != -100).float())
+        optimizer.zero_grad()
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        loss = float(value.detach())
+
+
+if __name__ == '__main__':
+    main()
