@@ -370,12 +370,14 @@ def main():
                         help='the share of training contexts whose instruction names an '
                              'object in view drawn uniformly (the real target among them), '
                              'every tick labelled with the expert command '
-                             'for that instruction (the expert reads only the text, so the '
+                             'for that instruction (a function of the instruction, the newest '
+                             'observation and the last command, so the '
                              'label is exact). Without it a policy can steer at the object '
-                             'ahead and still fit most ticks: the stop-23 aiming policy, given '
-                             'only its newest observation, named the target with another '
-                             'object ahead on 13 of 225 closed-loop ticks, 184 with that '
-                             'object removed from the detections (BENCHMARKS.md, stop 24)')
+                             'it heads for and still fit most ticks: the stop-23 aiming policy, '
+                             'given only its newest observation, named the target on 4%% of '
+                             'closed-loop ticks with another object ahead, on 82%% with that '
+                             'object removed from the detections (tools/probe_binding.py; '
+                             'BENCHMARKS.md, stop 24)')
     parser.add_argument('--kv-heads', type=int, default=None,
                         help='key/value heads of a from-scratch model (default: '
                              f"{MODEL['num_key_value_heads']}, grouped-query attention; the "

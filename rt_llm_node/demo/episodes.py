@@ -141,8 +141,9 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
     its own: the executed commands are the same with or without it.
     ``counterfactual``: also label every tick of a goal as if the instruction had named each
     other object in its detections (``TickTokens.alternatives``, ``Episode.instructions``):
-    the expert reads only the rendered text, so the same observation with another
-    instruction has an exact label of its own. A learner shown those cannot do well by
+    the expert's command is a function of the instruction, the newest observation and its
+    last command alone, so the same observation under another instruction has an exact
+    label of its own. A learner shown those cannot do well by
     steering at whichever object is ahead or nearest: it must read the instruction
     (BENCHMARKS.md, stop 24). Draws nothing from the generators.
     """
