@@ -36,6 +36,7 @@ from rt_llm_node.demo.task import action_grammar
 from rt_llm_node.demo.task import AIM_FIELD
 from rt_llm_node.demo.task import model_aim
 from rt_llm_node.demo.task import model_inputs
+from rt_llm_node.demo.world import detections_line
 from rt_llm_node.model import load_checkpoint
 
 WAYS = ('as is', 'target only', 'target first', 'newest tick', 'past aims right')
@@ -47,10 +48,6 @@ def find_last(seq, sub):
         if seq[i:i + len(sub)] == sub:
             return i
     return -1
-
-
-def detections_text(found):
-    return '; '.join(f'{c} {s} {b}deg {d:.1f}m' for c, s, b, d in found) or 'none'
 
 
 class Variants:
@@ -87,7 +84,7 @@ class Variants:
         def swap(found_now):
             if at < 0:
                 return None
-            return context[:at] + self._detections(detections_text(found_now)) + \
+            return context[:at] + self._detections(detections_line(found_now)) + \
                 context[at + len(newest):]
         task = list(self.codec.encode('/instruction', self.messages.string(instruction)))
         previous = find_last(context, self.prefix)   # the newest tick starts after its action

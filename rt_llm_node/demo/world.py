@@ -41,6 +41,14 @@ class WorldConfig:
     max_w: float = 1.5
 
 
+def detections_line(found):
+    """/detections' text for [(colour, shape, bearing_deg, distance_m)]: 'red box 31deg 2.1m;
+    blue cone -12deg 4.0m', or 'none'."""
+    if not found:
+        return 'none'
+    return '; '.join(f'{c} {s} {b}deg {d:.1f}m' for c, s, b, d in found)
+
+
 def _wrap(angle):
     return (angle + math.pi) % (2.0 * math.pi) - math.pi
 
@@ -152,10 +160,7 @@ class DemoWorld:
         return sorted(found, key=lambda f: f[3])
 
     def detections_text(self):
-        found = self.detections()
-        if not found:
-            return 'none'
-        return '; '.join(f'{c} {s} {b}deg {d:.1f}m' for c, s, b, d in found)
+        return detections_line(self.detections())
 
     def observe(self):
         """This tick's messages by topic; ``/instruction`` only when a new goal starts."""
