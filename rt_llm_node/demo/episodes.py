@@ -31,6 +31,7 @@ from rt_llm_node.demo.task import INPUTS
 from rt_llm_node.demo.task import SYSTEM_PROMPT
 from rt_llm_node.demo.world import COLOURS
 from rt_llm_node.demo.world import DemoWorld
+from rt_llm_node.demo.world import instruction_for
 from rt_llm_node.demo.world import SHAPES
 
 SCAN_SECTORS = next(s.options['sectors'] for s in INPUTS if s.topic == '/scan')
@@ -167,7 +168,7 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
         spec = next(s for s in inputs if s.kind == 'instruction')
         factory = MessageFactory(ros=False)
         episode.instructions = {
-            (c, s): codec.encode(spec.topic, factory.string(f'go to the {c} {s}'))
+            (c, s): codec.encode(spec.topic, factory.string(instruction_for(c, s)))
             for c in COLOURS for s in SHAPES}
     hold_left, hold = 0, (0.0, 0.0)
     last_w = 0.0   # the previous command's turn rate, as its action segment renders it
@@ -231,7 +232,7 @@ def _counterfactuals(tick, instruction, detections, sectors, last_w, aim, action
         name = (colour, shape)
         if name == target or name in tick.alternatives:
             continue
-        other = f'go to the {colour} {shape}'
+        other = instruction_for(colour, shape)
         v, w = expert_command(other, sectors, detections, last_w)
         values = {'linear.x': v, 'angular.z': w}
         if aim:

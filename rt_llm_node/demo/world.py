@@ -41,6 +41,11 @@ class WorldConfig:
     max_w: float = 1.5
 
 
+def instruction_for(colour, shape):
+    """/instruction's text for a goal object: 'go to the red box'."""
+    return f'go to the {colour} {shape}'
+
+
 def detections_line(found):
     """/detections' text for [(colour, shape, bearing_deg, distance_m)]: 'red box 31deg 2.1m;
     blue cone -12deg 4.0m', or 'none'."""
@@ -119,8 +124,7 @@ class DemoWorld:
         return self.objects[self.goal_objects[self.goal_index]]
 
     def instruction_text(self):
-        (colour, shape), _ = self.goal
-        return f'go to the {colour} {shape}'
+        return instruction_for(*self.goal[0])
 
     def _circles(self, with_objects=True):
         circles = list(self.obstacles)
