@@ -12,6 +12,7 @@ of the SmolLM2-135M shape over many ticks.
 
 import argparse
 import gc
+import shlex
 import sys
 import tempfile
 import time
@@ -298,7 +299,8 @@ def main(argv=None):
         import platform
         machine = f'{gpu_name()}, Python {platform.python_version()}'
         write_section('cuda', 'CUDA backend (decode, prefill, full tick) vs HF transformers',
-                      body, machine=machine, command='rt-llm-bench --write')
+                      body, machine=machine,
+                      command=' '.join(['rt-llm-bench'] + [shlex.quote(a) for a in sys.argv[1:]]))
     return 0
 
 
