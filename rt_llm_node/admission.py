@@ -10,10 +10,15 @@ of prefill lengths, cache lengths and decode steps:
 Each grid point is timed several times and its upper quantile is what the model
 fits, so predictions lean pessimistic. Online, the measured time of every tick that
 ran (admitted, or aborted by the watchdog, or late) is compared with the model; the
-prediction is scaled by the worst measured/model ratio in a recent window, never
-below a floor, so it never drops below the worst recently observed (the window counts
-ticks, refused ones too, so a one-off spike expires). A safety margin in milliseconds
-is added on top.
+prediction is scaled by a high quantile (``quantile``, 0.9 by default; 1: the worst) of
+the measured/model ratios in a recent window, never below a floor (the window counts
+ticks, refused ones too, so old ratios expire). Not the worst: on a shared or busy host a
+tick now and then stalls for tens of milliseconds (the process descheduled), and the
+worst ratio made every tick of the next window refused, 2 s of refusals for one stall
+(`make demo` on a 2-core host: 164 of 600 ticks refused; BENCHMARKS.md). A slower host
+raises the quantile within a tenth of a window; a tick admitted meanwhile that would
+overrun is caught by the watchdog, refused and never published late. A safety margin in
+milliseconds is added on top.
 
 The floor starts at 1: the calibrated model is trusted until a tick shows otherwise.
 A model calibrated while the host was slow (another process, a thermal throttle)
@@ -160,9 +165,12 @@ class Admission:
 
     MAX_BACKOFF = 64
 
-    def __init__(self, model, margin_ms=2.0, window=60, probe_ticks=0, min_scale=0.25):
+    def __init__(self, model, margin_ms=2.0, window=60, probe_ticks=0, min_scale=0.25,
+                 quantile=0.9):
         if margin_ms < 0:
             raise ValueError('margin_ms must be non-negative')
+        if not 0.5 <= quantile <= 1.0:
+            raise ValueError('quantile must be in [0.5, 1] (1: the worst ratio of the window)')
         if probe_ticks < 0:
             raise ValueError('probe_ticks must be non-negative (0: no probes)')
         if not 0.0 < min_scale <= 1.0:
@@ -172,16 +180,23 @@ class Admission:
         self.window = int(window)
         self.probe_ticks = int(probe_ticks)
         self.min_scale = float(min_scale)
+        self.quantile = float(quantile)
         self.floor = 1.0               # lowered only by what probe ticks measure
         self.tick = 0
         self.ratios = deque()          # (tick, measured / model) of admitted ticks
-        self.scale = 1.0               # max(floor, ratios): kept current, read every tick
+        self.scale = 1.0               # max(floor, quantile of ratios): kept current
         self.refused_in_a_row = 0      # deadline refusals since the last admitted tick
         self.backoff = 1               # the next probe waits probe_ticks * backoff refusals
 
     def _rescale(self):
-        """The worst measured/model ratio of the last ``window`` ticks, at least the floor."""
-        self.scale = max([self.floor, *(r for _, r in self.ratios)])
+        """The ``quantile`` of the last ``window`` ticks' measured/model ratios (the nearest
+        ratio at or above it: with few ratios, the worst), at least the floor."""
+        if not self.ratios:
+            self.scale = self.floor
+            return
+        ratios = sorted(r for _, r in self.ratios)
+        at = min(len(ratios) - 1, int(np.ceil(self.quantile * (len(ratios) - 1))))
+        self.scale = max(self.floor, ratios[at])
 
     def new_tick(self):
         """Advance the window by one tick, admitted or not, so old spikes expire."""

@@ -92,7 +92,8 @@ def configure_engine(values, clock=None, log=print, cost_model=None):
                           window=values['admission_window_ticks'],
                           probe_ticks=(0 if isinstance(clock, ModelClock)
                                        else values['admission_probe_ticks']),
-                          min_scale=values['admission_min_scale'])
+                          min_scale=values['admission_min_scale'],
+                          quantile=values['admission_quantile'])
     engine = TickEngine(backend, checkpoint.tokenizer, specs, grammar, admission,
                         policy=values['eviction_policy'], system_prompt=values['system_prompt'],
                         clock=clock)

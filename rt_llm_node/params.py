@@ -61,8 +61,10 @@ PARAMETERS = (
     Param('action_step', [0.1, 0.25], 'quantization step of each field'),
     Param('action_max_tokens', 16, 'std_msgs/String actions: max tokens', 1, 256),
     Param('action_stop_text', '\n', 'std_msgs/String actions: text that ends the action'),
-    Param('admission_window_ticks', 60, 'ticks over which the worst measured/predicted '
-          'ratio is kept', 1, 100000),
+    Param('admission_window_ticks', 60, 'ticks over which measured/predicted ratios are '
+          'kept', 1, 100000),
+    Param('admission_quantile', 0.9, "quantile of the window's measured/predicted ratios "
+          'that scales the cost model (1: the worst; lower ignores rare stalls)', 0.5, 1.0),
     Param('admission_probe_ticks', 30, 'deadline refusals in a row after which one tick '
           'runs as a probe of a cost model calibrated on a slow host (0: never)', 0, 100000),
     Param('admission_min_scale', 0.25, 'the least fraction of the calibrated cost a probe '

@@ -110,6 +110,30 @@ def test_a_late_tick_raises_the_scale_so_the_next_is_refused_in_time(checkpoint)
     assert reasons[1:] == ['deadline', 'deadline'], reasons
 
 
+def test_one_stall_in_the_window_does_not_refuse_the_ticks_after_it():
+    """The scale is a high quantile of the window's ratios, not the worst: one stall of the
+    host (5x) leaves the next ticks admitted, where the worst refused them for a window;
+    a host that stays slower moves the quantile within a tenth of the window."""
+    model = CostModel(prefill=(10.0, 0.0, 0.0))   # a tick of one token: 10 ms
+    worst = Admission(model, margin_ms=0.0, window=60, quantile=1.0)
+    robust = Admission(model, margin_ms=0.0, window=60)
+    for admission in (worst, robust):
+        for i in range(40):
+            admission.new_tick()
+            admission.observe(1, 0, 0, None, 50.0 if i == 20 else 12.0)
+    assert worst.scale == pytest.approx(5.0)
+    assert robust.scale == pytest.approx(1.2)
+    assert not worst.admit(worst.predict_ms(1, 0, 0), 30.0)
+    assert robust.admit(robust.predict_ms(1, 0, 0), 30.0)
+    for _ in range(4):   # now 2.5x slower for good
+        robust.new_tick()
+        robust.observe(1, 0, 0, None, 25.0)
+    assert robust.scale == pytest.approx(2.5)
+    for bad in (0.3, 1.5, float('nan')):
+        with pytest.raises(ValueError):
+            Admission(model, quantile=bad)
+
+
 class HostClock(ModelClock):
     """A machine ``factor`` times as fast as its cost model says (0.2: five times faster)."""
 
