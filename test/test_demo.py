@@ -13,6 +13,7 @@ from rt_llm_node.demo.task import INPUTS
 from rt_llm_node.demo.task import object_phrases
 from rt_llm_node.demo.task import whole_words
 from rt_llm_node.demo.world import DemoWorld
+from rt_llm_node.demo.world import WorldConfig
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.embedded import default_model_path
 
@@ -52,6 +53,20 @@ def run_expert(seed, max_ticks):
                               msgs['/detections'].data, w)
         world.step(v, w)
     return world, instructions
+
+
+def test_a_coarser_detector_rounds_bearings_and_changes_nothing_else():
+    fine = DemoWorld(5, messages=MessageFactory(ros=False))
+    coarse = DemoWorld(5, config=WorldConfig(bearing_step_deg=15),
+                       messages=MessageFactory(ros=False))
+    for _ in range(40):
+        a, b = fine.detections(), coarse.detections()
+        assert [(c, s, d) for c, s, _, d in a] == [(c, s, d) for c, s, _, d in b]
+        for (*_, bearing, _), (*_, rounded, _) in zip(a, b):
+            assert rounded % 15 == 0 and -180 <= rounded <= 180
+            assert abs(rounded - bearing) <= 8 or abs(abs(rounded - bearing) - 360) <= 8
+        fine.step(0.5, 0.7)
+        coarse.step(0.5, 0.7)
 
 
 def test_the_expert_reaches_the_goals_of_a_fixed_scenario():

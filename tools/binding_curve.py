@@ -10,7 +10,10 @@ contexts of three validation seeds built the same way. ``--counterfactual 0``: t
 instruction, so the target can also be told from where the robot is heading (/odom, the
 bearings); ``1``: an instruction drawn uniformly over the objects in view, so only the
 instruction tells (BENCHMARKS.md, stop 24). ``--model M --steps 0``: the same accuracy of a
-trained aiming checkpoint (its tokenizer), no training. Offline tooling: torch on the CPU.
+trained aiming checkpoint (its tokenizer), no training. ``--shape KEY=VALUE`` (repeatable):
+a fresh model of another shape (e.g. num_key_value_heads=6); ``--bearing-step N``: the
+detector's bearings rounded to N degrees (WorldConfig.bearing_step_deg), for the world the
+episodes are made in (BENCHMARKS.md, stop 25). Offline tooling: torch on the CPU.
 """
 
 import argparse
@@ -32,6 +35,7 @@ from rt_llm_node.demo.task import model_aim
 from rt_llm_node.demo.task import model_inputs
 from rt_llm_node.demo.task import object_phrases
 from rt_llm_node.demo.task import whole_words
+from rt_llm_node.demo.world import WorldConfig
 from rt_llm_node.model import load_checkpoint
 
 
@@ -101,7 +105,21 @@ def main():
                         help="put the instruction's object token before every action: the "
                              'lookup left is one token matched in the newest detections, '
                              'what a plan field naming the target before its bearing gives')
+    parser.add_argument('--shape', action='append', default=[], metavar='KEY=VALUE',
+                        help="a fresh model's shape: train_demo_policy.MODEL with this key "
+                             'set to this integer (repeatable)')
+    parser.add_argument('--bearing-step', type=int, default=1, metavar='DEG',
+                        help="the detector's bearing resolution in the episodes' world")
     args = parser.parse_args()
+    shape = dict(MODEL)
+    for item in args.shape:
+        key, _, value = item.partition('=')
+        if key not in MODEL or not value.isdigit():
+            parser.error(f'--shape {item!r}: need KEY=INTEGER with KEY one of {sorted(MODEL)}')
+        shape[key] = int(value)
+    if not 1 <= args.bearing_step <= 90:
+        parser.error('--bearing-step must be 1..90 degrees')
+    world_config = WorldConfig(bearing_step_deg=args.bearing_step)
     import torch
     import transformers
     torch.manual_seed(args.seed)
@@ -118,7 +136,8 @@ def main():
     def episodes(seeds, noisy):
         extra = {'noise': (0.2, 0.6), 'hold_rate': 0.02} if noisy else {}
         return _with_goal_starts([expert_episode(s, tokenizer, aim=True, aim_noise=45.0,
-                                                 counterfactual=True, inputs=inputs, **extra)
+                                                 counterfactual=True, inputs=inputs,
+                                                 world_config=world_config, **extra)
                                   for s in seeds])
     train = episodes(range(args.episodes), True) if args.steps else []
     system = system_ids(tokenizer)
@@ -137,7 +156,7 @@ def main():
         model = transformers.LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            **MODEL, bos_token_id=None, eos_token_id=None))
+            **shape, bos_token_id=None, eos_token_id=None))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
                                   betas=(0.9, 0.95))
     started = time.time()

@@ -119,7 +119,7 @@ AIM_RANDOM = 0.25   # with aim noise, the share of shown aims drawn at random
 
 def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate=0.0,
                    executed=None, inputs=INPUTS, aim=False, aim_noise=0.0,
-                   counterfactual=False):
+                   counterfactual=False, world_config=None):
     """Run the expert in the world; record each tick's tokens (label: the clean expert action).
 
     ``noise``: std of Gaussian noise (v, w) added to the executed command, so the
@@ -146,9 +146,10 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
     last command alone, so the same observation under another instruction has an exact
     label of its own. A learner shown those cannot do well by
     steering at whichever object is ahead or nearest: it must read the instruction
-    (BENCHMARKS.md, stop 24). Draws nothing from the generators.
+    (BENCHMARKS.md, stop 24). Draws nothing from the generators. ``world_config``: a
+    WorldConfig other than the default (e.g. a coarser detector bearing).
     """
-    world = DemoWorld(seed, messages=MessageFactory(ros=False))
+    world = DemoWorld(seed, config=world_config, messages=MessageFactory(ros=False))
     codec = ObservationCodec(tokenizer, inputs)
     grammar = action_grammar(tokenizer, aim)
     fv, fw = grammar.field('linear.x'), grammar.field('angular.z')

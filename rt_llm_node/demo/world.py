@@ -35,6 +35,7 @@ class WorldConfig:
     scan_beams: int = 90
     range_max: float = 6.0        # laser range
     detect_range: float = 12.0    # the object detector sees across the arena
+    bearing_step_deg: int = 1     # the detector's bearing resolution, degrees
     scan_noise: float = 0.01
     max_v: float = 0.8
     min_v: float = -0.2
@@ -160,7 +161,9 @@ class DemoWorld:
             d = math.hypot(p[0] - self.x, p[1] - self.y)
             if d <= self.config.detect_range:
                 bearing = math.degrees(_wrap(math.atan2(p[1] - self.y, p[0] - self.x) - self.yaw))
-                found.append((colour, shape, int(round(bearing)), round(d, 1)))
+                step = self.config.bearing_step_deg
+                bearing = max(-180, min(180, step * round(bearing / step)))
+                found.append((colour, shape, int(bearing), round(d, 1)))
         return sorted(found, key=lambda f: f[3])
 
     def detections_text(self):
