@@ -16,7 +16,9 @@ by a run: ``--save T.json``).
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 
 import numpy as np
 
@@ -44,7 +46,8 @@ def record_run(seconds):
         return probe_instead(self, n_prefill, cache_length, n_decode, kept, available_ms)
     Admission.observe, Admission.probe_instead = observing, refusing
     try:
-        run.main(['--seconds', str(seconds), '--out', '/tmp/admission_trace_demo.png'])
+        with tempfile.TemporaryDirectory() as tmp:   # the demo's plot is not wanted here
+            run.main(['--seconds', str(seconds), '--out', os.path.join(tmp, 'demo.png')])
     finally:
         Admission.observe, Admission.probe_instead = observe, probe_instead
     return ran, refused
