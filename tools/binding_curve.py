@@ -13,7 +13,8 @@ instruction tells (BENCHMARKS.md, stop 24). ``--model M --steps 0``: the same ac
 trained aiming checkpoint (its tokenizer), no training. ``--shape KEY=VALUE`` (repeatable):
 a fresh model of another shape (e.g. num_key_value_heads=6); ``--bearing-step N``: the
 detector's bearings rounded to N degrees (WorldConfig.bearing_step_deg), for the world the
-episodes are made in (BENCHMARKS.md, stop 25). Offline tooling: torch on the CPU.
+episodes are made in; ``--topics /instruction,/detections``: only those inputs rendered
+(BENCHMARKS.md, stop 25). Offline tooling: torch on the CPU.
 """
 
 import argparse
@@ -110,6 +111,9 @@ def main():
                              'set to this integer (repeatable)')
     parser.add_argument('--bearing-step', type=int, default=1, metavar='DEG',
                         help="the detector's bearing resolution in the episodes' world")
+    parser.add_argument('--topics', default=None, metavar='T1,T2',
+                        help='render only these inputs (e.g. /instruction,/detections: the '
+                             'lookup alone; the expert still reads every message)')
     args = parser.parse_args()
     shape = dict(MODEL)
     for item in args.shape:
@@ -124,6 +128,13 @@ def main():
     import transformers
     torch.manual_seed(args.seed)
     inputs = model_inputs(args.model) if args.model else INPUTS
+    if args.topics:
+        topics = args.topics.split(',')
+        if args.model or not {'/instruction', '/detections'} <= set(topics) or not set(
+                topics) <= {spec.topic for spec in INPUTS}:
+            parser.error('--topics: a fresh model only, with /instruction and /detections, '
+                         f'of {[spec.topic for spec in INPUTS]}')
+        inputs = tuple(spec for spec in INPUTS if spec.topic in topics)
     if args.model:
         if not model_aim(args.model):
             parser.error(f'{args.model} does not state an aim (its training.json has no "aim")')
