@@ -31,6 +31,7 @@ from rt_llm_node.demo.episodes import episode_texts
 from rt_llm_node.demo.episodes import expert_episode
 from rt_llm_node.demo.episodes import system_ids
 from rt_llm_node.demo.episodes import train_tokenizer
+from rt_llm_node.demo.task import demo_inputs
 from rt_llm_node.demo.task import INPUTS
 from rt_llm_node.demo.task import model_aim
 from rt_llm_node.demo.task import model_inputs
@@ -129,12 +130,13 @@ def main():
     torch.manual_seed(args.seed)
     inputs = model_inputs(args.model) if args.model else INPUTS
     if args.topics:
-        topics = args.topics.split(',')
-        if args.model or not {'/instruction', '/detections'} <= set(topics) or not set(
-                topics) <= {spec.topic for spec in INPUTS}:
-            parser.error('--topics: a fresh model only, with /instruction and /detections, '
-                         f'of {[spec.topic for spec in INPUTS]}')
-        inputs = tuple(spec for spec in INPUTS if spec.topic in topics)
+        if args.model:
+            parser.error('--topics: a fresh model only (a checkpoint has its own inputs)')
+        try:
+            inputs = demo_inputs(args.topics.split(','),
+                                 required=('/instruction', '/detections'))
+        except ValueError as err:
+            parser.error(f'--topics: {err}')
     if args.model:
         if not model_aim(args.model):
             parser.error(f'{args.model} does not state an aim (its training.json has no "aim")')

@@ -40,11 +40,13 @@ AIM_UNSEEN = 180.0
 REQUIRED_TOPICS = ('/instruction', '/scan', '/detections')   # what the expert reads
 
 
-def demo_inputs(topics=None):
+def demo_inputs(topics=None, required=REQUIRED_TOPICS):
     """``INPUTS`` restricted to ``topics`` (in ``INPUTS`` order; None: all of them).
 
     A policy may be trained on fewer inputs than the world publishes (e.g. without /odom,
-    whose measured turn rate the shipped policy copies); the expert's own inputs stay.
+    whose measured turn rate the shipped policy copies); the ``required`` ones stay (by
+    default the expert's own inputs; tools/binding_curve.py asks only for the instruction
+    and the detections).
     """
     if topics is None:
         return INPUTS
@@ -53,9 +55,10 @@ def demo_inputs(topics=None):
     unknown = [t for t in topics if t not in known]
     if unknown:
         raise ValueError(f'unknown demo input(s) {unknown}: the demo has {known}')
-    missing = [t for t in REQUIRED_TOPICS if t not in topics]
+    missing = [t for t in required if t not in topics]
     if missing:
-        raise ValueError(f'the demo policy needs {missing} (the expert it imitates reads them)')
+        raise ValueError(f'the demo policy needs {missing} (the expert it imitates reads them)'
+                         if required == REQUIRED_TOPICS else f'{missing} are needed here')
     return tuple(spec for spec in INPUTS if spec.topic in topics)
 
 
