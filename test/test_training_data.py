@@ -405,3 +405,121 @@ def test_counterfactual_contexts_name_another_object_and_teach_its_expert_comman
     a = train_demo_policy.build_sample(episode, system, 300, 512, np.random.default_rng(1))
     b = train_demo_policy.build_sample(plain, system, 300, 512, np.random.default_rng(1))
     assert a == b
+
+
+@pytest.fixture(scope='module')
+def aiming():
+    """An aiming episode with counterfactual labels and a tokenizer that keeps each object
+    name, bearing and action word one token (train_demo_policy --aim --object-tokens)."""
+    from rt_llm_node.demo.episodes import episode_texts
+    from rt_llm_node.demo.episodes import train_tokenizer
+    from rt_llm_node.demo.task import object_phrases
+    from rt_llm_node.demo.task import whole_words
+    texts = [line for seed in range(3) for line in episode_texts(seed)]
+    tokenizer = train_tokenizer(texts, train_demo_policy.MODEL['vocab_size'],
+                                whole_words=whole_words(True), phrases=object_phrases())
+    episode = expert_episode(7, tokenizer, noise=(0.2, 0.6), hold_rate=0.05, aim=True,
+                             aim_noise=45.0, counterfactual=True)
+    episode.goal_starts = [t for t, tick in enumerate(episode.ticks)
+                           if any(s[0] == 'instruction' for s in tick.segments)]
+    return episode, system_ids(tokenizer), tokenizer
+
+
+def _lines(tokenizer, ids, prefix):
+    return [line for line in tokenizer.decode(ids).split('\n') if line.startswith(prefix)]
+
+
+def test_sparse_detections_keep_the_instructed_object_and_its_expert_command(aiming):
+    """--sparse-detections: the newest detections line shows the instructed object's entry
+    as it was and 0-2 of the others in their order, rendered by the node's codec; the
+    expert's command read from the thinned line is the one from the full line, and the aim
+    taught is the full line's, so the label stays exact. Older lines are shown whole."""
+    from rt_llm_node.codec import ObservationCodec
+    from rt_llm_node.demo.expert import expert_aim
+    from rt_llm_node.demo.expert import expert_command
+    from rt_llm_node.demo.expert import parse_instruction
+    from rt_llm_node.demo.messages import MessageFactory
+    from rt_llm_node.demo.task import action_grammar
+    from rt_llm_node.demo.task import INPUTS
+    episode, system, tokenizer = aiming
+    aim = action_grammar(tokenizer, aim=True).field('_aim')
+    sparse = train_demo_policy.SparseDetections(tokenizer)
+    codec = ObservationCodec(tokenizer, INPUTS)
+    shown = {_lines(tokenizer, segment, 'det')[0] for tick in episode.ticks
+             for _, topic, segment in tick.segments if topic == '/detections'}
+    rng = np.random.default_rng(3)
+    sizes = set()
+    thinned = 0
+    for _ in range(80):
+        end = int(rng.integers(episode.goal_starts[0] + 1, len(episode.ticks)))
+        ids, labels, _ = train_demo_policy.build_sample(
+            episode, system, end, 256, rng, counterfactual=1.0, sparse=(1.0, sparse))
+        instruction = _lines(tokenizer, ids, 'task')[-1]
+        newest = _lines(tokenizer, ids, 'det')[-1]
+        whole = next(_lines(tokenizer, segment, 'det')[0]
+                     for _, topic, segment in episode.ticks[end].segments
+                     if topic == '/detections')
+        target = parse_instruction(instruction)
+        entries, every = newest[4:].split('; '), whole[4:].split('; ')
+        mine = [e for e in every if e.startswith(f'{target[0]} {target[1]} ')]
+        if newest != whole:
+            thinned += 1
+            assert mine and mine[0] in entries and len(entries) <= 3
+            assert [e for e in every if e in entries] == entries   # order kept
+            line_ids = codec.encode('/detections', MessageFactory(ros=False).string(newest[4:]))
+            assert _find(ids, line_ids)
+            sizes.add(len(entries))
+            for sectors in ([0.4] * 12, [3.0] * 12):
+                assert expert_command(instruction[5:], sectors, newest[4:], 0.5) == \
+                    expert_command(instruction[5:], sectors, whole[4:], 0.5)
+        else:   # the instructed object out of sight (or nothing else to drop)
+            assert not mine or len(every) == 1 or len(entries) == len(every)
+        # the aim taught is the one the full line gives for the instruction shown
+        stated = aim.quantize(expert_aim(instruction[5:], whole[4:]))
+        assert tokenizer.decode([x for x in labels if x != -100][-4:-3]).strip() == \
+            aim.text(stated)
+        # older detections lines are shown whole: each is some tick's line as rendered
+        assert set(_lines(tokenizer, ids, 'det')[:-1]) <= shown
+    assert thinned >= 40 and sizes == {1, 2, 3}, (thinned, sizes)
+
+
+def test_lookup_contexts_show_the_detections_and_teach_the_aim_alone(aiming):
+    """--lookup-first N: round 0's first N batches are lookup contexts (the instruction
+    drawn over the objects in view, only the detections and actions rendered, only the
+    stated aim taught, the label of the instruction shown); later steps and rounds are
+    not. --lookup-share P keeps about P of each later batch so."""
+    from rt_llm_node.demo.expert import expert_aim
+    from rt_llm_node.demo.task import action_grammar
+    episode, system, tokenizer = aiming
+    aim = action_grammar(tokenizer, aim=True).field('_aim')
+    rng = np.random.default_rng(5)
+    names = set()
+    for _ in range(40):
+        end = int(rng.integers(episode.goal_starts[0] + 1, len(episode.ticks)))
+        ids, labels, weights = train_demo_policy.build_sample(
+            episode, system, end, train_demo_policy.LOOKUP_BUDGET, rng, counterfactual=1.0,
+            lookup=True)
+        lines = tokenizer.decode(ids).split('\n')[1:-1]
+        assert lines[0].startswith('task ') and all(
+            line.startswith(('det ', 'act ')) for line in lines[1:]), lines
+        taught = [x for x in labels if x != -100]
+        assert len(taught) == 1 and np.count_nonzero(weights) == 1
+        detections = _lines(tokenizer, ids, 'det')[-1][4:]
+        stated = aim.quantize(expert_aim(lines[0][5:], detections))
+        assert tokenizer.decode(taught).strip() == aim.text(stated)
+        names.add(lines[0])
+    assert len(names) >= 4   # the instruction is drawn, not always the real one
+
+    def lookup_rows(round_, step, share=0.0):
+        train_demo_policy._EPISODES, train_demo_policy._SYSTEM = [episode], system
+        train_demo_policy._LOOKUP = (10, share)
+        try:
+            ids, labels, _, _ = train_demo_policy._build_batch((0, round_, step, 16))
+        finally:
+            train_demo_policy._EPISODES = train_demo_policy._SYSTEM = None
+            train_demo_policy._LOOKUP = (0, 0.0)
+        return sum(int((row != -100).sum() == 1 and not _lines(tokenizer, i.tolist(), 'scan'))
+                   for i, row in zip(ids, labels))
+    assert lookup_rows(0, 3) == 16
+    assert lookup_rows(0, 10) == 0 and lookup_rows(1, 3) == 0
+    assert 2 <= lookup_rows(0, 10, share=0.5) <= 14

@@ -38,12 +38,16 @@ from tokenizers import Tokenizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from rt_llm_node.codec import ObservationCodec  # noqa: E402
 from rt_llm_node.demo.episodes import episode_texts  # noqa: E402
 from rt_llm_node.demo.episodes import expert_episode  # noqa: E402
 from rt_llm_node.demo.episodes import success_rate  # noqa: E402
 from rt_llm_node.demo.episodes import system_ids  # noqa: E402
 from rt_llm_node.demo.episodes import train_tokenizer  # noqa: E402
 from rt_llm_node.demo.evaluate import HELD_OUT_SEED0  # noqa: E402
+from rt_llm_node.demo.expert import parse_detections  # noqa: E402
+from rt_llm_node.demo.expert import parse_instruction  # noqa: E402
+from rt_llm_node.demo.messages import MessageFactory  # noqa: E402
 from rt_llm_node.demo.task import demo_inputs  # noqa: E402
 from rt_llm_node.demo.task import INPUTS  # noqa: E402
 from rt_llm_node.demo.task import model_aim  # noqa: E402
@@ -107,7 +111,7 @@ def _one_cycle_lrs(schedule, step):
 
 
 def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distractor_weight=1.0,
-                 counterfactual=0.0):
+                 counterfactual=0.0, sparse=None, lookup=False):
     """Token ids, labels (-100: no loss) and loss weights (0 off the labels) of one
     context ending at tick ``end``.
 
@@ -132,6 +136,21 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
     (``TickTokens.alternatives``); the actions shown stay what the robot executed, so what
     the history and /odom say of the target is right only as often as chance. No draw is
     made when it is 0.
+
+    Sparse detections: ``sparse`` = (share, ``SparseDetections``): with probability share,
+    the newest tick's detections line shows the instructed object and at most two others
+    drawn from the rest (``SparseDetections.thin``). The expert's command reads only the
+    instructed object's detection, so every label stays exact. A line of two or three
+    objects is where a fresh model first learns to find the instructed one (the match
+    behind the lookup, learned on 6 objects only after a long plateau: BENCHMARKS.md,
+    stop 26). No draw is made when ``sparse`` is None.
+
+    Lookup (an aiming episode's contexts only): every tick shows its detections and its
+    action, no other observation, and only the stated aims are supervised (the aim is a
+    function of the instruction and the detections alone; v and w are not without the
+    scan). With the instruction drawn (``counterfactual``) and a short budget, this is the
+    lookup alone, which a fresh model learns in ~1500 steps of 256 where the same with the
+    scan and odometry rendered stays at chance (BENCHMARKS.md, stop 26).
     """
     ticks = episode.ticks
     observed, starts = _tick_tables(episode)
@@ -143,6 +162,7 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
         alt = names[int(rng.integers(len(names)))]
         if alt is not None:
             instr = (instr[0], episode.instructions[alt])
+    thin = sparse is not None and instr is not None and rng.random() < sparse[0]
     p_drop_obs = rng.choice([0.0, 0.0, 0.5, 0.8, 1.0])
     p_drop_act = 1.0 if rng.random() < 0.2 else rng.choice([0.0, 0.3, 0.7])
     pieces = []          # reversed chronological list of (tick, ids, labels, weights)
@@ -152,10 +172,14 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
         chunk = []
         complete = instr is not None and t >= instr[0]
         n = tick.n_prefix
-        for ids in observed[t][0]:
+        for k, ids in enumerate(observed[t][0]):
+            if lookup and k != observed[t][2]:   # the detections alone
+                continue
             if t != end and rng.random() < p_drop_obs:
                 complete = False
                 continue
+            if thin and t == end and k == observed[t][2]:
+                ids = sparse[1].thin(ids, instr[1], rng)
             chunk += ids
         n_obs = len(chunk)
         labels = [-100] * n_obs
@@ -181,11 +205,17 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
                 # the command (v, w) only: a shown plan is noisy (--aim-noise) by design
                 c = n + tick.n_plan
                 changed = t > 0 and label[c:] != ticks[t - 1].executed_ids[c:]
-                labels += [-100] * n + taught
                 distracted = tick.distractor if alt is None else alt in tick.alt_distractor
                 weight = (keyframe_weight if changed else 1.0) * (
                     distractor_weight if distracted else 1.0)
-                weights += [0.0] * n + [weight] * len(taught)
+                if lookup:   # the aim (the plan's one token) alone
+                    rest = len(taught) - tick.n_plan
+                    taught = taught[:tick.n_plan] + [-100] * rest
+                    labels += [-100] * n + taught
+                    weights += [0.0] * n + [weight] * tick.n_plan + [0.0] * rest
+                else:
+                    labels += [-100] * n + taught
+                    weights += [0.0] * n + [weight] * len(taught)
         if used + len(chunk) > budget:
             break
         used += len(chunk)
@@ -211,7 +241,8 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
 
 def _tick_tables(episode):
     """Per tick ([the ids of each segment but the instruction], the instruction's ids or
-    None), and the ticks that carry an instruction: made once per episode and kept on it
+    None, the index of the detections segment in that list or None), and the ticks that
+    carry an instruction: made once per episode and kept on it
     (a sample reads a dozen ticks; searching back for the instruction each time was most
     of a batch's time)."""
     tables = getattr(episode, '_tick_tables', None)
@@ -219,17 +250,65 @@ def _tick_tables(episode):
         observed = []
         for tick in episode.ticks:
             instruction = [ids for kind, _, ids in tick.segments if kind == 'instruction']
-            observed.append(([ids for kind, _, ids in tick.segments if kind != 'instruction'],
-                             instruction[0] if instruction else None))
-        starts = [t for t, (_, instruction) in enumerate(observed) if instruction is not None]
+            others = [(topic, ids) for kind, topic, ids in tick.segments
+                      if kind != 'instruction']
+            det = next((k for k, (topic, _) in enumerate(others) if topic == DETECTIONS), None)
+            observed.append(([ids for _, ids in others],
+                             instruction[0] if instruction else None, det))
+        starts = [t for t, row in enumerate(observed) if row[1] is not None]
         tables = (observed, starts)
         episode._tick_tables = tables
     return tables
 
 
+DETECTIONS = '/detections'
+
+
+class SparseDetections:
+    """Thins a rendered detections line: the instructed object's entry stays, with 0, 1 or
+    2 of the others (in their order, nearest first), rendered again by the node's codec.
+
+    Works on the text (the tokenizer's decode is exact: byte-level BPE), so it holds for
+    any tokenizer, whole object tokens or not.
+    """
+
+    def __init__(self, tokenizer, inputs=INPUTS):
+        self.tokenizer = tokenizer
+        self.codec = ObservationCodec(tokenizer, [s for s in inputs if s.topic == DETECTIONS])
+        self.prefix = self.codec.inputs[DETECTIONS].prefix + ' '
+        self.factory = MessageFactory(ros=False)
+
+    def thin(self, ids, instruction, rng):
+        """``ids`` (a detections segment) with the entry of the object ``instruction`` (an
+        instruction segment's ids) names kept and 0-2 of the others drawn uniformly. As is
+        when the line does not parse or does not show that object (nothing then keeps the
+        label exact)."""
+        text = self.tokenizer.decode(ids)
+        target = parse_instruction(self.tokenizer.decode(instruction))
+        if target is None or not (text.startswith(self.prefix) and text.endswith('\n')):
+            return ids
+        entries = text[len(self.prefix):-1].split('; ')
+        names = [parse_detections(e) for e in entries]
+        if any(len(n) != 1 for n in names):
+            return ids
+        at = next((k for k, n in enumerate(names) if n[0][:2] == target), None)
+        if at is None:
+            return ids
+        others = [k for k in range(len(entries)) if k != at]
+        keep = {at}
+        if others:
+            keep.update(rng.choice(others, size=min(len(others), int(rng.integers(3))),
+                                   replace=False).tolist())
+        line = '; '.join(entries[k] for k in sorted(keep))
+        return self.codec.encode(DETECTIONS, self.factory.string(line))
+
+
 _EPISODES, _SYSTEM, _KEYFRAME, _DISTRACTOR = None, None, 1.0, 1.0   # set before the fork
 _COUNTERFACTUAL = 0.0   # --counterfactual
 _SHORT_FIRST = 0   # round 0's first steps that draw the two shortest budgets (--short-first)
+_SPARSE = None     # (share, SparseDetections) of --sparse-detections
+_LOOKUP = (0, 0.0)  # --lookup-first, --lookup-share
+LOOKUP_BUDGET = 48  # the system prompt, the instruction and the newest tick's detections
 
 
 def _build_batch(job):
@@ -245,18 +324,22 @@ def _build_batch(job):
     batch_ids, batch_labels, batch_weights = [], [], []
     short = round_ == 0 and step < _SHORT_FIRST
     budget = int(rng.choice(BUDGETS[:2] if short else BUDGETS))
+    lookup_all = round_ == 0 and step < _LOOKUP[0]
     for _ in range(size):
+        lookup = lookup_all or (_LOOKUP[1] > 0 and rng.random() < _LOOKUP[1])
         episode = episodes[rng.integers(len(episodes))]
         if rng.random() < 0.2:  # oversample the first ticks of a goal (no useful history)
             start = int(rng.choice(episode.goal_starts))
             end = min(len(episode.ticks) - 1, start + int(rng.integers(30)))
         else:
             end = int(rng.integers(len(episode.ticks)))
-        sample = build_sample(episode, _SYSTEM, end, budget, rng, _KEYFRAME, _DISTRACTOR,
-                              _COUNTERFACTUAL)
+        # a lookup context draws its instruction over the objects in view (--lookup-first)
+        kind = ((LOOKUP_BUDGET, 1.0, True) if lookup else (budget, _COUNTERFACTUAL, False))
+        sample = build_sample(episode, _SYSTEM, end, kind[0], rng, _KEYFRAME, _DISTRACTOR,
+                              kind[1], _SPARSE, kind[2])
         if max(sample[1]) == -100:  # the newest tick alone outgrew the budget
             sample = build_sample(episode, _SYSTEM, end, max(BUDGETS), rng, _KEYFRAME,
-                                  _DISTRACTOR, _COUNTERFACTUAL)
+                                  _DISTRACTOR, kind[1], _SPARSE, kind[2])
         batch_ids.append(sample[0])
         batch_labels.append(sample[1])
         batch_weights.append(sample[2])
@@ -378,6 +461,23 @@ def main():
                              'closed-loop ticks with another object ahead, on 82%% with that '
                              'object removed from the detections (tools/probe_binding.py; '
                              'BENCHMARKS.md, stop 24)')
+    parser.add_argument('--sparse-detections', type=float, default=0.0, metavar='P',
+                        help='the share of training contexts whose newest detections line '
+                             'shows only the instructed object and 0-2 others (labels stay '
+                             "exact: the expert reads only the instructed object's "
+                             'detection). A fresh model matches the instructed object among '
+                             'two or three within ~1000 steps, among six not in 6000 '
+                             '(tools/lookup_probe.py, BENCHMARKS.md stop 26)')
+    parser.add_argument('--lookup-first', type=int, default=0, metavar='STEPS',
+                        help="with --aim: round 0's first STEPS steps train the lookup alone: "
+                             'the instruction drawn over the objects in view, only it and '
+                             'the newest detections rendered, only the aim supervised. A '
+                             'fresh model learns that in ~1500 steps of 256 (H200, 96 s), '
+                             'and with the scan and odometry between not in 2500 '
+                             '(BENCHMARKS.md, stop 26)')
+    parser.add_argument('--lookup-share', type=float, default=0.0, metavar='P',
+                        help='after --lookup-first, the share of every batch that stays '
+                             'lookup contexts (keeps the skill in the mix)')
     parser.add_argument('--kv-heads', type=int, default=None,
                         help='key/value heads of a from-scratch model (default: '
                              f"{MODEL['num_key_value_heads']}, grouped-query attention; the "
@@ -433,6 +533,14 @@ def main():
         parser.error(f'--aim-noise must be a finite std >= 0, got {args.aim_noise}')
     if not 0.0 <= args.counterfactual <= 1.0:
         parser.error(f'--counterfactual must be a share in [0, 1], got {args.counterfactual}')
+    if not 0.0 <= args.sparse_detections <= 1.0:
+        parser.error(f'--sparse-detections must be a share in [0, 1], got '
+                     f'{args.sparse_detections}')
+    if args.lookup_first < 0 or not 0.0 <= args.lookup_share < 1.0:
+        parser.error('--lookup-first must be a step count >= 0 and --lookup-share a share in '
+                     '[0, 1)')
+    if (args.lookup_first or args.lookup_share) and not args.aim:
+        parser.error('--lookup-first/--lookup-share supervise the stated aim: they need --aim')
     if args.short_first < 0:
         parser.error(f'--short-first must be a step count >= 0, got {args.short_first}')
     if args.inputs is not None:
@@ -484,7 +592,7 @@ def main():
         tokenizer_json = tokenizer.to_str()
         noisy = ((args.noise_v, args.noise_w), args.hold_rate)
         jobs = [(s, tokenizer_json, *(noisy if i % 4 else ((0.0, 0.0), 0.0)), None,
-                 (args.inputs, args.aim, args.aim_noise, args.counterfactual > 0))
+                 (args.inputs, args.aim, args.aim_noise, _alternatives(args)))
                 for i, s in enumerate(seeds)]
         first = seeds[-1] + 1
         episodes = _with_goal_starts(list(pool.map(_episode, jobs, chunksize=8)))
@@ -504,6 +612,10 @@ def main():
           f'{success_rate([r for e in clean for r in e.results]):.3f}, data {data_s:.0f} s',
           flush=True)
     system = system_ids(tokenizer)
+    args.sparse = None
+    if args.sparse_detections:
+        args.sparse = (args.sparse_detections,
+                       SparseDetections(tokenizer, demo_inputs(args.inputs)))
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
     if args.init:
         model = transformers.LlamaForCausalLM.from_pretrained(
@@ -608,6 +720,8 @@ def main():
         'inputs': [spec.topic for spec in demo_inputs(args.inputs)],
         'aim': args.aim, 'aim_noise': args.aim_noise if args.aim else None,
         'counterfactual': args.counterfactual,
+        'sparse_detections': args.sparse_detections,
+        'lookup_first': args.lookup_first, 'lookup_share': args.lookup_share,
         'kv_heads': model.config.num_key_value_heads, 'short_first': args.short_first,
         'init': args.init,
         'selected_round': None if best is None else best[1],
@@ -621,6 +735,12 @@ def main():
 
 
 _FORK = multiprocessing.get_context('fork')
+
+
+def _alternatives(args):
+    """Whether the episodes carry counterfactual labels (``expert_episode``): for
+    --counterfactual and for the lookup contexts, which draw the instruction."""
+    return args.counterfactual > 0 or args.lookup_first > 0 or args.lookup_share > 0
 
 
 def _with_goal_starts(episodes):
@@ -641,7 +761,7 @@ def _dagger_episodes(pool, models, first, args, tokenizer_json):
         first += args.dagger_episodes
         # rendered with this run's inputs, whatever the driving model saw
         jobs += [(seed, tokenizer_json, (0.0, 0.0), 0.0, executed,
-                  (args.inputs, args.aim, args.aim_noise, args.counterfactual > 0))
+                  (args.inputs, args.aim, args.aim_noise, _alternatives(args)))
                  for seed, executed in rollouts]
     return _with_goal_starts(list(pool.map(_episode, jobs, chunksize=8))), first
 
@@ -700,7 +820,7 @@ class _OnlineDagger:
                                                        0.0, executed,
                                                        (self.args.inputs, self.args.aim,
                                                         self.args.aim_noise,
-                                                        self.args.counterfactual > 0)))
+                                                        _alternatives(self.args))))
                            for seed, executed, _, _ in driven]
             return []
         if not all(f.done() for f in self.labels):
@@ -779,8 +899,11 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
     round's time on; the episodes it returns join ``episodes`` and the builders are forked
     again to inherit them (batches already queued come from the old ones)."""
     import torch
-    global _EPISODES, _SYSTEM, _KEYFRAME, _DISTRACTOR, _SHORT_FIRST, _COUNTERFACTUAL
+    global _EPISODES, _SYSTEM, _KEYFRAME, _DISTRACTOR, _SHORT_FIRST, _COUNTERFACTUAL, _SPARSE
+    global _LOOKUP
     _SHORT_FIRST = args.short_first
+    _SPARSE = args.sparse
+    _LOOKUP = (args.lookup_first, args.lookup_share)
     _COUNTERFACTUAL = args.counterfactual
     _EPISODES, _SYSTEM = episodes, system
     _KEYFRAME = 1.0 if args.keyframe_weight is None else args.keyframe_weight
