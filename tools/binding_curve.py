@@ -21,9 +21,11 @@ import argparse
 import time
 
 import numpy as np
-from train_demo_policy import _with_goal_starts   # tools/, beside this script
+from train_demo_policy import _export   # tools/, beside this script
+from train_demo_policy import _with_goal_starts
 from train_demo_policy import build_sample
 from train_demo_policy import MODEL
+from train_demo_policy import SparseDetections
 from train_demo_policy import VALIDATION_SEED0
 from train_demo_policy import weighted_loss
 
@@ -57,7 +59,8 @@ def with_hint(ids, labels, hint):
     return out_ids, out_labels
 
 
-def batch(rng, episodes, size, system, budget, counterfactual, hint=None):
+def batch(rng, episodes, size, system, budget, counterfactual, hint=None, sparse=None,
+          device='cpu'):
     """(ids, labels) int64 tensors of ``size`` contexts ending at random ticks of a goal."""
     import torch
     ids, labels = [], []
@@ -65,7 +68,7 @@ def batch(rng, episodes, size, system, budget, counterfactual, hint=None):
         episode = episodes[rng.integers(len(episodes))]
         end = int(rng.integers(episode.goal_starts[0] + 1, len(episode.ticks)))
         i, lab, _ = build_sample(episode, system, end, budget, rng,
-                                 counterfactual=counterfactual)
+                                 counterfactual=counterfactual, sparse=sparse)
         if hint is not None and max(lab) != -100:
             i, lab = with_hint(i, lab, hint)
         if max(lab) != -100:   # the newest tick fit
@@ -76,11 +79,12 @@ def batch(rng, episodes, size, system, budget, counterfactual, hint=None):
     for b, (i, lab) in enumerate(zip(ids, labels)):
         out[0][b, :len(i)] = torch.tensor(i)
         out[1][b, :len(lab)] = torch.tensor(lab)
-    return out
+    return out[0].to(device), out[1].to(device)
 
 
-def aim_accuracy(model, ids, labels):
-    """Share of contexts whose newest action's aim (its fourth-last label) is the arg-max."""
+def aim_accuracy(model, ids, labels, sparse_test=None):
+    """Share of contexts whose newest action's aim (its fourth-last label) is the arg-max
+    (and the same on ``sparse_test``, (ids, labels), when given)."""
     import torch
     model.eval()
     with torch.no_grad():
@@ -90,6 +94,8 @@ def aim_accuracy(model, ids, labels):
     for b in range(ids.shape[0]):
         at = int((labels[b] != -100).nonzero().flatten()[-4])   # aim, v, w, newline
         right += int(logits[b, at - 1].argmax() == labels[b, at])
+    if sparse_test is not None:
+        return right / ids.shape[0], aim_accuracy(model, *sparse_test)
     return right / ids.shape[0]
 
 
@@ -98,6 +104,7 @@ def main():
     parser.add_argument('--counterfactual', type=float, default=1.0)
     parser.add_argument('--budget', type=int, default=128)
     parser.add_argument('--steps', type=int, default=600)
+    parser.add_argument('--every', type=int, default=100, help='steps between accuracies')
     parser.add_argument('--batch', type=int, default=32)
     parser.add_argument('--lr', type=float, default=1e-3)
     parser.add_argument('--episodes', type=int, default=20)
@@ -112,6 +119,16 @@ def main():
                              'set to this integer (repeatable)')
     parser.add_argument('--bearing-step', type=int, default=1, metavar='DEG',
                         help="the detector's bearing resolution in the episodes' world")
+    parser.add_argument('--sparse-detections', type=float, default=0.0, metavar='P',
+                        help="train_demo_policy's --sparse-detections: the share of training "
+                             'contexts whose newest detections line shows the instructed '
+                             'object and 0-2 others; accuracy is then also printed on '
+                             'contexts thinned so')
+    parser.add_argument('--device', default='cpu', help='torch device (cuda on the GPU host)')
+    parser.add_argument('--save', default=None, metavar='DIR',
+                        help='export the trained model here (an aiming checkpoint that '
+                             '--model reads: a second stage can go on from it, e.g. with '
+                             'other --topics)')
     parser.add_argument('--topics', default=None, metavar='T1,T2',
                         help='render only these inputs (e.g. /instruction,/detections: the '
                              'lookup alone; the expert still reads every message)')
@@ -130,8 +147,6 @@ def main():
     torch.manual_seed(args.seed)
     inputs = model_inputs(args.model) if args.model else INPUTS
     if args.topics:
-        if args.model:
-            parser.error('--topics: a fresh model only (a checkpoint has its own inputs)')
         try:
             inputs = demo_inputs(args.topics.split(','),
                                  required=('/instruction', '/detections'))
@@ -162,33 +177,45 @@ def main():
         hint = (tokenizer.encode('task').ids[0], tokenizer.encode('act').ids[0],
                 {ids[0] for ids in found})
     rng = np.random.default_rng(args.seed)
-    test = batch(np.random.default_rng(1), episodes(range(VALIDATION_SEED0,
-                                                          VALIDATION_SEED0 + 3), False),
-                 200, system, args.budget, args.counterfactual, hint)
+    sparse = None
+    if args.sparse_detections:
+        sparse = (args.sparse_detections, SparseDetections(tokenizer, inputs))
+    held = episodes(range(VALIDATION_SEED0, VALIDATION_SEED0 + 3), False)
+    test = batch(np.random.default_rng(1), held, 200, system, args.budget,
+                 args.counterfactual, hint, device=args.device)
+    sparse_test = None if sparse is None else batch(
+        np.random.default_rng(1), held, 200, system, args.budget, args.counterfactual, hint,
+        (1.0, sparse[1]), args.device)
     if args.model:
         model = transformers.LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             **shape, bos_token_id=None, eos_token_id=None))
+    model = model.to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
                                   betas=(0.9, 0.95))
     started = time.time()
-    print(f'{"step":>5s} {"aim accuracy":>12s} {"loss":>6s} {"s":>5s}', flush=True)
+    thinned = '' if sparse is None else f' {"thinned":>8s}'
+    print(f'{"step":>5s} {"aim accuracy":>12s}{thinned} {"loss":>6s} {"s":>5s}', flush=True)
     loss = float('nan')
     for step in range(args.steps + 1):
-        if step % 100 == 0:
-            print(f'{step:5d} {aim_accuracy(model, *test):12.2f} {loss:6.3f} '
-                  f'{time.time() - started:5.0f}', flush=True)
+        if step % args.every == 0:
+            accuracy = aim_accuracy(model, *test, sparse_test=sparse_test)
+            shown = (f'{accuracy:12.2f}' if sparse is None else
+                     f'{accuracy[0]:12.2f} {accuracy[1]:8.2f}')
+            print(f'{step:5d} {shown} {loss:6.3f} {time.time() - started:5.0f}', flush=True)
         if step == args.steps:
             break
         ids, labels = batch(rng, train, args.batch, system, args.budget, args.counterfactual,
-                            hint)
+                            hint, sparse, args.device)
         value = weighted_loss(model, ids, None, labels, (labels != -100).float())
         optimizer.zero_grad()
         value.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         loss = float(value.detach())
+    if args.save:
+        _export(model, tokenizer, args.save, [spec.topic for spec in inputs], aim=True)
 
 
 if __name__ == '__main__':
