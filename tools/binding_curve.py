@@ -145,13 +145,14 @@ def main():
     import torch
     import transformers
     torch.manual_seed(args.seed)
-    inputs = model_inputs(args.model) if args.model else INPUTS
-    if args.topics:
+    if args.topics:   # before the model's own inputs, which may be these (--save)
         try:
             inputs = demo_inputs(args.topics.split(','),
                                  required=('/instruction', '/detections'))
         except ValueError as err:
             parser.error(f'--topics: {err}')
+    else:
+        inputs = model_inputs(args.model) if args.model else INPUTS
     if args.model:
         if not model_aim(args.model):
             parser.error(f'{args.model} does not state an aim (its training.json has no "aim")')
