@@ -523,3 +523,10 @@ def test_lookup_contexts_show_the_detections_and_teach_the_aim_alone(aiming):
     assert lookup_rows(0, 3) == 16
     assert lookup_rows(0, 10) == 0 and lookup_rows(1, 3) == 0
     assert 2 <= lookup_rows(0, 10, share=0.5) <= 14
+    # the lookup steps draw at least LOOKUP_BATCH contexts (the batch the match emerged at)
+    from types import SimpleNamespace
+    args = SimpleNamespace(batch=64, lookup_first=10)
+    sizes = [train_demo_policy._batch_size(args, r, step) for r, step in
+             ((0, 0), (0, 9), (0, 10), (1, 0))]
+    assert sizes == [train_demo_policy.LOOKUP_BATCH] * 2 + [64, 64]
+    assert train_demo_policy._batch_size(SimpleNamespace(batch=512, lookup_first=10), 0, 0) == 512

@@ -309,6 +309,7 @@ _SHORT_FIRST = 0   # round 0's first steps that draw the two shortest budgets (-
 _SPARSE = None     # (share, SparseDetections) of --sparse-detections
 _LOOKUP = (0, 0.0)  # --lookup-first, --lookup-share
 LOOKUP_BUDGET = 48  # the system prompt, the instruction and the newest tick's detections
+LOOKUP_BATCH = 256  # the least batch of --lookup-first
 
 
 def _build_batch(job):
@@ -471,10 +472,10 @@ def main():
     parser.add_argument('--lookup-first', type=int, default=0, metavar='STEPS',
                         help="with --aim: round 0's first STEPS steps train the lookup alone: "
                              'the instruction drawn over the objects in view, only it and '
-                             'the newest detections rendered, only the aim supervised. A '
-                             'fresh model learns that in ~1500 steps of 256 (H200, 96 s), '
-                             'and with the scan and odometry between not in 2500 '
-                             '(BENCHMARKS.md, stop 26)')
+                             'the newest detections rendered, only the aim supervised, at '
+                             f'least {LOOKUP_BATCH} a batch. A fresh model learns that in '
+                             '~1500 steps of 256 (H200, 96 s), and with the scan and '
+                             'odometry between not in 2500 (BENCHMARKS.md, stop 26)')
     parser.add_argument('--lookup-share', type=float, default=0.0, metavar='P',
                         help='after --lookup-first, the share of every batch that stays '
                              'lookup contexts (keeps the skill in the mix)')
@@ -737,6 +738,15 @@ def main():
 _FORK = multiprocessing.get_context('fork')
 
 
+def _batch_size(args, round_, step):
+    """Contexts in the batch of ``step``: at least LOOKUP_BATCH during --lookup-first (the
+    batch the lookup was seen to emerge at; 64 stayed on the plateau for 6000 steps, and
+    these contexts are a tenth as long as the rest), else --batch."""
+    if round_ == 0 and step < args.lookup_first:
+        return max(args.batch, LOOKUP_BATCH)
+    return args.batch
+
+
 def _alternatives(args):
     """Whether the episodes carry counterfactual labels (``expert_episode``): for
     --counterfactual and for the lookup contexts, which draw the instruction."""
@@ -911,7 +921,8 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
     for episode in episodes:   # made before the fork: every builder inherits them
         _tick_tables(episode)
     builders = ProcessPoolExecutor(args.workers, mp_context=_FORK)
-    batches = deque(builders.submit(_build_batch, (args.seed, round_, step, args.batch))
+    batches = deque(builders.submit(_build_batch, (args.seed, round_, step,
+                                                   _batch_size(args, round_, step)))
                     for step in range(min(args.steps, 2 * args.workers)))
     peak = args.lr if round_ == 0 or args.dagger_lr is None else args.dagger_lr
     optimizer = torch.optim.AdamW(model.parameters(), lr=peak, weight_decay=0.01,
@@ -950,7 +961,8 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
             tokens_seen += int(attention.sum())
             if step + len(batches) + 1 < args.steps:
                 batches.append(builders.submit(
-                    _build_batch, (args.seed, round_, step + len(batches) + 1, args.batch)))
+                    _build_batch, (args.seed, round_, step + len(batches) + 1,
+                                   _batch_size(args, round_, step + len(batches) + 1))))
             ids, labels = (t.to(device).long() for t in (ids, labels))
             # no attention mask: the batches are right-padded, so under the causal mask no
             # real token sees a pad (same loss, test_training_data), and SDPA can take its
