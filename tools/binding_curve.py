@@ -82,9 +82,8 @@ def batch(rng, episodes, size, system, budget, counterfactual, hint=None, sparse
     return out[0].to(device), out[1].to(device)
 
 
-def aim_accuracy(model, ids, labels, sparse_test=None):
-    """Share of contexts whose newest action's aim (its fourth-last label) is the arg-max
-    (and the same on ``sparse_test``, (ids, labels), when given)."""
+def aim_accuracy(model, ids, labels):
+    """Share of contexts whose newest action's aim (its fourth-last label) is the arg-max."""
     import torch
     model.eval()
     with torch.no_grad():
@@ -94,8 +93,6 @@ def aim_accuracy(model, ids, labels, sparse_test=None):
     for b in range(ids.shape[0]):
         at = int((labels[b] != -100).nonzero().flatten()[-4])   # aim, v, w, newline
         right += int(logits[b, at - 1].argmax() == labels[b, at])
-    if sparse_test is not None:
-        return right / ids.shape[0], aim_accuracy(model, *sparse_test)
     return right / ids.shape[0]
 
 
@@ -201,9 +198,9 @@ def main():
     loss = float('nan')
     for step in range(args.steps + 1):
         if step % args.every == 0:
-            accuracy = aim_accuracy(model, *test, sparse_test=sparse_test)
-            shown = (f'{accuracy:12.2f}' if sparse is None else
-                     f'{accuracy[0]:12.2f} {accuracy[1]:8.2f}')
+            shown = f'{aim_accuracy(model, *test):12.2f}'
+            if sparse_test is not None:
+                shown += f' {aim_accuracy(model, *sparse_test):8.2f}'
             print(f'{step:5d} {shown} {loss:6.3f} {time.time() - started:5.0f}', flush=True)
         if step == args.steps:
             break

@@ -208,14 +208,13 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
                 distracted = tick.distractor if alt is None else alt in tick.alt_distractor
                 weight = (keyframe_weight if changed else 1.0) * (
                     distractor_weight if distracted else 1.0)
+                taught_weights = [weight] * len(taught)
                 if lookup:   # the aim (the plan's one token) alone
                     rest = len(taught) - tick.n_plan
                     taught = taught[:tick.n_plan] + [-100] * rest
-                    labels += [-100] * n + taught
-                    weights += [0.0] * n + [weight] * tick.n_plan + [0.0] * rest
-                else:
-                    labels += [-100] * n + taught
-                    weights += [0.0] * n + [weight] * len(taught)
+                    taught_weights = taught_weights[:tick.n_plan] + [0.0] * rest
+                labels += [-100] * n + taught
+                weights += [0.0] * n + taught_weights
         if used + len(chunk) > budget:
             break
         used += len(chunk)
@@ -335,12 +334,12 @@ def _build_batch(job):
         else:
             end = int(rng.integers(len(episode.ticks)))
         # a lookup context draws its instruction over the objects in view (--lookup-first)
-        kind = ((LOOKUP_BUDGET, 1.0, True) if lookup else (budget, _COUNTERFACTUAL, False))
-        sample = build_sample(episode, _SYSTEM, end, kind[0], rng, _KEYFRAME, _DISTRACTOR,
-                              kind[1], _SPARSE, kind[2])
+        width, drawn = (LOOKUP_BUDGET, 1.0) if lookup else (budget, _COUNTERFACTUAL)
+        sample = build_sample(episode, _SYSTEM, end, width, rng, _KEYFRAME, _DISTRACTOR,
+                              drawn, _SPARSE, lookup)
         if max(sample[1]) == -100:  # the newest tick alone outgrew the budget
             sample = build_sample(episode, _SYSTEM, end, max(BUDGETS), rng, _KEYFRAME,
-                                  _DISTRACTOR, kind[1], _SPARSE, kind[2])
+                                  _DISTRACTOR, drawn, _SPARSE, lookup)
         batch_ids.append(sample[0])
         batch_labels.append(sample[1])
         batch_weights.append(sample[2])
