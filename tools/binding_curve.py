@@ -64,7 +64,13 @@ def batch(rng, episodes, size, system, budget, counterfactual, hint=None, sparse
     """(ids, labels) int64 tensors of ``size`` contexts ending at random ticks of a goal."""
     import torch
     ids, labels = [], []
+    tries = 0
     while len(ids) < size:
+        tries += 1
+        if tries > 50 * size and not ids:
+            raise SystemExit(f'no context fits --budget {budget}: the newest tick alone is '
+                             'longer (every input rendered needs about 128 tokens; 48 fits '
+                             '--topics /instruction,/detections)')
         episode = episodes[rng.integers(len(episodes))]
         end = int(rng.integers(episode.goal_starts[0] + 1, len(episode.ticks)))
         i, lab, _ = build_sample(episode, system, end, budget, rng,
