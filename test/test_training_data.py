@@ -6,18 +6,22 @@ shipped tokenizer, the way the training run builds them.
 
 import importlib.util
 from pathlib import Path
+import sys
 
 import numpy as np
 import pytest
 
 from rt_llm_node.demo.episodes import expert_episode
 from rt_llm_node.demo.episodes import system_ids
+from rt_llm_node.demo.task import model_aim
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.embedded import default_model_path
 
 _SPEC = importlib.util.spec_from_file_location(
     'train_demo_policy', Path(__file__).resolve().parents[1] / 'tools' / 'train_demo_policy.py')
 train_demo_policy = importlib.util.module_from_spec(_SPEC)
+# registered under its name: the batch builders it forks are sent its functions by name
+sys.modules.setdefault('train_demo_policy', train_demo_policy)
 _SPEC.loader.exec_module(train_demo_policy)
 
 
@@ -196,7 +200,6 @@ def test_further_training_from_the_shipped_model_exports_a_loadable_checkpoint(t
     pytest.importorskip('transformers')
     import json
     import subprocess
-    import sys
     from rt_llm_node.backends.numpy_backend import NumpyBackend
     shipped = Path(default_model_path())
     out = tmp_path / 'model'
@@ -208,6 +211,7 @@ def test_further_training_from_the_shipped_model_exports_a_loadable_checkpoint(t
     assert run.returncode == 0, run.stderr[-2000:]
     record = json.loads((out / 'training.json').read_text())
     assert record['init'] == str(shipped) and record['keyframe_weight'] == 2.0
+    assert record['aim'] is model_aim(shipped)   # the checkpoint's grammar, inherited
     assert record['steps'] == 3
     assert record['rounds'][0]['final_loss'] < 1.0   # from scratch it starts near ln(1280)
     assert (out / 'tokenizer.json').read_bytes() == (shipped / 'tokenizer.json').read_bytes()
@@ -223,7 +227,6 @@ def test_size_sets_the_shape_of_a_from_scratch_model_and_rejects_bad_shapes(tmp_
     pytest.importorskip('transformers')
     import json
     import subprocess
-    import sys
     tool = str(Path(train_demo_policy.__file__))
     for bad in (['--size', '100,2,2,128'], ['--size', '96,2,3,128'], ['--size', '64,2,2'],
                 ['--size', '64,2,2,128', '--init', str(default_model_path())],
@@ -309,7 +312,6 @@ def test_online_dagger_adds_the_rollouts_of_the_newest_weights_while_training(tm
     pytest.importorskip('transformers')
     import json
     import subprocess
-    import sys
     tool = str(Path(train_demo_policy.__file__))
     run = subprocess.run([sys.executable, tool, '--out', str(tmp_path / 'x'), '--online-dagger',
                           '0.1', '--dagger-rounds', '1', '--max-minutes', '1'],
@@ -512,21 +514,52 @@ def test_lookup_contexts_show_the_detections_and_teach_the_aim_alone(aiming):
 
     def lookup_rows(round_, step, share=0.0):
         train_demo_policy._EPISODES, train_demo_policy._SYSTEM = [episode], system
-        train_demo_policy._LOOKUP = (10, share)
+        train_demo_policy._LOOKUP_SHARE = share
         try:
             ids, labels, _, _ = train_demo_policy._build_batch((0, round_, step, 16))
         finally:
             train_demo_policy._EPISODES = train_demo_policy._SYSTEM = None
-            train_demo_policy._LOOKUP = (0, 0.0)
+            train_demo_policy._LOOKUP_SHARE = 0.0
         return sum(int((row != -100).sum() == 1 and not _lines(tokenizer, i.tolist(), 'scan'))
                    for i, row in zip(ids, labels))
-    assert lookup_rows(0, 3) == 16
-    assert lookup_rows(0, 10) == 0 and lookup_rows(1, 3) == 0
-    assert 2 <= lookup_rows(0, 10, share=0.5) <= 14
-    # the lookup steps draw at least LOOKUP_BATCH contexts (the batch the match emerged at)
+    stage = train_demo_policy.LOOKUP_STREAM
+    assert lookup_rows(stage, 3) == 16 and lookup_rows(stage, 3, share=0.5) == 16
+    assert lookup_rows(0, 3) == 0 and lookup_rows(1, 3) == 0
+    assert 2 <= lookup_rows(0, 3, share=0.5) <= 14
+
+
+def test_lookup_stage_stops_at_its_accuracy_or_its_steps(aiming, monkeypatch):
+    """--lookup-first: the stage checks the held-out aim every LOOKUP_EVERY steps and ends
+    at the first check that reaches LOOKUP_DONE, else after its steps; at least LOOKUP_BATCH
+    contexts a step, the constant LOOKUP_LR, the curve recorded."""
+    torch = pytest.importorskip('torch')
+    transformers = pytest.importorskip('transformers')
     from types import SimpleNamespace
-    args = SimpleNamespace(batch=64, lookup_first=10)
-    sizes = [train_demo_policy._batch_size(args, r, step) for r, step in
-             ((0, 0), (0, 9), (0, 10), (1, 0))]
-    assert sizes == [train_demo_policy.LOOKUP_BATCH] * 2 + [64, 64]
-    assert train_demo_policy._batch_size(SimpleNamespace(batch=512, lookup_first=10), 0, 0) == 512
+    episode, system, tokenizer = aiming
+    held = train_demo_policy.held_contexts([episode], system, 256, 8, False)
+    lookup_held = train_demo_policy.held_contexts([episode], system,
+                                                  train_demo_policy.LOOKUP_BUDGET, 8, True)
+    assert all(int((row != -100).sum()) == 1 for row in lookup_held[1])
+    assert all(int((row != -100).sum()) >= 4 for row in held[1])   # whole actions taught
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=train_demo_policy.MODEL['vocab_size'], hidden_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+        bos_token_id=None, eos_token_id=None))
+    accuracy = train_demo_policy.aim_accuracy(model, *lookup_held)
+    assert 0.0 <= accuracy <= 1.0
+    monkeypatch.setattr(train_demo_policy, 'LOOKUP_EVERY', 2)
+    monkeypatch.setattr(train_demo_policy, 'LOOKUP_BATCH', 4)
+    args = SimpleNamespace(lookup_first=5, batch=2, workers=1, seed=0)
+    monkeypatch.setattr(train_demo_policy, 'LOOKUP_DONE', 1.01)   # never reached
+    before = [p.detach().clone() for p in model.parameters()]
+    record = train_demo_policy._lookup_stage(model, [episode], system, args, 'cpu',
+                                             lookup_held)
+    assert record['steps'] == 5 and record['batch'] == 4
+    assert record['lr'] == train_demo_policy.LOOKUP_LR
+    assert [step for step, _ in record['accuracy']] == [2, 4, 5]
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    monkeypatch.setattr(train_demo_policy, 'LOOKUP_DONE', 0.0)    # reached at the first check
+    record = train_demo_policy._lookup_stage(model, [episode], system, args, 'cpu',
+                                             lookup_held)
+    assert record['steps'] == 2 and len(record['accuracy']) == 1

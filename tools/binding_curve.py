@@ -23,6 +23,7 @@ import time
 import numpy as np
 from train_demo_policy import _export   # tools/, beside this script
 from train_demo_policy import _with_goal_starts
+from train_demo_policy import aim_accuracy
 from train_demo_policy import build_sample
 from train_demo_policy import MODEL
 from train_demo_policy import SparseDetections
@@ -37,6 +38,7 @@ from rt_llm_node.demo.task import demo_inputs
 from rt_llm_node.demo.task import INPUTS
 from rt_llm_node.demo.task import model_aim
 from rt_llm_node.demo.task import model_inputs
+from rt_llm_node.demo.task import model_object_tokens
 from rt_llm_node.demo.task import object_phrases
 from rt_llm_node.demo.task import whole_words
 from rt_llm_node.demo.world import WorldConfig
@@ -86,20 +88,6 @@ def batch(rng, episodes, size, system, budget, counterfactual, hint=None, sparse
         out[0][b, :len(i)] = torch.tensor(i)
         out[1][b, :len(lab)] = torch.tensor(lab)
     return out[0].to(device), out[1].to(device)
-
-
-def aim_accuracy(model, ids, labels):
-    """Share of contexts whose newest action's aim (its fourth-last label) is the arg-max."""
-    import torch
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits
-    model.train()
-    right = 0
-    for b in range(ids.shape[0]):
-        at = int((labels[b] != -100).nonzero().flatten()[-4])   # aim, v, w, newline
-        right += int(logits[b, at - 1].argmax() == labels[b, at])
-    return right / ids.shape[0]
 
 
 def main():
@@ -219,7 +207,9 @@ def main():
         optimizer.step()
         loss = float(value.detach())
     if args.save:
-        _export(model, tokenizer, args.save, [spec.topic for spec in inputs], aim=True)
+        # a fresh model's tokenizer keeps object names whole (object_phrases, above)
+        _export(model, tokenizer, args.save, [spec.topic for spec in inputs], aim=True,
+                object_tokens=not args.model or model_object_tokens(args.model))
 
 
 if __name__ == '__main__':

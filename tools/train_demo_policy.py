@@ -306,9 +306,16 @@ _EPISODES, _SYSTEM, _KEYFRAME, _DISTRACTOR = None, None, 1.0, 1.0   # set before
 _COUNTERFACTUAL = 0.0   # --counterfactual
 _SHORT_FIRST = 0   # round 0's first steps that draw the two shortest budgets (--short-first)
 _SPARSE = None     # (share, SparseDetections) of --sparse-detections
-_LOOKUP = (0, 0.0)  # --lookup-first, --lookup-share
+_LOOKUP_SHARE = 0.0  # --lookup-share
 LOOKUP_BUDGET = 48  # the system prompt, the instruction and the newest tick's detections
 LOOKUP_BATCH = 256  # the least batch of --lookup-first
+# --lookup-first trains at this constant rate: the one the match emerged at in stop 26 (3e-3
+# stayed at chance, and round 0's one-cycle, 2e-3 decaying, had not found it by step 2000
+# in stop 27)
+LOOKUP_LR = 1e-3
+LOOKUP_EVERY = 250  # --lookup-first: steps between checks of the aim on held-out contexts
+LOOKUP_DONE = 0.95  # --lookup-first ends early at this held-out aim accuracy
+LOOKUP_STREAM = 1 << 20  # the lookup stage's batches: a random stream apart from any round's
 
 
 def _build_batch(job):
@@ -317,16 +324,17 @@ def _build_batch(job):
 
     Step ``step`` of round ``round_`` of run ``seed`` draws from its own generator, so a
     run's batches do not depend on how many workers built them or in what order they
-    finished."""
+    finished. ``round_`` LOOKUP_STREAM: a batch of the --lookup-first stage, lookup
+    contexts only."""
     seed, round_, step, size = job
     rng = np.random.default_rng((seed, round_, step))
     episodes = _EPISODES
     batch_ids, batch_labels, batch_weights = [], [], []
     short = round_ == 0 and step < _SHORT_FIRST
     budget = int(rng.choice(BUDGETS[:2] if short else BUDGETS))
-    lookup_all = round_ == 0 and step < _LOOKUP[0]
+    lookup_all = round_ == LOOKUP_STREAM
     for _ in range(size):
-        lookup = lookup_all or (_LOOKUP[1] > 0 and rng.random() < _LOOKUP[1])
+        lookup = lookup_all or (_LOOKUP_SHARE > 0 and rng.random() < _LOOKUP_SHARE)
         episode = episodes[rng.integers(len(episodes))]
         if rng.random() < 0.2:  # oversample the first ticks of a goal (no useful history)
             start = int(rng.choice(episode.goal_starts))
@@ -338,8 +346,11 @@ def _build_batch(job):
         sample = build_sample(episode, _SYSTEM, end, width, rng, _KEYFRAME, _DISTRACTOR,
                               drawn, _SPARSE, lookup)
         if max(sample[1]) == -100:  # the newest tick alone outgrew the budget
-            sample = build_sample(episode, _SYSTEM, end, max(BUDGETS), rng, _KEYFRAME,
-                                  _DISTRACTOR, drawn, _SPARSE, lookup)
+            # (a lookup context: a line of many objects; twice the budget holds any, where
+            # the largest budget would bring hundreds of tokens of older lines along)
+            sample = build_sample(episode, _SYSTEM, end,
+                                  2 * LOOKUP_BUDGET if lookup else max(BUDGETS), rng,
+                                  _KEYFRAME, _DISTRACTOR, drawn, _SPARSE, lookup)
         batch_ids.append(sample[0])
         batch_labels.append(sample[1])
         batch_weights.append(sample[2])
@@ -469,12 +480,14 @@ def main():
                              'two or three within ~1000 steps, among six not in 6000 '
                              '(tools/lookup_probe.py, BENCHMARKS.md stop 26)')
     parser.add_argument('--lookup-first', type=int, default=0, metavar='STEPS',
-                        help="with --aim: round 0's first STEPS steps train the lookup alone: "
-                             'the instruction drawn over the objects in view, only it and '
-                             'the newest detections rendered, only the aim supervised, at '
-                             f'least {LOOKUP_BATCH} a batch. A fresh model learns that in '
-                             '~1500 steps of 256 (H200, 96 s), and with the scan and '
-                             'odometry between not in 2500 (BENCHMARKS.md, stop 26)')
+                        help='with --aim: before round 0, at most STEPS steps of the lookup '
+                             'alone: the instruction drawn over the objects in view, only it '
+                             'and the newest detections rendered, only the aim supervised, '
+                             f'at least {LOOKUP_BATCH} a batch, a constant rate of {LOOKUP_LR}; '
+                             f'ends once the aim is right on {LOOKUP_DONE} of held-out such '
+                             'contexts. A fresh model learns that in ~1500 steps of 256 '
+                             '(H200, 96 s), and with the scan and odometry between not in '
+                             '2500 (BENCHMARKS.md, stop 26)')
     parser.add_argument('--lookup-share', type=float, default=0.0, metavar='P',
                         help='after --lookup-first, the share of every batch that stays '
                              'lookup contexts (keeps the skill in the mix)')
@@ -509,6 +522,15 @@ def main():
                              'shipped policy fails)')
     args = parser.parse_args()
     dagger_models = [m for m in (args.dagger or '').split(',') if m]
+    if args.init:
+        # an --init run goes on in the checkpoint's own action grammar and inputs (as with its
+        # tokenizer): an aiming policy taught actions without the aim first starts at a loss
+        # of ~5 instead of ~0.2
+        if not Path(args.init, 'config.json').is_file():
+            parser.error(f'--init {args.init}: no checkpoint there (config.json missing)')
+        args.aim = args.aim or model_aim(args.init)
+        if args.inputs is None:
+            args.inputs = ','.join(spec.topic for spec in model_inputs(args.init))
     shape = dict(MODEL)
     assert shape['vocab_size'] <= np.iinfo(np.int16).max   # batches carry ids as int16
     if args.size is not None:
@@ -596,6 +618,12 @@ def main():
                 for i, s in enumerate(seeds)]
         first = seeds[-1] + 1
         episodes = _with_goal_starts(list(pool.map(_episode, jobs, chunksize=8)))
+        # three clean validation episodes with counterfactual labels: the stated aim with
+        # the instruction drawn, on held-out contexts (--lookup-first's stop, every round)
+        held_episodes = _with_goal_starts(list(pool.map(_episode, [
+            (VALIDATION_SEED0 + i, tokenizer_json, (0.0, 0.0), 0.0, None,
+             (args.inputs, True, args.aim_noise, True)) for i in range(3)]))) \
+            if args.aim else []
         rollout_s = None
         if dagger_models:   # each on its own seeds: the data of every earlier iteration
             t0 = time.time()
@@ -624,6 +652,13 @@ def main():
         config = transformers.LlamaConfig(**shape, bos_token_id=None, eos_token_id=None)
         model = transformers.LlamaForCausalLM(config).to(device)
     n_params = sum(p.numel() for p in model.parameters())
+    held = {}
+    if held_episodes:
+        held = {'lookup': held_contexts(held_episodes, system, LOOKUP_BUDGET, 200, True, device),
+                'drawn_256': held_contexts(held_episodes, system, 256, 200, False, device)}
+    lookup_record = None
+    if args.lookup_first:
+        lookup_record = _lookup_stage(model, episodes, system, args, device, held['lookup'])
     # Under --max-minutes each round's one-cycle schedule follows whichever runs out first,
     # its steps or its share of the time left (15 s kept for the export, and the expected
     # rollouts of the rounds still to come), so a run cut by the clock ends annealed.
@@ -672,6 +707,11 @@ def main():
         if online is not None:
             rounds[-1]['online_dagger'] = online.record()
             first = online.first
+        if held:   # does the round keep (or find) the lookup?
+            rounds[-1]['aim_drawn'] = {key: round(aim_accuracy(model, *contexts), 3)
+                                       for key, contexts in held.items()}
+            print(f'round {round_}: stated aim with the instruction drawn '
+                  f"{rounds[-1]['aim_drawn']}", flush=True)
         if args.select_episodes:
             t0 = time.time()
             success = _validation(model, tokenizer, args)
@@ -722,6 +762,7 @@ def main():
         'counterfactual': args.counterfactual,
         'sparse_detections': args.sparse_detections,
         'lookup_first': args.lookup_first, 'lookup_share': args.lookup_share,
+        'lookup_stage': lookup_record,
         'kv_heads': model.config.num_key_value_heads, 'short_first': args.short_first,
         'init': args.init,
         'selected_round': None if best is None else best[1],
@@ -735,15 +776,6 @@ def main():
 
 
 _FORK = multiprocessing.get_context('fork')
-
-
-def _batch_size(args, round_, step):
-    """Contexts in the batch of ``step``: at least LOOKUP_BATCH during --lookup-first (the
-    batch the lookup was seen to emerge at; 64 stayed on the plateau for 6000 steps, and
-    these contexts are a tenth as long as the rest), else --batch."""
-    if round_ == 0 and step < args.lookup_first:
-        return max(args.batch, LOOKUP_BATCH)
-    return args.batch
 
 
 def _alternatives(args):
@@ -867,9 +899,11 @@ def _validation(model, tokenizer, args):
     return sum(r[2] for r in results) / max(1, sum(r[3] for r in results))
 
 
-def _export(model, tokenizer, path, inputs=None, aim=False):
+def _export(model, tokenizer, path, inputs=None, aim=False, object_tokens=False):
     """An HF-layout checkpoint (bf16) of ``model``, which stays as it is; ``inputs`` (topics)
-    and ``aim``: recorded in its training.json, where rollouts and rt-llm-eval read them."""
+    and ``aim``: recorded in its training.json, where rollouts and rt-llm-eval read them;
+    ``object_tokens``: recorded too (its tokenizer keeps each object name one token, which
+    an --init run from it inherits)."""
     import torch
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -878,10 +912,107 @@ def _export(model, tokenizer, path, inputs=None, aim=False):
     for extra in ('generation_config.json',):
         if (path / extra).exists():
             (path / extra).unlink()
-    if inputs is not None or aim:
+    if inputs is not None or aim or object_tokens:
         record = {'inputs': list(inputs)} if inputs is not None else {}
         record.update({'aim': True} if aim else {})
+        record.update({'object_tokens': True} if object_tokens else {})
         (path / 'training.json').write_text(json.dumps(record) + '\n')
+
+
+def aim_accuracy(model, ids, labels):
+    """Share of contexts (right-padded [batch, width] tensors) whose newest stated aim is
+    the arg-max of the model, teacher-forced: the fourth-last label of a full action (aim,
+    v, w, newline) or the one label of a lookup context."""
+    import torch
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    model.train()
+    right = 0
+    for b in range(ids.shape[0]):
+        taught = (labels[b] != -100).nonzero().flatten()
+        at = int(taught[-1] if len(taught) == 1 else taught[-4])
+        right += int(logits[b, at - 1].argmax() == labels[b, at])
+    return right / ids.shape[0]
+
+
+def held_contexts(episodes, system, budget, size, lookup, device='cpu', seed=1):
+    """(ids, labels) tensors of at most ``size`` contexts with the instruction drawn over
+    the objects in view, each ending at a random tick after the first instruction of one of
+    ``episodes`` (made with counterfactual labels) whose newest tick fits ``budget``:
+    lookup contexts (``build_sample(lookup=True)``) or every input rendered."""
+    import torch
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(50 * size):
+        if len(rows) == size:
+            break
+        episode = episodes[rng.integers(len(episodes))]
+        end = int(rng.integers(episode.goal_starts[0] + 1, len(episode.ticks)))
+        ids, labels, _ = build_sample(episode, system, end, budget, rng, counterfactual=1.0,
+                                      lookup=lookup)
+        if max(labels) != -100:
+            rows.append((ids, labels))
+    if not rows:   # fewer than ``size`` may fit (a short budget, few ticks): what fits
+        raise ValueError(f'held_contexts: no context fits {budget} tokens')
+    size = len(rows)
+    width = max(len(i) for i, _ in rows)
+    ids = torch.zeros(size, width, dtype=torch.long)
+    labels = torch.full((size, width), -100, dtype=torch.long)
+    for b, (i, lab) in enumerate(rows):
+        ids[b, :len(i)] = torch.tensor(i)
+        labels[b, :len(lab)] = torch.tensor(lab)
+    return ids.to(device), labels.to(device)
+
+
+def _lookup_stage(model, episodes, system, args, device, held):
+    """--lookup-first: before round 0, at most ``args.lookup_first`` steps of lookup
+    contexts alone (``build_sample(lookup=True)``, the instruction drawn, at least
+    LOOKUP_BATCH a step) at the constant LOOKUP_LR, ended once the aim is right on
+    LOOKUP_DONE of ``held`` (held-out lookup contexts, checked every LOOKUP_EVERY steps).
+    A fresh model sits at a guess for ~1000-1500 steps of 256, then finds the match at once
+    (BENCHMARKS.md, stop 26). Returns its record."""
+    import torch
+    global _EPISODES, _SYSTEM
+    _EPISODES, _SYSTEM = episodes, system
+    for episode in episodes:   # made before the fork: every builder inherits them
+        _tick_tables(episode)
+    size = max(args.batch, LOOKUP_BATCH)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LOOKUP_LR, weight_decay=0.01,
+                                  betas=(0.9, 0.95))
+    started = time.time()
+    curve, steps = [], 0
+    builders = ProcessPoolExecutor(args.workers, mp_context=_FORK)
+    try:
+        ahead = deque(builders.submit(_build_batch, (args.seed, LOOKUP_STREAM, step, size))
+                      for step in range(min(args.lookup_first, 2 * args.workers)))
+        for step in range(args.lookup_first):
+            ids, labels, _, _ = (torch.from_numpy(a) for a in ahead.popleft().result())
+            later = step + len(ahead) + 1
+            if later < args.lookup_first:
+                ahead.append(builders.submit(_build_batch,
+                                             (args.seed, LOOKUP_STREAM, later, size)))
+            ids, labels = (t.to(device).long() for t in (ids, labels))
+            with torch.autocast(device_type=device, dtype=torch.bfloat16,
+                                enabled=device == 'cuda'):
+                loss = model(input_ids=ids, labels=labels).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if torch.isfinite(loss) and torch.isfinite(norm):   # else skipped, never applied
+                optimizer.step()
+            steps = step + 1
+            if steps % LOOKUP_EVERY == 0 or steps == args.lookup_first:
+                accuracy = aim_accuracy(model, *held)
+                curve.append([steps, round(accuracy, 3)])
+                print(f'lookup step {steps} loss {loss.item():.4f} held-out aim accuracy '
+                      f'{accuracy:.2f} {time.time() - started:.0f} s', flush=True)
+                if accuracy >= LOOKUP_DONE:
+                    break
+    finally:
+        builders.shutdown(wait=True, cancel_futures=True)
+    return {'steps': steps, 'batch': size, 'lr': LOOKUP_LR, 'accuracy': curve,
+            'seconds': round(time.time() - started, 1)}
 
 
 def weighted_loss(model, ids, attention, labels, weights):
@@ -909,10 +1040,10 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
     again to inherit them (batches already queued come from the old ones)."""
     import torch
     global _EPISODES, _SYSTEM, _KEYFRAME, _DISTRACTOR, _SHORT_FIRST, _COUNTERFACTUAL, _SPARSE
-    global _LOOKUP
+    global _LOOKUP_SHARE
     _SHORT_FIRST = args.short_first
     _SPARSE = args.sparse
-    _LOOKUP = (args.lookup_first, args.lookup_share)
+    _LOOKUP_SHARE = args.lookup_share
     _COUNTERFACTUAL = args.counterfactual
     _EPISODES, _SYSTEM = episodes, system
     _KEYFRAME = 1.0 if args.keyframe_weight is None else args.keyframe_weight
@@ -920,8 +1051,7 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
     for episode in episodes:   # made before the fork: every builder inherits them
         _tick_tables(episode)
     builders = ProcessPoolExecutor(args.workers, mp_context=_FORK)
-    batches = deque(builders.submit(_build_batch, (args.seed, round_, step,
-                                                   _batch_size(args, round_, step)))
+    batches = deque(builders.submit(_build_batch, (args.seed, round_, step, args.batch))
                     for step in range(min(args.steps, 2 * args.workers)))
     peak = args.lr if round_ == 0 or args.dagger_lr is None else args.dagger_lr
     optimizer = torch.optim.AdamW(model.parameters(), lr=peak, weight_decay=0.01,
@@ -960,8 +1090,7 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
             tokens_seen += int(attention.sum())
             if step + len(batches) + 1 < args.steps:
                 batches.append(builders.submit(
-                    _build_batch, (args.seed, round_, step + len(batches) + 1,
-                                   _batch_size(args, round_, step + len(batches) + 1))))
+                    _build_batch, (args.seed, round_, step + len(batches) + 1, args.batch)))
             ids, labels = (t.to(device).long() for t in (ids, labels))
             # no attention mask: the batches are right-padded, so under the causal mask no
             # real token sees a pad (same loss, test_training_data), and SDPA can take its
