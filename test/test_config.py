@@ -38,11 +38,14 @@ def test_demo_profile_matches_the_demo_task():
     assert values['input_max_age_s'] == [s.max_age_s for s in task.INPUTS]
     scan = next(s for s in task.INPUTS if s.topic == '/scan')
     assert values['scan_sectors'] == scan.options['sectors']
-    assert values['action_fields'] == [f['name'] for f in task.TWIST_FIELDS]
-    assert values['action_keys'] == [f['key'] for f in task.TWIST_FIELDS]
-    assert values['action_min'] == [f['min'] for f in task.TWIST_FIELDS]
-    assert values['action_max'] == [f['max'] for f in task.TWIST_FIELDS]
-    assert values['action_step'] == [f['step'] for f in task.TWIST_FIELDS]
+    # the shipped policy's grammar: with its plan field first where it states an aim
+    from rt_llm_node.model.embedded import default_model_path
+    fields = task.action_fields(task.model_aim(default_model_path()))
+    assert values['action_fields'] == [f['name'] for f in fields]
+    assert values['action_keys'] == [f['key'] for f in fields]
+    assert values['action_min'] == [f['min'] for f in fields]
+    assert values['action_max'] == [f['max'] for f in fields]
+    assert values['action_step'] == [f['step'] for f in fields]
 
 
 def test_demo_profile_feeds_the_shipped_model_what_it_was_trained_on():

@@ -10,6 +10,8 @@ from rt_llm_node.demo.messages import MessageFactory
 from rt_llm_node.demo.task import action_grammar
 from rt_llm_node.demo.task import action_words
 from rt_llm_node.demo.task import INPUTS
+from rt_llm_node.demo.task import model_aim
+from rt_llm_node.demo.task import model_inputs
 from rt_llm_node.demo.task import object_phrases
 from rt_llm_node.demo.task import whole_words
 from rt_llm_node.demo.world import DemoWorld
@@ -83,7 +85,8 @@ def test_every_action_word_and_bearing_is_one_token_of_the_demo_tokenizer():
     assert set(action_words()) <= set(whole_words())
     assert ' -180deg' in whole_words() and ' 180deg' in whole_words()
     shipped = load_checkpoint(default_model_path()).tokenizer
-    assert all(len(shipped.encode(word).ids) == 1 for word in whole_words())
+    shipped_words = whole_words(model_aim(default_model_path()))   # its aim words too
+    assert all(len(shipped.encode(word).ids) == 1 for word in shipped_words)
     grammar = action_grammar(tokenizer)
     text = grammar.render({'linear.x': -0.2, 'angular.z': 1.25})
     assert len(tokenizer.encode(text).ids) == 4      # prefix, v, w, newline
@@ -128,9 +131,11 @@ def test_the_shipped_policy_drives_to_the_goal_of_a_short_fixed_scenario():
     from rt_llm_node.engine import TickEngine
     checkpoint = load_checkpoint(default_model_path())
     clock = ModelClock()
-    engine = TickEngine(NumpyBackend(checkpoint, 256), checkpoint.tokenizer, INPUTS,
-                        action_grammar(checkpoint.tokenizer), Admission(CostModel(), 0.0),
-                        policy='meaning', system_prompt=SYSTEM_PROMPT, clock=clock)
+    path = default_model_path()
+    engine = TickEngine(NumpyBackend(checkpoint, 256), checkpoint.tokenizer, model_inputs(path),
+                        action_grammar(checkpoint.tokenizer, model_aim(path)),
+                        Admission(CostModel(), 0.0), policy='meaning',
+                        system_prompt=SYSTEM_PROMPT, clock=clock)
     engine.start()
     world = DemoWorld(1_000_050, messages=MessageFactory(ros=False))
     snapshot = {}
@@ -152,7 +157,9 @@ def test_a_dagger_episode_replays_the_policy_rollout_with_expert_labels():
     from rt_llm_node.demo.evaluate import run_model_episode
     checkpoint = load_checkpoint(default_model_path())
     seed = 12_345   # a training seed
-    rollout = run_model_episode(checkpoint, seed, 'meaning', 256, max_ticks=40)
+    rollout = run_model_episode(checkpoint, seed, 'meaning', 256, max_ticks=40,
+                                inputs=model_inputs(default_model_path()),
+                                aim=model_aim(default_model_path()))
     assert rollout['ticks'] == len(rollout['executed']) == 40
     episode = expert_episode(seed, checkpoint.tokenizer, executed=rollout['executed'])
     assert len(episode.ticks) == 40
@@ -313,13 +320,16 @@ def test_an_aiming_policy_states_the_expert_aim_first_and_publishes_only_v_and_w
     assert action.values['_aim'] == -15.0
     with pytest.raises(GrammarError, match='plan field'):
         twist_grammar(tokenizer, [dict(AIM_FIELD, name='aim')])
-    # a checkpoint says whether it aims; none said: it does not (the shipped model)
-    assert model_aim(default_model_path()) is False
+    # a checkpoint says whether it aims (the shipped one does); none said: it does not
+    assert model_aim(default_model_path()) is True
+    assert model_aim(tmp_path) is False
     (tmp_path / 'training.json').write_text(json.dumps({'aim': True}))
     assert model_aim(tmp_path) is True
     # likewise whether its tokenizer keeps object names whole (what an --init run records)
     from rt_llm_node.demo.task import model_object_tokens
-    assert model_object_tokens(default_model_path()) is False
+    assert model_object_tokens(default_model_path()) is True
+    shipped = load_checkpoint(default_model_path()).tokenizer
+    assert all(len(shipped.encode(p).ids) == 1 for p in object_phrases())
     assert model_object_tokens(tmp_path) is False
     (tmp_path / 'training.json').write_text(json.dumps({'object_tokens': True}))
     assert model_object_tokens(tmp_path) is True

@@ -108,7 +108,7 @@ def test_expect_passes_on_the_same_inputs_and_fails_on_a_changed_schema(
     assert code == 0 and 'same decisions' in out
     changed = tmp_path / 'changed.yaml'
     changed.write_text(Path(DEMO_PARAMS).read_text().replace(
-        'action_max: [0.8, 1.5]', 'action_max: [0.8, 0.5]'))
+        'action_max: [180.0, 0.8, 1.5]', 'action_max: [180.0, 0.8, 0.5]'))
     code, out, _ = run([bags['mcap'], '--params', changed, '--out', tmp_path / 'new',
                         '--expect', golden], capsys)
     assert code == 1

@@ -53,10 +53,10 @@ def measure(shape, decode_steps):
             f'{np.median(prefill):.1f}']
 
 
-def engine_ticks(checkpoint, inputs, ticks=900, capacity=256):
+def engine_ticks(checkpoint, inputs, ticks=900, capacity=256, aim=False):
     """Wall-clock ms of each engine tick (numpy, always admitted) of ``checkpoint`` driving
-    the demo world with ``inputs``, the first 30 dropped; and the mean prefill tokens a
-    tick."""
+    the demo world with ``inputs`` (``aim``: its actions state the '_aim' plan field
+    first), the first 30 dropped; and the mean prefill tokens a tick."""
     from rt_llm_node.admission import Admission
     from rt_llm_node.admission import CostModel
     from rt_llm_node.demo.messages import MessageFactory
@@ -65,7 +65,7 @@ def engine_ticks(checkpoint, inputs, ticks=900, capacity=256):
     from rt_llm_node.demo.world import DemoWorld
     from rt_llm_node.engine import TickEngine
     engine = TickEngine(NumpyBackend(checkpoint, capacity), checkpoint.tokenizer, inputs,
-                        action_grammar(checkpoint.tokenizer), Admission(CostModel(), 0.0),
+                        action_grammar(checkpoint.tokenizer, aim), Admission(CostModel(), 0.0),
                         policy='meaning', system_prompt=SYSTEM_PROMPT)
     engine.start()
     world = DemoWorld(1_000_000, messages=MessageFactory(ros=False))
@@ -86,9 +86,12 @@ def engine_ticks(checkpoint, inputs, ticks=900, capacity=256):
 
 def demo_tick_latency(ticks=900, capacity=256):
     """Whole-tick latency of the shipped model in the engine (numpy, wall clock, always admit)."""
-    from rt_llm_node.demo.task import INPUTS
+    from rt_llm_node.demo.task import model_aim
+    from rt_llm_node.demo.task import model_inputs
     from rt_llm_node.model.embedded import default_model_path
-    times, _ = engine_ticks(load_checkpoint(default_model_path()), INPUTS, ticks, capacity)
+    path = default_model_path()
+    times, _ = engine_ticks(load_checkpoint(path), model_inputs(path), ticks, capacity,
+                            model_aim(path))
     return [f'shipped demo model, meaning@{capacity}', len(times),
             f'{np.median(times):.2f}', f'{np.percentile(times, 99):.2f}',
             f'{times.max():.2f}']
