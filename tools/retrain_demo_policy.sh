@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The shipped demo policy's recipe, from scratch, in three stages (BENCHMARKS.md, section
+# "eviction", stop 27):
+#   1. the lookup alone: the instruction drawn over the objects in view, only it and the
+#      newest detections rendered (a fresh model sits at a guess, then finds the match at
+#      once, ~1500 steps of 256);
+#   2. every input rendered at 128 tokens, the instruction still drawn (the match carries
+#      over in ~100 steps; a fresh model stays at chance here);
+#   3. the whole mix (every budget, half the instructions drawn, a tenth lookup contexts)
+#      with one DAgger round, from stage 2.
+# The shipped checkpoint ran stages 1-2 on the CPU and stage 3 on the H200
+# (rt_llm_node/demo/model/training.json, "stages").
+#
+#   tools/retrain_demo_policy.sh OUT [DEVICE]     DEVICE: cuda (default) or cpu
+#
+# Offline tooling (torch, transformers); on the GPU machine:
+#   OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 tools/retrain_demo_policy.sh $OUT/model
+set -euo pipefail
+out=${1:?usage: tools/retrain_demo_policy.sh OUT [cuda|cpu]}
+device=${2:-cuda}
+here=$(cd "$(dirname "$0")" && pwd)
+export PYTHONPATH="$(dirname "$here")${PYTHONPATH:+:$PYTHONPATH}"   # the package, from any cwd
+stages=$(mktemp -d)
+trap 'rm -rf "$stages"' EXIT
+cd "$here"   # binding_curve imports train_demo_policy from beside it
+python3 -u binding_curve.py --counterfactual 1 --topics /instruction,/detections --budget 48 \
+    --steps 1750 --every 250 --batch 256 --episodes 40 --device "$device" --save "$stages/s1"
+python3 -u binding_curve.py --model "$stages/s1" --counterfactual 1 \
+    --topics /instruction,/scan,/odom,/detections --budget 128 --steps 800 --every 100 \
+    --batch 128 --episodes 40 --device "$device" --save "$stages/s2"
+cd - > /dev/null
+python3 -u "$here/train_demo_policy.py" --init "$stages/s2" --out "$out" --episodes 640 \
+    --steps 8000 --batch 128 --lr 1e-3 --dagger-rounds 1 --dagger-episodes 64 --aim \
+    --counterfactual 0.5 --lookup-share 0.1 --max-minutes 3.1 --workers 16
