@@ -130,9 +130,9 @@ def test_the_shipped_policy_drives_to_the_goal_of_a_short_fixed_scenario():
     from rt_llm_node.demo.task import SYSTEM_PROMPT
     from rt_llm_node.engine import ModelClock
     from rt_llm_node.engine import TickEngine
-    checkpoint = load_checkpoint(default_model_path())
-    clock = ModelClock()
     path = default_model_path()
+    checkpoint = load_checkpoint(path)
+    clock = ModelClock()
     engine = TickEngine(NumpyBackend(checkpoint, 256), checkpoint.tokenizer, model_inputs(path),
                         action_grammar(checkpoint.tokenizer, model_aim(path)),
                         Admission(CostModel(), 0.0), policy='meaning',
@@ -156,11 +156,11 @@ def test_a_dagger_episode_replays_the_policy_rollout_with_expert_labels():
     """DAgger data: the states the policy reached, rebuilt from its commands, expert-labelled."""
     from rt_llm_node.demo.episodes import expert_episode
     from rt_llm_node.demo.evaluate import run_model_episode
-    checkpoint = load_checkpoint(default_model_path())
+    path = default_model_path()
+    checkpoint = load_checkpoint(path)
     seed = 12_345   # a training seed
     rollout = run_model_episode(checkpoint, seed, 'meaning', 256, max_ticks=40,
-                                inputs=model_inputs(default_model_path()),
-                                aim=model_aim(default_model_path()))
+                                inputs=model_inputs(path), aim=model_aim(path))
     assert rollout['ticks'] == len(rollout['executed']) == 40
     episode = expert_episode(seed, checkpoint.tokenizer, executed=rollout['executed'])
     assert len(episode.ticks) == 40

@@ -536,9 +536,10 @@ def test_lookup_stage_stops_at_its_accuracy_or_its_steps(aiming, monkeypatch):
     transformers = pytest.importorskip('transformers')
     from types import SimpleNamespace
     episode, system, tokenizer = aiming
-    held = train_demo_policy.held_contexts([episode], system, 256, 8, False)
-    lookup_held = train_demo_policy.held_contexts([episode], system,
-                                                  train_demo_policy.LOOKUP_BUDGET, 8, True)
+    held = train_demo_policy.draw_contexts(np.random.default_rng(1), [episode], system, 256, 8)
+    lookup_held = train_demo_policy.draw_contexts(np.random.default_rng(1), [episode], system,
+                                                  train_demo_policy.LOOKUP_BUDGET, 8,
+                                                  lookup=True)
     assert all(int((row != -100).sum()) == 1 for row in lookup_held[1])
     assert all(int((row != -100).sum()) >= 4 for row in held[1])   # whole actions taught
     torch.manual_seed(0)

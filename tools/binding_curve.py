@@ -24,7 +24,7 @@ import numpy as np
 from train_demo_policy import _export   # tools/, beside this script
 from train_demo_policy import _with_goal_starts
 from train_demo_policy import aim_accuracy
-from train_demo_policy import build_sample
+from train_demo_policy import draw_contexts
 from train_demo_policy import MODEL
 from train_demo_policy import SparseDetections
 from train_demo_policy import VALIDATION_SEED0
@@ -64,30 +64,14 @@ def with_hint(ids, labels, hint):
 def batch(rng, episodes, size, system, budget, counterfactual, hint=None, sparse=None,
           device='cpu'):
     """(ids, labels) int64 tensors of ``size`` contexts ending at random ticks of a goal."""
-    import torch
-    ids, labels = [], []
-    tries = 0
-    while len(ids) < size:
-        tries += 1
-        if tries > 50 * size and not ids:
-            raise SystemExit(f'no context fits --budget {budget}: the newest tick alone is '
-                             'longer (every input rendered needs about 128 tokens; 48 fits '
-                             '--topics /instruction,/detections)')
-        episode = episodes[rng.integers(len(episodes))]
-        end = int(rng.integers(episode.goal_starts[0] + 1, len(episode.ticks)))
-        i, lab, _ = build_sample(episode, system, end, budget, rng,
-                                 counterfactual=counterfactual, sparse=sparse)
-        if hint is not None and max(lab) != -100:
-            i, lab = with_hint(i, lab, hint)
-        if max(lab) != -100:   # the newest tick fit
-            ids.append(i)
-            labels.append(lab)
-    width = max(len(i) for i in ids)
-    out = torch.zeros(size, width, dtype=torch.long), torch.full((size, width), -100)
-    for b, (i, lab) in enumerate(zip(ids, labels)):
-        out[0][b, :len(i)] = torch.tensor(i)
-        out[1][b, :len(lab)] = torch.tensor(lab)
-    return out[0].to(device), out[1].to(device)
+    try:
+        return draw_contexts(rng, episodes, system, budget, size, counterfactual,
+                             sparse=sparse, device=device,
+                             transform=None if hint is None else
+                             lambda ids, labels: with_hint(ids, labels, hint))
+    except ValueError as err:
+        raise SystemExit(f'--budget {budget}: {err} (every input rendered needs about 128 '
+                         'tokens; 48 fits --topics /instruction,/detections)') from None
 
 
 def main():

@@ -654,8 +654,11 @@ def main():
     n_params = sum(p.numel() for p in model.parameters())
     held = {}
     if held_episodes:
-        held = {'lookup': held_contexts(held_episodes, system, LOOKUP_BUDGET, 200, True, device),
-                'drawn_256': held_contexts(held_episodes, system, 256, 200, False, device)}
+        # held-out contexts with the instruction drawn over the objects in view
+        held = {'lookup': draw_contexts(np.random.default_rng(1), held_episodes, system,
+                                        LOOKUP_BUDGET, 200, lookup=True, device=device),
+                'drawn_256': draw_contexts(np.random.default_rng(1), held_episodes, system,
+                                           256, 200, device=device)}
     lookup_record = None
     if args.lookup_first:
         lookup_record = _lookup_stage(model, episodes, system, args, device, held['lookup'])
@@ -936,29 +939,30 @@ def aim_accuracy(model, ids, labels):
     return right / ids.shape[0]
 
 
-def held_contexts(episodes, system, budget, size, lookup, device='cpu', seed=1):
-    """(ids, labels) tensors of at most ``size`` contexts with the instruction drawn over
-    the objects in view, each ending at a random tick after the first instruction of one of
-    ``episodes`` (made with counterfactual labels) whose newest tick fits ``budget``:
-    lookup contexts (``build_sample(lookup=True)``) or every input rendered."""
+def draw_contexts(rng, episodes, system, budget, size, counterfactual=1.0, lookup=False,
+                  sparse=None, device='cpu', transform=None):
+    """(ids, labels) int64 tensors, right-padded, of up to ``size`` contexts, each ending at a
+    random tick after the first instruction of one of ``episodes`` and kept only where its
+    newest tick fits ``budget`` (``build_sample``: ``counterfactual``, ``lookup``,
+    ``sparse``); ``transform(ids, labels)`` rewrites each kept one. Fewer than ``size`` only
+    where 50 draws a context found none to fit (a short budget); none: ValueError."""
     import torch
-    rng = np.random.default_rng(seed)
     rows = []
     for _ in range(50 * size):
         if len(rows) == size:
             break
         episode = episodes[rng.integers(len(episodes))]
         end = int(rng.integers(episode.goal_starts[0] + 1, len(episode.ticks)))
-        ids, labels, _ = build_sample(episode, system, end, budget, rng, counterfactual=1.0,
+        ids, labels, _ = build_sample(episode, system, end, budget, rng,
+                                      counterfactual=counterfactual, sparse=sparse,
                                       lookup=lookup)
-        if max(labels) != -100:
-            rows.append((ids, labels))
-    if not rows:   # fewer than ``size`` may fit (a short budget, few ticks): what fits
-        raise ValueError(f'held_contexts: no context fits {budget} tokens')
-    size = len(rows)
+        if max(labels) != -100:   # the newest tick fit
+            rows.append(transform(ids, labels) if transform else (ids, labels))
+    if not rows:
+        raise ValueError(f'no context fits {budget} tokens: the newest tick alone is longer')
     width = max(len(i) for i, _ in rows)
-    ids = torch.zeros(size, width, dtype=torch.long)
-    labels = torch.full((size, width), -100, dtype=torch.long)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
     for b, (i, lab) in enumerate(rows):
         ids[b, :len(i)] = torch.tensor(i)
         labels[b, :len(lab)] = torch.tensor(lab)
