@@ -969,6 +969,53 @@ def draw_contexts(rng, episodes, system, budget, size, counterfactual=1.0, looku
     return ids.to(device), labels.to(device)
 
 
+def _share_with_builders(episodes, system, args=None):
+    """Set what ``_build_batch`` reads (the episodes, the system prompt and, for a round,
+    the batch options of ``args``; a lookup stage's contexts take none of them) and each
+    episode's tick tables, before the builders fork: every builder inherits them."""
+    global _EPISODES, _SYSTEM, _KEYFRAME, _DISTRACTOR, _SHORT_FIRST, _COUNTERFACTUAL, _SPARSE
+    global _LOOKUP_SHARE
+    _EPISODES, _SYSTEM = episodes, system
+    if args is not None:
+        _SHORT_FIRST = args.short_first
+        _SPARSE = args.sparse
+        _LOOKUP_SHARE = args.lookup_share
+        _COUNTERFACTUAL = args.counterfactual
+        _KEYFRAME = 1.0 if args.keyframe_weight is None else args.keyframe_weight
+        _DISTRACTOR = 1.0 if args.distractor_weight is None else args.distractor_weight
+    for episode in episodes:
+        _tick_tables(episode)
+
+
+class _Steps:
+    """Backward, clip and apply one loss; a non-finite loss or gradient is skipped, never
+    applied (one such step turned every weight into NaN: batch 128, bf16, step 3088 of a
+    GPU run), and 20 in a row end the run with nothing exported."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.in_a_row = self.skipped = 0
+
+    def apply(self, loss, where):
+        """The loss's value if applied, else None."""
+        import torch
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        value = loss.item()
+        if not (np.isfinite(value) and torch.isfinite(norm)):
+            self.in_a_row += 1
+            self.skipped += 1
+            print(f'{where}: non-finite loss {value} or gradient norm {float(norm)}, '
+                  f'skipped ({self.in_a_row} in a row)', flush=True)
+            if self.in_a_row >= 20:
+                sys.exit('training diverged: 20 non-finite steps in a row; nothing exported')
+            return None
+        self.in_a_row = 0
+        self.optimizer.step()
+        return value
+
+
 def _lookup_stage(model, episodes, system, args, device, held):
     """--lookup-first: before round 0, at most ``args.lookup_first`` steps of lookup
     contexts alone (``build_sample(lookup=True)``, the instruction drawn, at least
@@ -977,13 +1024,11 @@ def _lookup_stage(model, episodes, system, args, device, held):
     A fresh model sits at a guess for ~1000-1500 steps of 256, then finds the match at once
     (BENCHMARKS.md, stop 26). Returns its record."""
     import torch
-    global _EPISODES, _SYSTEM
-    _EPISODES, _SYSTEM = episodes, system
-    for episode in episodes:   # made before the fork: every builder inherits them
-        _tick_tables(episode)
+    _share_with_builders(episodes, system)
     size = max(args.batch, LOOKUP_BATCH)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LOOKUP_LR, weight_decay=0.01,
                                   betas=(0.9, 0.95))
+    stepper = _Steps(model, optimizer)
     started = time.time()
     curve, steps = [], 0
     builders = ProcessPoolExecutor(args.workers, mp_context=_FORK)
@@ -1000,11 +1045,7 @@ def _lookup_stage(model, episodes, system, args, device, held):
             with torch.autocast(device_type=device, dtype=torch.bfloat16,
                                 enabled=device == 'cuda'):
                 loss = model(input_ids=ids, labels=labels).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            if torch.isfinite(loss) and torch.isfinite(norm):   # else skipped, never applied
-                optimizer.step()
+            stepper.apply(loss, f'lookup step {step}')
             steps = step + 1
             if steps % LOOKUP_EVERY == 0 or steps == args.lookup_first:
                 accuracy = aim_accuracy(model, *held)
@@ -1043,17 +1084,7 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
     round's time on; the episodes it returns join ``episodes`` and the builders are forked
     again to inherit them (batches already queued come from the old ones)."""
     import torch
-    global _EPISODES, _SYSTEM, _KEYFRAME, _DISTRACTOR, _SHORT_FIRST, _COUNTERFACTUAL, _SPARSE
-    global _LOOKUP_SHARE
-    _SHORT_FIRST = args.short_first
-    _SPARSE = args.sparse
-    _LOOKUP_SHARE = args.lookup_share
-    _COUNTERFACTUAL = args.counterfactual
-    _EPISODES, _SYSTEM = episodes, system
-    _KEYFRAME = 1.0 if args.keyframe_weight is None else args.keyframe_weight
-    _DISTRACTOR = 1.0 if args.distractor_weight is None else args.distractor_weight
-    for episode in episodes:   # made before the fork: every builder inherits them
-        _tick_tables(episode)
+    _share_with_builders(episodes, system, args)
     builders = ProcessPoolExecutor(args.workers, mp_context=_FORK)
     batches = deque(builders.submit(_build_batch, (args.seed, round_, step, args.batch))
                     for step in range(min(args.steps, 2 * args.workers)))
@@ -1066,7 +1097,8 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
                                                    total_steps=args.steps, pct_start=pct_start)
     train_started = time.time()
     losses = []
-    bad_steps = skipped = tokens_seen = 0
+    tokens_seen = 0
+    stepper = _Steps(model, optimizer)
     try:
         for step in range(args.steps):
             if seconds is not None:   # where the one-cycle schedule would be, by time or steps
@@ -1105,23 +1137,9 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
                     loss = weighted_loss(model, ids, None, labels, weights.to(device))
                 else:
                     loss = model(input_ids=ids, labels=labels).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            value = loss.item()
-            if not (np.isfinite(value) and torch.isfinite(norm)):
-                # a non-finite loss or gradient is skipped, never applied: one such step
-                # turned every weight into NaN (batch 128, bf16, step 3088 of a GPU run)
-                bad_steps += 1
-                skipped += 1
-                print(f'step {step}: non-finite loss {value} or gradient norm {float(norm)}, '
-                      f'skipped ({bad_steps} in a row)', flush=True)
-                if bad_steps >= 20:
-                    sys.exit('training diverged: 20 non-finite steps in a row; nothing '
-                             'exported')
+            value = stepper.apply(loss, f'step {step}')
+            if value is None:
                 continue
-            bad_steps = 0
-            optimizer.step()
             if seconds is None:   # else the rates (and momentum) are set from the position
                 schedule.step()
             losses.append(value)
@@ -1134,7 +1152,7 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
     if not losses:
         sys.exit(f'round {round_}: no step was applied; nothing exported')
     return {'round': round_, 'episodes': len(episodes), 'steps': len(losses),
-            'skipped_steps': skipped, 'tokens_seen': tokens_seen,
+            'skipped_steps': stepper.skipped, 'tokens_seen': tokens_seen,
             'seconds': round(time.time() - train_started, 1),
             'final_loss': float(np.mean(losses[-100:]))}
 
