@@ -103,7 +103,8 @@ def test_batches_depend_on_the_round_and_step_only(data):
         d = train_demo_policy._build_batch((0, 2, 5, 4))
     finally:
         train_demo_policy._EPISODES = train_demo_policy._SYSTEM = None
-    ids, labels, attention, _ = a
+    ids, labels, attention, _, layout = a
+    assert layout is None   # no stale rows (--stale-ticks) in this batch
     assert ids.shape == labels.shape == attention.shape and ids.shape[0] == 4
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
     for other in (c, d):   # another step, or the same step of another round
@@ -516,7 +517,7 @@ def test_lookup_contexts_show_the_detections_and_teach_the_aim_alone(aiming):
         train_demo_policy._EPISODES, train_demo_policy._SYSTEM = [episode], system
         train_demo_policy._LOOKUP_SHARE = share
         try:
-            ids, labels, _, _ = train_demo_policy._build_batch((0, round_, step, 16))
+            ids, labels = train_demo_policy._build_batch((0, round_, step, 16))[:2]
         finally:
             train_demo_policy._EPISODES = train_demo_policy._SYSTEM = None
             train_demo_policy._LOOKUP_SHARE = 0.0
@@ -564,3 +565,110 @@ def test_lookup_stage_stops_at_its_accuracy_or_its_steps(aiming, monkeypatch):
     record = train_demo_policy._lookup_stage(model, [episode], system, args, 'cpu',
                                              lookup_held)
     assert record['steps'] == 2 and len(record['accuracy']) == 1
+
+
+def test_meaning_contexts_hold_what_a_full_meaning_cache_holds(aiming):
+    """--meaning-share: a context as a full ``meaning`` cache holds it: the system prompt, the
+    instruction, older ticks' actions only (every older observation is superseded), the
+    newest tick's observations whole; only the newest tick taught, within the budget; in a
+    batch such rows weigh MEANING_WEIGHT, the others 1."""
+    episode, system, tokenizer = aiming
+    rng = np.random.default_rng(3)
+    older_actions = 0
+    for _ in range(40):
+        end = int(rng.integers(episode.goal_starts[0] + 1, len(episode.ticks)))
+        budget = int(rng.choice(train_demo_policy.MEANING_BUDGETS))
+        ids, labels, weights = train_demo_policy.build_sample(
+            episode, system, end, budget, rng, meaning=True)
+        if max(labels) == -100:   # the newest tick alone outgrew the budget
+            continue
+        assert len(ids) <= budget and ids[:len(system)] == system
+        assert len(_lines(tokenizer, ids, 'task ')) == 1
+        for prefix in ('scan ', 'odom ', 'det '):   # the newest tick's, nothing older
+            assert len(_lines(tokenizer, ids, prefix)) == 1, prefix
+        tick = episode.ticks[end]
+        n = tick.n_prefix
+        assert ids[-len(tick.action_ids):] == tick.action_ids
+        assert _runs(labels) == [(len(ids) - len(tick.action_ids) + n, len(ids))]
+        assert np.count_nonzero(weights) == len(tick.action_ids) - n
+        older_actions += len(_lines(tokenizer, ids, 'act ')) - 1
+    assert older_actions > 100   # the action history reaches back
+
+    def weighted_rows(share):
+        train_demo_policy._EPISODES, train_demo_policy._SYSTEM = [episode], system
+        train_demo_policy._MEANING_SHARE = share
+        try:
+            ids, labels, _, weights, _ = train_demo_policy._build_batch((0, 0, 3, 32))
+        finally:
+            train_demo_policy._EPISODES = train_demo_policy._SYSTEM = None
+            train_demo_policy._MEANING_SHARE = 0.0
+        heavy = 0
+        for i, lab, w in zip(ids, labels, weights):
+            taught = set(np.unique(w[lab != -100]).tolist())
+            assert taught in ({1.0}, {train_demo_policy.MEANING_WEIGHT}, set())
+            if taught == {train_demo_policy.MEANING_WEIGHT}:
+                heavy += 1
+                assert len(_lines(tokenizer, i.tolist(), 'scan ')) == 1
+        return heavy
+    assert weighted_rows(0.0) == 0
+    assert 4 <= weighted_rows(0.4) <= 24
+
+
+def test_stale_contexts_hide_old_observations_from_later_ticks(aiming):
+    """--stale-ticks N: in a meaning context the N newest older ticks with an action shown
+    carry their observations again, right before the action, seen by that tick's tokens
+    alone (what the action's cached keys and values took from them), at the positions just
+    before the action's; every other token sits at its compacted position; those ticks are
+    taught too. The mask is causal and hides them from every later tick."""
+    torch = pytest.importorskip('torch')
+    episode, system, tokenizer = aiming
+    rng = np.random.default_rng(4)
+    checked = 0
+    for _ in range(30):
+        end = int(rng.integers(episode.goal_starts[0] + 40, len(episode.ticks)))
+        ids, labels, weights, (positions, owner, tick) = train_demo_policy.build_sample(
+            episode, system, end, 256, rng, meaning=True, stale=3)
+        if max(labels) == -100:
+            continue
+        visible = [i for i, o in enumerate(owner) if o < 0]
+        assert [positions[i] for i in visible] == list(range(len(visible)))
+        assert len(visible) <= 256
+        hidden_ticks = sorted({o for o in owner if o >= 0})
+        assert 1 <= len(hidden_ticks) <= 3 and max(hidden_ticks) < end
+        for t in hidden_ticks:
+            span = [i for i, o in enumerate(owner) if o == t]
+            assert span == list(range(span[0], span[-1] + 1))   # one run, before its action
+            act = span[-1] + 1
+            assert tick[act] == t and owner[act] == -1
+            assert tokenizer.decode(ids[act:act + 1]).startswith('act')
+            assert [positions[i] for i in span] == list(
+                range(positions[act] - len(span), positions[act]))
+            text = tokenizer.decode(ids[span[0]:act])
+            assert text.startswith('scan ') and '\ndet ' in text   # the tick's observations
+            assert all(x == -100 for x in labels[span[0]:act])
+        # the newest tick and each hidden one are taught: one run of labels each
+        assert len(_runs(labels)) == len(hidden_ticks) + 1
+        att = torch.ones(1, len(ids), dtype=torch.long)
+        mask = train_demo_policy.stale_mask(torch.tensor([owner]), torch.tensor([tick]),
+                                            att)[0, 0]
+        for i in range(len(ids)):
+            for j in (0, i // 2, i):
+                want = j <= i and (owner[j] < 0 or owner[j] == tick[i])
+                assert bool(mask[i, j]) == want
+        first = next(i for i, o in enumerate(owner) if o >= 0)
+        assert not mask[len(ids) - 1, first]   # the newest tick does not see it
+        checked += 1
+    assert checked >= 10
+    # the batch builder carries the layout of stale rows, in order for the others
+    train_demo_policy._EPISODES, train_demo_policy._SYSTEM = [episode], system
+    train_demo_policy._MEANING_SHARE, train_demo_policy._STALE = 0.5, 3
+    try:
+        ids, labels, attention, weights, layout = train_demo_policy._build_batch((0, 0, 3, 16))
+    finally:
+        train_demo_policy._EPISODES = train_demo_policy._SYSTEM = None
+        train_demo_policy._MEANING_SHARE, train_demo_policy._STALE = 0.0, 0
+    assert layout is not None and layout.shape == (3,) + ids.shape
+    stale_rows = [b for b in range(16) if (layout[1, b] >= 0).any()]
+    assert stale_rows and len(stale_rows) < 16
+    for b in set(range(16)) - set(stale_rows):
+        assert np.array_equal(layout[0, b], np.arange(ids.shape[1]))

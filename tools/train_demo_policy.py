@@ -111,7 +111,7 @@ def _one_cycle_lrs(schedule, step):
 
 
 def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distractor_weight=1.0,
-                 counterfactual=0.0, sparse=None, lookup=False):
+                 counterfactual=0.0, sparse=None, lookup=False, meaning=False, stale=0):
     """Token ids, labels (-100: no loss) and loss weights (0 off the labels) of one
     context ending at tick ``end``.
 
@@ -151,6 +151,29 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
     scan). With the instruction drawn (``counterfactual``) and a short budget, this is the
     lookup alone, which a fresh model learns in ~1500 steps of 256 where the same with the
     scan and odometry rendered stays at chance (BENCHMARKS.md, stop 26).
+
+    Meaning: the context a ``meaning`` cache of about ``budget`` tokens holds once it has
+    filled: the newest tick's observations alone (every older one superseded, so dropped
+    first), the instruction, and the actions of older ticks thinned (the least attended go
+    next), back as far as the budget reaches. Only the newest tick is then supervised (no
+    older one shows its observations). Otherwise such a context comes up only where a
+    draw drops every older observation and few actions, ~0.5% of the supervised ticks,
+    and retrains from scratch kept 81% and 89% of their full-cache success at 256 tokens
+    (BENCHMARKS.md, stop 28).
+
+    Stale (with ``meaning``): the cache's keys and values as the engine has them, not as a
+    fresh prefill would. A kept action was encoded while its own tick's observations were in
+    the cache; they were evicted since, but what the action's keys and values of layers 1 and
+    up took from them stays (the shipped engine compacts, it does not re-encode; a retrain
+    that went from 1 to 2-3 goals of 3 on four seeds when re-encoded after every compaction:
+    BENCHMARKS.md, stop 29). So the observations of the ``stale`` newest older ticks whose
+    action is shown are put back in the sequence, right before that action, where only that
+    tick's own tokens see them; those ticks are then supervised too (their action sees its
+    observations). A fourth value is returned, (positions, owner, tick) per token: the
+    position a cache compacted to the visible tokens gives it (a hidden observation sits
+    just before its action's first position, as when it was encoded), the tick whose
+    tokens alone see it (-1: seen by every later token) and the tick it belongs to (-1: the
+    system prompt and the instruction). ``stale_mask`` turns them into an attention mask.
     """
     ticks = episode.ticks
     observed, starts = _tick_tables(episode)
@@ -163,20 +186,28 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
         if alt is not None:
             instr = (instr[0], episode.instructions[alt])
     thin = sparse is not None and instr is not None and rng.random() < sparse[0]
-    p_drop_obs = rng.choice([0.0, 0.0, 0.5, 0.8, 1.0])
-    p_drop_act = 1.0 if rng.random() < 0.2 else rng.choice([0.0, 0.3, 0.7])
-    pieces = []          # reversed chronological list of (tick, ids, labels, weights)
+    if meaning:
+        p_drop_obs, p_drop_act = 1.0, rng.choice([0.0, 0.0, 0.3, 0.5])
+    else:
+        p_drop_obs = rng.choice([0.0, 0.0, 0.5, 0.8, 1.0])
+        p_drop_act = 1.0 if rng.random() < 0.2 else rng.choice([0.0, 0.3, 0.7])
+    pieces = []   # reversed chronological list of (tick, ids, labels, weights, hidden ids)
     used = len(system) + (len(instr[1]) if instr else 0)
+    n_hidden = 0  # older ticks shown with their hidden observations (``stale``)
     for t in range(end, -1, -1):
         tick = ticks[t]
-        chunk = []
+        chunk, hidden = [], []
         complete = instr is not None and t >= instr[0]
         n = tick.n_prefix
+        keep_hidden = meaning and n_hidden < stale
         for k, ids in enumerate(observed[t][0]):
             if lookup and k != observed[t][2]:   # the detections alone
                 continue
             if t != end and rng.random() < p_drop_obs:
-                complete = False
+                if keep_hidden:
+                    hidden += ids
+                else:
+                    complete = False
                 continue
             if thin and t == end and k == observed[t][2]:
                 ids = sparse[1].thin(ids, instr[1], rng)
@@ -196,6 +227,8 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
             taught = label[n:] if complete and len(a) == len(label) else None
         else:
             a = taught = None
+        if a is None:
+            hidden = []
         if a is not None:
             chunk += a
             if taught is None:
@@ -215,27 +248,57 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
                     taught_weights = taught_weights[:tick.n_plan] + [0.0] * rest
                 labels += [-100] * n + taught
                 weights += [0.0] * n + taught_weights
-        if used + len(chunk) > budget:
+        if used + len(chunk) > budget:   # hidden observations take no slot of the cache
             break
         used += len(chunk)
-        pieces.append((t, chunk, labels, weights))
+        n_hidden += bool(hidden)
+        pieces.append((t, chunk, labels, weights, hidden))
     pieces.reverse()
     ids, out, weights = list(system), [-100] * len(system), [0.0] * len(system)
+    positions = list(range(len(system)))
+    owner, tick_of = [-1] * len(system), [-1] * len(system)
+
+    def place_instruction(at):
+        ids.extend(instr[1])
+        out.extend([-100] * len(instr[1]))
+        weights.extend([0.0] * len(instr[1]))
+        positions.extend(range(at, at + len(instr[1])))
+        owner.extend([-1] * len(instr[1]))
+        tick_of.extend([-1] * len(instr[1]))
     placed = False
-    for t, chunk, labels, wts in pieces:
+    visible = len(system)   # the next compacted position
+    for t, chunk, labels, wts, hidden in pieces:
         if instr and not placed and t >= instr[0]:
-            ids += instr[1]
-            out += [-100] * len(instr[1])
-            weights += [0.0] * len(instr[1])
+            place_instruction(visible)
+            visible += len(instr[1])
             placed = True
-        ids += chunk
-        out += labels
-        weights += wts
+        ids += hidden + chunk
+        out += [-100] * len(hidden) + labels
+        weights += [0.0] * len(hidden) + wts
+        positions += [max(0, visible - len(hidden) + i) for i in range(len(hidden))]
+        positions += range(visible, visible + len(chunk))
+        visible += len(chunk)
+        owner += [t] * len(hidden) + [-1] * len(chunk)
+        tick_of += [t] * (len(hidden) + len(chunk))
     if instr and not placed:
-        ids += instr[1]
-        out += [-100] * len(instr[1])
-        weights += [0.0] * len(instr[1])
-    return ids, out, weights
+        place_instruction(visible)
+    if not stale:
+        return ids, out, weights
+    return ids, out, weights, (positions, owner, tick_of)
+
+
+def stale_mask(owner, tick_of, attention):
+    """Boolean attention mask [batch, 1, width, width] of ``build_sample(stale=...)``
+    layouts (int tensors [batch, width]; ``attention`` 1 on real tokens): causal, and a
+    hidden observation (owner >= 0) seen only by the tokens of its own tick."""
+    import torch
+    width = owner.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=owner.device).tril()
+    seen = (owner[:, None, :] < 0) | (owner[:, None, :] == tick_of[:, :, None])
+    keys = attention[:, None, :].bool()
+    # a pad query (past every real token) sees its own slot, so no row is all-masked
+    eye = torch.eye(width, dtype=torch.bool, device=owner.device)
+    return ((causal & seen & keys) | eye)[:, None]
 
 
 def _tick_tables(episode):
@@ -307,6 +370,12 @@ _COUNTERFACTUAL = 0.0   # --counterfactual
 _SHORT_FIRST = 0   # round 0's first steps that draw the two shortest budgets (--short-first)
 _SPARSE = None     # (share, SparseDetections) of --sparse-detections
 _LOOKUP_SHARE = 0.0  # --lookup-share
+_MEANING_SHARE = 0.0  # --meaning-share
+_STALE = 0  # --stale-ticks
+# --meaning-share contexts: the budgets a meaning cache is run at (config/demo.yaml: 256) and
+# the loss weight of their one supervised tick (an ordinary context supervises ~8)
+MEANING_BUDGETS = (192, 256, 384)
+MEANING_WEIGHT = 4.0
 LOOKUP_BUDGET = 48  # the system prompt, the instruction and the newest tick's detections
 LOOKUP_BATCH = 256  # the least batch of --lookup-first
 # --lookup-first trains at this constant rate: the one the match emerged at in stop 26 (3e-3
@@ -319,8 +388,9 @@ LOOKUP_STREAM = 1 << 20  # the lookup stage's batches: a random stream apart fro
 
 
 def _build_batch(job):
-    """One training batch, built in a worker: (ids, labels, attention) int64 and the loss
-    weights float32, each [batch, width].
+    """One training batch, built in a worker: (ids, labels) int16, attention int8 and the
+    loss weights float32, each [batch, width], and the layout of ``build_sample(stale=...)``
+    int16 [3, batch, width] (None when no row has hidden observations).
 
     Step ``step`` of round ``round_`` of run ``seed`` draws from its own generator, so a
     run's batches do not depend on how many workers built them or in what order they
@@ -329,12 +399,13 @@ def _build_batch(job):
     seed, round_, step, size = job
     rng = np.random.default_rng((seed, round_, step))
     episodes = _EPISODES
-    batch_ids, batch_labels, batch_weights = [], [], []
+    batch_ids, batch_labels, batch_weights, batch_layouts = [], [], [], []
     short = round_ == 0 and step < _SHORT_FIRST
     budget = int(rng.choice(BUDGETS[:2] if short else BUDGETS))
     lookup_all = round_ == LOOKUP_STREAM
     for _ in range(size):
         lookup = lookup_all or (_LOOKUP_SHARE > 0 and rng.random() < _LOOKUP_SHARE)
+        meaning = not lookup and _MEANING_SHARE > 0 and rng.random() < _MEANING_SHARE
         episode = episodes[rng.integers(len(episodes))]
         if rng.random() < 0.2:  # oversample the first ticks of a goal (no useful history)
             start = int(rng.choice(episode.goal_starts))
@@ -343,17 +414,25 @@ def _build_batch(job):
             end = int(rng.integers(len(episode.ticks)))
         # a lookup context draws its instruction over the objects in view (--lookup-first)
         width, drawn = (LOOKUP_BUDGET, 1.0) if lookup else (budget, _COUNTERFACTUAL)
+        if meaning:
+            width = int(rng.choice(MEANING_BUDGETS))
+        stale = _STALE if meaning else 0
         sample = build_sample(episode, _SYSTEM, end, width, rng, _KEYFRAME, _DISTRACTOR,
-                              drawn, _SPARSE, lookup)
+                              drawn, _SPARSE, lookup, meaning, stale)
         if max(sample[1]) == -100:  # the newest tick alone outgrew the budget
             # (a lookup context: a line of many objects; twice the budget holds any, where
             # the largest budget would bring hundreds of tokens of older lines along)
             sample = build_sample(episode, _SYSTEM, end,
                                   2 * LOOKUP_BUDGET if lookup else max(BUDGETS), rng,
-                                  _KEYFRAME, _DISTRACTOR, drawn, _SPARSE, lookup)
+                                  _KEYFRAME, _DISTRACTOR, drawn, _SPARSE, lookup, meaning,
+                                  stale)
+        if meaning:
+            sample = (sample[0], sample[1], [w * MEANING_WEIGHT for w in sample[2]],
+                      *sample[3:])
         batch_ids.append(sample[0])
         batch_labels.append(sample[1])
         batch_weights.append(sample[2])
+        batch_layouts.append(sample[3] if stale else None)
     width = max(len(i) for i in batch_ids)
     # int16 ids and labels, int8 mask: a third of the bytes of int64 through the worker
     # pipe and to the GPU (the trainer widens them there); the vocabulary fits (checked)
@@ -366,7 +445,14 @@ def _build_batch(job):
         labels[b, :len(i)] = lab
         attention[b, :len(i)] = 1
         weights[b, :len(i)] = wts
-    return ids, labels, attention, weights
+    layout = None   # (positions, owner, tick) [3, batch, width] where a row is stale
+    if any(lay is not None and max(lay[1]) >= 0 for lay in batch_layouts):
+        layout = np.full((3, size, width), -1, np.int16)
+        layout[0] = np.arange(width)   # pads and rows without hidden tokens: in order
+        for b, lay in enumerate(batch_layouts):
+            if lay is not None:
+                layout[:, b, :len(lay[0])] = lay
+    return ids, labels, attention, weights, layout
 
 
 def main():
@@ -491,6 +577,22 @@ def main():
     parser.add_argument('--lookup-share', type=float, default=0.0, metavar='P',
                         help='after --lookup-first, the share of every batch that stays '
                              'lookup contexts (keeps the skill in the mix)')
+    parser.add_argument('--meaning-share', type=float, default=0.0, metavar='P',
+                        help='the share of training contexts rendered as a meaning cache of '
+                             f'{"/".join(map(str, MEANING_BUDGETS))} tokens holds them once '
+                             "full: the newest tick's observations, the instruction and older "
+                             'actions thinned, no older observation; their newest tick is '
+                             f'supervised at {MEANING_WEIGHT:g}x weight. The shipped '
+                             'configuration runs meaning at 256 tokens, where two retrains '
+                             'without these contexts kept 81%% and 89%% of their full-cache '
+                             'success (BENCHMARKS.md, stop 28)')
+    parser.add_argument('--stale-ticks', type=int, default=0, metavar='N',
+                        help='with --meaning-share: in those contexts the observations of the '
+                             'N newest older ticks whose action is shown stay in the '
+                             "sequence, seen only by their own tick's tokens: the keys and "
+                             'values of a kept action carry what it saw when encoded, as in '
+                             "the engine's compacted cache (build_sample, stale); those "
+                             'ticks are supervised too')
     parser.add_argument('--kv-heads', type=int, default=None,
                         help='key/value heads of a from-scratch model (default: '
                              f"{MODEL['num_key_value_heads']}, grouped-query attention; the "
@@ -558,6 +660,10 @@ def main():
     if not 0.0 <= args.sparse_detections <= 1.0:
         parser.error(f'--sparse-detections must be a share in [0, 1], got '
                      f'{args.sparse_detections}')
+    if not 0.0 <= args.meaning_share < 1.0:
+        parser.error(f'--meaning-share must be a share in [0, 1), got {args.meaning_share}')
+    if args.stale_ticks < 0 or (args.stale_ticks and not args.meaning_share):
+        parser.error('--stale-ticks must be >= 0 and needs --meaning-share (its contexts)')
     if args.lookup_first < 0 or not 0.0 <= args.lookup_share < 1.0:
         parser.error('--lookup-first must be a step count >= 0 and --lookup-share a share in '
                      '[0, 1)')
@@ -766,6 +872,11 @@ def main():
         'sparse_detections': args.sparse_detections,
         'lookup_first': args.lookup_first, 'lookup_share': args.lookup_share,
         'lookup_stage': lookup_record,
+        'meaning_share': args.meaning_share,
+        'meaning_contexts': None if not args.meaning_share else {
+            'budgets': list(MEANING_BUDGETS), 'weight': MEANING_WEIGHT,
+            'stale_ticks': args.stale_ticks},
+        'dagger_capacity': args.dagger_capacity if args.dagger_rounds else None,
         'kv_heads': model.config.num_key_value_heads, 'short_first': args.short_first,
         'init': args.init,
         'selected_round': None if best is None else best[1],
@@ -974,9 +1085,11 @@ def _share_with_builders(episodes, system, args=None):
     the batch options of ``args``; a lookup stage's contexts take none of them) and each
     episode's tick tables, before the builders fork: every builder inherits them."""
     global _EPISODES, _SYSTEM, _KEYFRAME, _DISTRACTOR, _SHORT_FIRST, _COUNTERFACTUAL, _SPARSE
-    global _LOOKUP_SHARE
+    global _LOOKUP_SHARE, _MEANING_SHARE, _STALE
     _EPISODES, _SYSTEM = episodes, system
     if args is not None:
+        _MEANING_SHARE = args.meaning_share
+        _STALE = args.stale_ticks
         _SHORT_FIRST = args.short_first
         _SPARSE = args.sparse
         _LOOKUP_SHARE = args.lookup_share
@@ -1036,7 +1149,7 @@ def _lookup_stage(model, episodes, system, args, device, held):
         ahead = deque(builders.submit(_build_batch, (args.seed, LOOKUP_STREAM, step, size))
                       for step in range(min(args.lookup_first, 2 * args.workers)))
         for step in range(args.lookup_first):
-            ids, labels, _, _ = (torch.from_numpy(a) for a in ahead.popleft().result())
+            ids, labels = (torch.from_numpy(a) for a in ahead.popleft().result()[:2])
             later = step + len(ahead) + 1
             if later < args.lookup_first:
                 ahead.append(builders.submit(_build_batch,
@@ -1060,12 +1173,14 @@ def _lookup_stage(model, episodes, system, args, device, held):
             'seconds': round(time.time() - started, 1)}
 
 
-def weighted_loss(model, ids, attention, labels, weights):
+def weighted_loss(model, ids, attention, labels, weights, positions=None):
     """Cross-entropy of the next token at every labelled position, weighted: sum(w * ce) /
     sum(w), with the same shift as the model's own loss (position i predicts label i + 1);
-    all weights 1 give the model's own mean."""
+    all weights 1 give the model's own mean. ``attention``: None, a [batch, width] padding
+    mask or a 4-D boolean one (``stale_mask``); ``positions``: the tokens' position ids."""
     import torch
-    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+    logits = model(input_ids=ids, attention_mask=attention,
+                   position_ids=positions).logits[:, :-1].float()
     target, w = labels[:, 1:], weights[:, 1:]
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                            target.reshape(-1), ignore_index=-100,
@@ -1121,8 +1236,9 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
                     old, builders = builders, ProcessPoolExecutor(args.workers,
                                                                   mp_context=_FORK)
                     old.shutdown(wait=False)
+            ids, labels, attention, weights, layout = batches.popleft().result()
             ids, labels, attention, weights = (torch.from_numpy(a)
-                                               for a in batches.popleft().result())
+                                               for a in (ids, labels, attention, weights))
             tokens_seen += int(attention.sum())
             if step + len(batches) + 1 < args.steps:
                 batches.append(builders.submit(
@@ -1130,11 +1246,18 @@ def _train_round(model, episodes, system, args, round_, seconds, device, started
             ids, labels = (t.to(device).long() for t in (ids, labels))
             # no attention mask: the batches are right-padded, so under the causal mask no
             # real token sees a pad (same loss, test_training_data), and SDPA can take its
-            # causal fast path instead of a padded 4-D mask
+            # causal fast path instead of a padded 4-D mask; stale rows need theirs
+            mask = positions = None
+            if layout is not None:
+                layout = torch.from_numpy(layout).to(device).long()
+                positions = layout[0]
+                mask = stale_mask(layout[1], layout[2], attention.to(device))
             with torch.autocast(device_type=device, dtype=torch.bfloat16,
                                 enabled=device == 'cuda'):
-                if args.keyframe_weight is not None or args.distractor_weight is not None:
-                    loss = weighted_loss(model, ids, None, labels, weights.to(device))
+                if args.keyframe_weight is not None or args.distractor_weight is not None \
+                        or args.meaning_share:
+                    loss = weighted_loss(model, ids, mask, labels, weights.to(device),
+                                         positions)
                 else:
                     loss = model(input_ids=ids, labels=labels).loss
             value = stepper.apply(loss, f'step {step}')
