@@ -117,8 +117,8 @@ def test_object_phrases_are_single_tokens_alike_in_instruction_and_detections():
 def test_the_shipped_policy_drives_to_the_goal_of_a_short_fixed_scenario():
     """Closed loop through the node's engine, numpy backend, shipped checkpoint.
 
-    Seed 1000050's first goal is one the current policy reaches (in 121-140 ticks; the
-    expert takes 135; the policy before took 131); it reaches ~98% of goals at 256 tokens
+    Seed 1000050's first goal is one the current policy reaches (in 134 ticks; the expert
+    takes 135; earlier policies took 121-140); it reaches ~93% of goals at 256 tokens
     (issue #3, BENCHMARKS.md), so this guards the whole chain (loader, codecs, the grammar
     with its '_aim' plan field, engine, backend), not the policy's quality. Retraining may
     need another seed: pick one whose first goal the new policy reaches, near the expert's
