@@ -11,18 +11,24 @@ offline replay (the shipped one's engine tick alone allows about 4x on these cor
 
 import argparse
 import json
+import os
 from pathlib import Path
 import tempfile
 import time
 
-import numpy as np
+# one BLAS thread, as the node has (rt_llm_node/__init__.py), set before numpy loads its BLAS:
+# imported first, numpy started one a core, and the engine tick row's max went from ~8 ms to
+# 22-43 ms on these 2 cores (stop 29)
+os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
 
-from rt_llm_node.backends.numpy_backend import NumpyBackend
-from rt_llm_node.bench_report import markdown_table
-from rt_llm_node.bench_report import print_table
-from rt_llm_node.bench_report import write_section
-from rt_llm_node.model import load_checkpoint
-from rt_llm_node.model.synthetic import write_random_checkpoint
+import numpy as np  # noqa: E402
+
+from rt_llm_node.backends.numpy_backend import NumpyBackend  # noqa: E402
+from rt_llm_node.bench_report import markdown_table  # noqa: E402
+from rt_llm_node.bench_report import print_table  # noqa: E402
+from rt_llm_node.bench_report import write_section  # noqa: E402
+from rt_llm_node.model import load_checkpoint  # noqa: E402
+from rt_llm_node.model.synthetic import write_random_checkpoint  # noqa: E402
 
 CACHED = 256
 
