@@ -23,8 +23,8 @@ import os
 import time
 
 import numpy as np
-from tokenizers import Tokenizer
-from train_demo_policy import _export   # tools/, beside this script
+from train_demo_policy import _episode   # tools/, beside this script
+from train_demo_policy import _export
 from train_demo_policy import _with_goal_starts
 from train_demo_policy import aim_accuracy
 from train_demo_policy import draw_contexts
@@ -34,7 +34,6 @@ from train_demo_policy import VALIDATION_SEED0
 from train_demo_policy import weighted_loss
 
 from rt_llm_node.demo.episodes import episode_texts
-from rt_llm_node.demo.episodes import expert_episode
 from rt_llm_node.demo.episodes import system_ids
 from rt_llm_node.demo.episodes import train_tokenizer
 from rt_llm_node.demo.task import demo_inputs
@@ -46,15 +45,6 @@ from rt_llm_node.demo.task import object_phrases
 from rt_llm_node.demo.task import whole_words
 from rt_llm_node.demo.world import WorldConfig
 from rt_llm_node.model import load_checkpoint
-
-
-def _episode(job):
-    """One aiming expert episode (counterfactual labels), built in a worker process."""
-    seed, tokenizer_json, topics, world_config, noisy = job
-    extra = {'noise': (0.2, 0.6), 'hold_rate': 0.02} if noisy else {}
-    return expert_episode(seed, Tokenizer.from_str(tokenizer_json), aim=True, aim_noise=45.0,
-                          counterfactual=True, inputs=demo_inputs(topics, required=()),
-                          world_config=world_config, **extra)
 
 
 def with_hint(ids, labels, hint):
@@ -155,7 +145,9 @@ def main():
     def episodes(seeds, noisy):
         # one process a seed (the same episodes as in order: each is a function of its seed);
         # in one process the 43 episodes of a stage took ~1 min of the retrain's ~9
-        jobs = [(s, tokenizer_json, topics, world_config, noisy) for s in seeds]
+        noise = ((0.2, 0.6), 0.02) if noisy else ((0.0, 0.0), 0.0)
+        jobs = [(s, tokenizer_json, *noise, None, (topics, True, 45.0, True), world_config)
+                for s in seeds]
         with ProcessPoolExecutor(min(len(jobs), os.cpu_count() or 1) or 1) as pool:
             return _with_goal_starts(list(pool.map(_episode, jobs)))
     train = episodes(range(args.episodes), True) if args.steps else []

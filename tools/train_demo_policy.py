@@ -72,14 +72,21 @@ def _texts(job):
 
 
 def _episode(job):
-    seed, tokenizer_json, noise, hold_rate, executed, (topics, aim, aim_noise, cf) = job
+    """One expert episode, built in a worker: (seed, tokenizer json, noise, hold rate,
+    executed commands or None, (topics, aim, aim noise, counterfactual)[, world config]).
+    The topics were checked by the caller (tools/binding_curve.py renders fewer than the
+    expert reads)."""
+    seed, tokenizer_json, noise, hold_rate, executed, (topics, aim, aim_noise, cf) = job[:6]
+    world_config = job[6] if len(job) > 6 else None
     tokenizer = Tokenizer.from_str(tokenizer_json)
-    inputs = demo_inputs(topics)
+    inputs = demo_inputs(topics, required=())
     if executed is not None:   # DAgger: the policy's own states, the expert's labels
         return expert_episode(seed, tokenizer, executed=executed, inputs=inputs, aim=aim,
-                              aim_noise=aim_noise, counterfactual=cf)
+                              aim_noise=aim_noise, counterfactual=cf,
+                              world_config=world_config)
     return expert_episode(seed, tokenizer, noise=noise, hold_rate=hold_rate, inputs=inputs,
-                          aim=aim, aim_noise=aim_noise, counterfactual=cf)
+                          aim=aim, aim_noise=aim_noise, counterfactual=cf,
+                          world_config=world_config)
 
 
 def _drive(job):
@@ -156,8 +163,9 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
     filled: the newest tick's observations alone (every older one superseded, so dropped
     first), the instruction, and the actions of older ticks thinned (the least attended go
     next), back as far as the budget reaches. Only the newest tick is then supervised (no
-    older one shows its observations). Otherwise such a context comes up only where a
-    draw drops every older observation and few actions, ~0.5% of the supervised ticks,
+    older one shows its observations; but see ``stale``). Otherwise such a context comes
+    up only where a draw drops every older observation and few actions, ~0.5% of the
+    supervised ticks,
     and retrains from scratch kept 81% and 89% of their full-cache success at 256 tokens
     (BENCHMARKS.md, stop 28).
 
