@@ -25,21 +25,24 @@ def test_defaults_file_lists_every_parameter_with_its_default():
 
 
 def test_demo_profile_matches_the_demo_task():
+    """Every input line of the demo profile is the demo task's spec of the inputs the shipped
+    policy reads (the world publishes more: /odom, which this policy does not see)."""
+    from rt_llm_node.model.embedded import default_model_path
     values = {p: BY_NAME[p].default for p in BY_NAME}
     values.update(load('demo.yaml'))
     assert validate(values) == []
     assert values['system_prompt'] == task.SYSTEM_PROMPT
     assert values['rate_hz'] == task.RATE_HZ
-    assert values['input_topics'] == [s.topic for s in task.INPUTS]
-    assert values['input_types'] == [s.msg_type for s in task.INPUTS]
-    assert values['input_kinds'] == [s.kind for s in task.INPUTS]
-    assert values['input_prefixes'] == [s.prefix for s in task.INPUTS]
-    assert values['input_max_tokens'] == [s.max_tokens for s in task.INPUTS]
-    assert values['input_max_age_s'] == [s.max_age_s for s in task.INPUTS]
-    scan = next(s for s in task.INPUTS if s.topic == '/scan')
+    inputs = task.model_inputs(default_model_path())
+    assert values['input_topics'] == [s.topic for s in inputs]
+    assert values['input_types'] == [s.msg_type for s in inputs]
+    assert values['input_kinds'] == [s.kind for s in inputs]
+    assert values['input_prefixes'] == [s.prefix for s in inputs]
+    assert values['input_max_tokens'] == [s.max_tokens for s in inputs]
+    assert values['input_max_age_s'] == [s.max_age_s for s in inputs]
+    scan = next(s for s in inputs if s.topic == '/scan')
     assert values['scan_sectors'] == scan.options['sectors']
     # the shipped policy's grammar: with its plan field first where it states an aim
-    from rt_llm_node.model.embedded import default_model_path
     fields = task.action_fields(task.model_aim(default_model_path()))
     assert values['action_fields'] == [f['name'] for f in fields]
     assert values['action_keys'] == [f['key'] for f in fields]

@@ -246,8 +246,8 @@ def test_demo_inputs_subsets_keep_what_the_expert_reads(tmp_path):
         demo_inputs(['/instruction', '/scan', '/detections', '/imu'])
     with pytest.raises(ValueError, match='needs'):
         demo_inputs(['/instruction', '/odom', '/detections'])
-    # a checkpoint says what it was trained on; none said: all of them (the shipped model)
-    assert model_inputs(default_model_path()) == INPUTS
+    # a checkpoint says what it was trained on (the shipped model: no /odom); none said: all
+    assert model_inputs(default_model_path()) == without
     assert model_inputs(tmp_path) == INPUTS
     (tmp_path / 'training.json').write_text(json.dumps({'inputs': [s.topic for s in without]}))
     assert model_inputs(tmp_path) == without

@@ -103,8 +103,11 @@ def rig(executor):
         node.destroy_node()
 
 
-def wait_for_peers(node, inputs=4, timeout=30.0):
-    """Block until the inputs arrive and the outputs have subscribers (DDS discovery)."""
+def wait_for_peers(node, inputs=None, timeout=30.0):
+    """Block until the inputs arrive (``inputs`` of them; None: every demo input) and the
+    outputs have subscribers (DDS discovery)."""
+    if inputs is None:
+        inputs = len(demo_parameters()['input_topics'])
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if (len(node._buffer.snapshot()) >= inputs
@@ -119,7 +122,7 @@ def wait_for_peers(node, inputs=4, timeout=30.0):
                          f'action subscribers {node._action_pub.get_subscription_count()}')
 
 
-def start(node, inputs=4):
+def start(node, inputs=None):
     """Configure, wait for DDS discovery, activate."""
     assert transition(node, 'configure') == TransitionCallbackReturn.SUCCESS
     wait_for_peers(node, inputs)
@@ -198,16 +201,18 @@ def test_too_short_a_period_refuses_with_deadline_before_the_deadline(executor, 
 
 def test_missing_input_gives_stale_input(rig):
     world, recorder, make = rig
-    node = make(rate_hz=10.0, input_topics=['/instruction', '/scan', '/odom_missing',
-                                            '/detections'])
-    start(node, inputs=3)
+    topics = [t.replace('/detections', '/detections_missing')
+              for t in demo_parameters()['input_topics']]
+    assert '/detections_missing' in topics
+    node = make(rate_hz=10.0, input_topics=topics)
+    start(node, inputs=len(topics) - 1)
     time.sleep(1.5)
     transition(node, 'deactivate')
     stats, refusals, _ = node.stats()
     assert refusals.get('stale_input', 0) >= 5 and stats.get('actions', 0) == 0
     assert 'stale_input' in reasons(recorder)
     detail = {kv.key: kv.value for kv in recorder.refusals[-1][1].status[0].values}['detail']
-    assert '/odom_missing' in detail
+    assert '/detections_missing' in detail
 
 
 def test_broken_model_fails_configure_with_the_loader_message(rig, tmp_path):
