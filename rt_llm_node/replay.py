@@ -282,64 +282,72 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
     bad_messages = Counter()
     n_ticks = int((t_stop - t_begin) // int(period * 1e9)) + 1
     wall_started = time.perf_counter()
+    # model clock: the plotter imports matplotlib on another core while the engine ticks; a
+    # wall-clock replay's latencies are the point, so there it starts after the last tick
+    plotter = TimelinePlotter() if clock_mode == 'model' else None
     try:
-        for k in range(n_ticks):
-            tick_ns = t_begin + int(round(k * period * 1e9))
-            while pending is not None and pending[1] <= tick_ns:
-                connection, stamp_ns, raw = pending
-                if connection.id in copies and stamp_ns >= t_begin:
-                    writer.write(copies[connection.id], stamp_ns, raw)
-                node_topic = topic_of.get(connection.topic)
-                if node_topic is not None:
-                    try:
-                        msg = store.deserialize_cdr(raw, connection.msgtype)
-                        snapshot[node_topic] = (msg, stamp_ns / 1e9)
-                    except Exception as exc:  # a corrupt message: skip it, keep going
-                        bad_messages[connection.topic] += 1
-                        if bad_messages[connection.topic] == 1:
-                            warn(f'{connection.topic}: undecodable message skipped ({exc})')
-                pending = next(messages, None)
-            stamp = tick_ns / 1e9
-            if clock_mode == 'model':
-                clock.advance_to(stamp)
-                deadline = stamp + period - margin
-            else:
-                now = clock.now()
-                deadline = now + period - margin
-            result = engine.tick(dict(snapshot), stamp, deadline)
-            done_ns = tick_ns + int(max(0.0, result.record.total_ms) * 1e6)
-            if result.action is not None:
-                last_action = result.action
-                published = result.action
-            else:
-                published = None
-                writer.write(refusal_conn, done_ns, store.serialize_cdr(
-                    refusal_message(result.refusal, tick_ns, done_ns, period, store),
-                    'diagnostic_msgs/msg/DiagnosticArray'))
-                mode = values['on_refusal']
-                if mode != 'none':
-                    published = fallback_values(engine.grammar, mode, last_action)
-            if published is not None:
-                writer.write(action_conn, done_ns, store.serialize_cdr(
-                    to_store_message(action_namespace(published, action_type, period),
-                                     action_type, store), action_type))
-            record = result.record
-            writer.write(record_conn, done_ns, store.serialize_cdr(
-                store.types['std_msgs/msg/String'](data=json.dumps(record.__dict__)),
-                'std_msgs/msg/String'))
-            lines.append(decision_line(result, tick_ns))
-            records.append(record)
+        try:
+            for k in range(n_ticks):
+                tick_ns = t_begin + int(round(k * period * 1e9))
+                while pending is not None and pending[1] <= tick_ns:
+                    connection, stamp_ns, raw = pending
+                    if connection.id in copies and stamp_ns >= t_begin:
+                        writer.write(copies[connection.id], stamp_ns, raw)
+                    node_topic = topic_of.get(connection.topic)
+                    if node_topic is not None:
+                        try:
+                            msg = store.deserialize_cdr(raw, connection.msgtype)
+                            snapshot[node_topic] = (msg, stamp_ns / 1e9)
+                        except Exception as exc:  # a corrupt message: skip it, keep going
+                            bad_messages[connection.topic] += 1
+                            if bad_messages[connection.topic] == 1:
+                                warn(f'{connection.topic}: undecodable message skipped ({exc})')
+                    pending = next(messages, None)
+                stamp = tick_ns / 1e9
+                if clock_mode == 'model':
+                    clock.advance_to(stamp)
+                    deadline = stamp + period - margin
+                else:
+                    now = clock.now()
+                    deadline = now + period - margin
+                result = engine.tick(dict(snapshot), stamp, deadline)
+                done_ns = tick_ns + int(max(0.0, result.record.total_ms) * 1e6)
+                if result.action is not None:
+                    last_action = result.action
+                    published = result.action
+                else:
+                    published = None
+                    writer.write(refusal_conn, done_ns, store.serialize_cdr(
+                        refusal_message(result.refusal, tick_ns, done_ns, period, store),
+                        'diagnostic_msgs/msg/DiagnosticArray'))
+                    mode = values['on_refusal']
+                    if mode != 'none':
+                        published = fallback_values(engine.grammar, mode, last_action)
+                if published is not None:
+                    writer.write(action_conn, done_ns, store.serialize_cdr(
+                        to_store_message(action_namespace(published, action_type, period),
+                                         action_type, store), action_type))
+                record = result.record
+                writer.write(record_conn, done_ns, store.serialize_cdr(
+                    store.types['std_msgs/msg/String'](data=json.dumps(record.__dict__)),
+                    'std_msgs/msg/String'))
+                lines.append(decision_line(result, tick_ns))
+                records.append(record)
+        finally:
+            writer.close()
+        (out / 'actions.jsonl').write_text('\n'.join(lines) + '\n', encoding='utf-8')
+        model = engine.admission.model
+        (out / 'cost_model.json').write_text(model.to_json(), encoding='utf-8')
+        plotter = plotter or TimelinePlotter()
+        plotter.draw(records, period * 1e3, margin * 1e3, out / 'timeline.png', warn)
     finally:
-        writer.close()
-    wall_s = time.perf_counter() - wall_started
-    (out / 'actions.jsonl').write_text('\n'.join(lines) + '\n', encoding='utf-8')
-    model = engine.admission.model
-    (out / 'cost_model.json').write_text(model.to_json(), encoding='utf-8')
+        if plotter is not None:
+            plotter.close()
+    wall_s = time.perf_counter() - wall_started   # every output but summary.json written
     summary = summarize(records, (t_stop - t_begin) / 1e9, wall_s, clock_mode)
     summary['backend'] = engine.backend.name
     summary['skipped_messages'] = dict(bad_messages)
     (out / 'summary.json').write_text(json.dumps(summary, indent=2) + '\n', encoding='utf-8')
-    plot_timeline(records, period * 1e3, margin * 1e3, out / 'timeline.png', warn)
     log(f'{summary["ticks"]} ticks: {summary["actions"]} actions, {summary["refusals"]} '
         f'refusals {summary["refusals_by_reason"]}, late {summary["late"]}; '
         f'{summary["bag_seconds"]:.1f} s of bag in {wall_s:.1f} s '
@@ -384,39 +392,85 @@ def summarize(records, bag_seconds, wall_s, clock_mode):
     }
 
 
-def plot_timeline(records, period_ms, margin_ms, path, warn):
-    """Tick latency against the deadline, refusals by reason, cache occupancy."""
-    try:
-        import matplotlib
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError:
-        warn('matplotlib is not installed: no timeline.png')
-        return
-    if not records:
-        return
-    t = np.array([r.stamp for r in records])
-    t = t - t[0]
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True,
-                                  gridspec_kw={'height_ratios': [3, 1]})
-    ax.plot(t, [r.total_ms for r in records], lw=0.8, label='tick latency (ms)')
-    ax.plot(t, [r.predicted_ms for r in records], lw=0.6, alpha=0.7, label='predicted (ms)')
-    ax.axhline(period_ms, color='red', ls='--', lw=1, label='tick deadline')
-    ax.axhline(period_ms - margin_ms, color='orange', ls=':', lw=1,
-               label='engine budget (deadline - margin)')
-    reasons = sorted({r.reason for r in records if r.decision == 'refusal'})
-    for i, reason in enumerate(reasons):
-        xs = [tt for tt, r in zip(t, records) if r.decision == 'refusal' and r.reason == reason]
-        ax.scatter(xs, [period_ms * (1.05 + 0.05 * i)] * len(xs), s=8, marker='|',
-                   label=f'refusal: {reason}')
-    ax.set_ylabel('ms')
-    ax.legend(loc='upper right', fontsize=7)
-    ax2.plot(t, [r.cache_length for r in records], lw=0.8, color='tab:green')
-    ax2.set_ylabel('cache tokens')
-    ax2.set_xlabel('bag time (s)')
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+class TimelinePlotter:
+    """Draws timeline.png in a child process started before the replay's first tick.
+
+    Importing matplotlib and drawing take about 1 s, a fifth of a 60 s bag's whole replay on
+    2 cores with the shipped policy; in a child process started first they run on another
+    core while the engine ticks, and the child then only waits for the records. Tick
+    latency against the deadline, refusals by reason, cache occupancy.
+    """
+
+    NO_MATPLOTLIB = 3   # the child's exit status when matplotlib cannot be imported
+
+    def __init__(self):
+        import subprocess
+        self._proc = subprocess.Popen(
+            [sys.executable, '-c', 'from rt_llm_node.replay import TimelinePlotter; '
+             'TimelinePlotter.child()'],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def draw(self, records, period_ms, margin_ms, path, warn):
+        """Send the records, wait for the PNG; a failure is a warning, never an error."""
+        job = {'path': str(path), 'period_ms': period_ms, 'margin_ms': margin_ms,
+               'stamp': [r.stamp for r in records], 'total_ms': [r.total_ms for r in records],
+               'predicted_ms': [r.predicted_ms for r in records],
+               'refusal': [r.reason if r.decision == 'refusal' else None for r in records],
+               'cache_length': [r.cache_length for r in records]}
+        try:
+            _, err = self._proc.communicate(json.dumps(job).encode(), timeout=120)
+        except Exception as exc:   # a child that hangs or died: the replay's outputs stand
+            self._proc.kill()
+            warn(f'timeline.png not drawn ({exc})')
+            return
+        if self._proc.returncode == self.NO_MATPLOTLIB:
+            warn('matplotlib is not installed: no timeline.png')
+        elif self._proc.returncode:
+            tail = err.decode(errors='replace').strip().splitlines()[-1:] or ['no message']
+            warn(f'timeline.png not drawn: {tail[0]}')
+
+    def close(self):
+        """Stop a child that was never given records (the replay failed first)."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    @classmethod
+    def child(cls):
+        """The child process: import matplotlib now, then draw what stdin brings."""
+        try:
+            from matplotlib.figure import Figure
+        except ImportError:
+            sys.stdin.read()
+            sys.exit(cls.NO_MATPLOTLIB)
+        text = sys.stdin.read()
+        if not text:          # the parent closed without a job
+            return
+        job = json.loads(text)
+        if not job['stamp']:
+            return
+        t = np.array(job['stamp'])
+        t = t - t[0]
+        period_ms = job['period_ms']
+        fig = Figure(figsize=(11, 6))
+        ax, ax2 = fig.subplots(2, 1, sharex=True, gridspec_kw={'height_ratios': [3, 1]})
+        ax.plot(t, job['total_ms'], lw=0.8, label='tick latency (ms)')
+        ax.plot(t, job['predicted_ms'], lw=0.6, alpha=0.7, label='predicted (ms)')
+        ax.axhline(period_ms, color='red', ls='--', lw=1, label='tick deadline')
+        ax.axhline(period_ms - job['margin_ms'], color='orange', ls=':', lw=1,
+                   label='engine budget (deadline - margin)')
+        reasons = sorted({r for r in job['refusal'] if r is not None})
+        for i, reason in enumerate(reasons):
+            xs = [tt for tt, r in zip(t, job['refusal']) if r == reason]
+            ax.scatter(xs, [period_ms * (1.05 + 0.05 * i)] * len(xs), s=8, marker='|',
+                       label=f'refusal: {reason}')
+        ax.set_ylabel('ms')
+        ax.legend(loc='upper right', fontsize=7)
+        ax2.plot(t, job['cache_length'], lw=0.8, color='tab:green')
+        ax2.set_ylabel('cache tokens')
+        ax2.set_xlabel('bag time (s)')
+        fig.tight_layout()
+        fig.savefig(job['path'], dpi=90)
 
 
 # -- comparing with a golden output ------------------------------------------------------------

@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 from rt_llm_node.bench_report import markdown_table
 from rt_llm_node.bench_report import print_table
@@ -41,14 +42,17 @@ def demo_params(backend, folder):
 
 
 def replay_process(bag, out, threads, params):
-    """Replay ``bag`` in a fresh process with ``threads`` BLAS threads; its summary."""
+    """Replay ``bag`` in a fresh process with ``threads`` BLAS threads; its summary and the
+    process's whole wall time (start, imports, model load and configure included)."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
     command = [sys.executable, '-c', 'import sys; from rt_llm_node.replay import main; '
                'sys.exit(main())', str(bag), '--params', str(params),
                '--out', str(out), '--clock', 'model',
                '--cost-model', str(Path(default_model_path()) / 'cost_model.json')]
+    started = time.perf_counter()
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
-    return json.loads((Path(out) / 'summary.json').read_text())
+    process_s = time.perf_counter() - started
+    return json.loads((Path(out) / 'summary.json').read_text()), process_s
 
 
 def main():
@@ -69,7 +73,7 @@ def main():
             bag = record_demo_bag(Path(tmp) / storage, args.seconds, storage=storage)
             for n in threads:   # one thread first: its stream is the reference
                 out = Path(tmp) / f'out_{storage}_{n}'
-                s = replay_process(bag, out, n, params)
+                s, process_s = replay_process(bag, out, n, params)
                 if s.get('backend') != args.backend:
                     raise SystemExit(f"the replay ran on {s.get('backend')}, not {args.backend}")
                 stream = (out / 'actions.jsonl').read_bytes()
@@ -78,10 +82,12 @@ def main():
                 per_tick = s['wall_seconds'] / s['ticks'] * 1e3
                 rows.append([storage, n, f"{s['bag_seconds']:.1f}", s['ticks'],
                              f"{s['wall_seconds']:.1f}", f'{per_tick:.2f}',
-                             f"{s['speed_x_realtime']:.1f}x", s['actions'], s['refusals'],
+                             f"{s['speed_x_realtime']:.1f}x", f'{process_s:.1f}',
+                             f"{s['bag_seconds'] / process_s:.1f}x", s['actions'], s['refusals'],
                              'yes' if stream == reference else 'NO'])
     header = ['storage', 'BLAS threads', 'bag s', 'ticks', 'replay s', 'ms / tick',
-              'speed vs real time', 'actions', 'refusals', 'same decisions as 1 thread']
+              'speed vs real time', 'process s', 'process vs real time', 'actions',
+              'refusals', 'same decisions as 1 thread']
     print_table(header, rows)
     if args.write:
         write_section('replay', f'Offline replay speed ({args.backend} backend, shipped model)',
@@ -89,8 +95,10 @@ def main():
                       '--clock model` with config/demo.yaml (its backend pinned to '
                       f'`{args.backend}`) and the cost model shipped beside '
                       'the model, one process per row with `OPENBLAS_NUM_THREADS` = BLAS '
-                      'threads (replay s: engine, bag reading and writing, summary and PNG; '
-                      'process start and imports excluded). Last column: the decision stream '
+                      'threads (replay s: the tick loop, bag reading and writing, every output '
+                      'file and the PNG, as summary.json records it; process s: the whole '
+                      'command, Python start, imports, model load and configure included). '
+                      'Last column: the decision stream '
                       '(actions.jsonl) byte-identical to the one-thread replay of the same '
                       'bag.\n\n' + markdown_table(header, rows))
 
