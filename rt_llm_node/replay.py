@@ -404,11 +404,16 @@ class TimelinePlotter:
     NO_MATPLOTLIB = 3   # the child's exit status when matplotlib cannot be imported
 
     def __init__(self):
+        import os
         import subprocess
+        # this package where the parent found it, installed or not
+        package_root = str(Path(__file__).resolve().parents[1])
+        path = os.environ.get('PYTHONPATH')
+        env = dict(os.environ, PYTHONPATH=package_root + (os.pathsep + path if path else ''))
         self._proc = subprocess.Popen(
             [sys.executable, '-c', 'from rt_llm_node.replay import TimelinePlotter; '
              'TimelinePlotter.child()'],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
 
     def draw(self, records, period_ms, margin_ms, path, warn):
         """Send the records, wait for the PNG; a failure is a warning, never an error."""
