@@ -70,12 +70,9 @@ def scan_sectors(msg, sectors):
     index = np.round(angles / width).astype(np.int64) % sectors
     ranges = np.where(np.isposinf(ranges), range_max, ranges)
     valid = np.isfinite(ranges) & (ranges >= range_min)
-    out = np.full(sectors, np.nan)
-    clipped = np.minimum(ranges, range_max)
-    for s in range(sectors):
-        chosen = clipped[valid & (index == s)]
-        if len(chosen):
-            out[s] = chosen.min()
+    out = np.full(sectors, np.inf)
+    np.minimum.at(out, index[valid], np.minimum(ranges[valid], range_max))   # exact: a min
+    out[np.isinf(out)] = np.nan   # no valid return in the sector
     return out
 
 
