@@ -290,6 +290,30 @@ def test_wall_clock_replay_runs_and_reports_real_latency(bags, tmp_path, capsys)
     assert summary['latency_ms']['p50'] > 0.1   # measured, not predicted
 
 
+def test_wall_clock_replay_draws_its_timeline_too(bags, tmp_path, capsys):
+    """A wall-clock replay starts the plotter only after its last tick; the PNG still comes."""
+    code, _, err = run([bags['mcap'], '--params', DEMO_PARAMS, '--out', tmp_path,
+                        '--clock', 'wall', '--end', '0.5'], capsys)
+    assert code == 0, err
+    assert (tmp_path / 'timeline.png').stat().st_size > 10000
+
+
+def test_a_timeline_that_cannot_be_written_is_a_warning_not_a_failure(tmp_path):
+    """The plotter child fails for real (its folder is gone); the parent warns and goes on."""
+    from types import SimpleNamespace
+    from rt_llm_node.replay import TimelinePlotter
+    records = [SimpleNamespace(stamp=i / 30, total_ms=2.0, predicted_ms=3.0,
+                               decision='refusal' if i == 3 else 'action',
+                               reason='deadline' if i == 3 else '', cache_length=10 + i)
+               for i in range(10)]
+    warnings = []
+    TimelinePlotter().draw(records, 33.3, 3.0, tmp_path / 'gone' / 'timeline.png',
+                           warnings.append)
+    assert len(warnings) == 1 and 'timeline.png not drawn' in warnings[0], warnings
+    TimelinePlotter().draw(records, 33.3, 3.0, tmp_path / 'timeline.png', warnings.append)
+    assert len(warnings) == 1 and (tmp_path / 'timeline.png').stat().st_size > 10000
+
+
 def test_a_late_start_still_knows_the_instruction_sent_at_the_beginning(tmp_path, capsys):
     source = record_demo_bag(tmp_path / 'long', 14.0, seed=1_000_005)
     store = get_typestore(Stores.LATEST)
