@@ -425,7 +425,7 @@ class TimelinePlotter:
         try:
             _, err = self._proc.communicate(json.dumps(job).encode(), timeout=120)
         except Exception as exc:   # a child that hangs or died: the replay's outputs stand
-            self._proc.kill()
+            self.close()
             warn(f'timeline.png not drawn ({exc})')
             return
         if self._proc.returncode == self.NO_MATPLOTLIB:
@@ -435,7 +435,7 @@ class TimelinePlotter:
             warn(f'timeline.png not drawn: {tail[0]}')
 
     def close(self):
-        """Stop a child that was never given records (the replay failed first)."""
+        """Stop a child that has not finished (never given records, or hung) and reap it."""
         if self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
