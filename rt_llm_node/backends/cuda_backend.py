@@ -316,6 +316,9 @@ class CudaBackend:
         return self._pd_args is not None
 
     def _choose_persistent(self, enabled):
+        # the last step may still run and read the buffers replaced here, and the pool may
+        # hand their memory to the new ones at once (written on another stream)
+        self.stream.synchronize()
         self._pd_args = None
         if enabled is False:
             return
