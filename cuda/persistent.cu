@@ -261,15 +261,14 @@ __device__ void pd_matvec(PdBatch& w, const wt* W, int rows, int K, const float*
 // Phase B: a warp per (head, split of PD_KEYS keys), lane j on key k0 + j for the scores
 // and on dims lane + 32 t (t < DL = head_dim / 32) for the values; every load of a batch
 // issued before its first use. The head's last warp merges its splits in split order.
-template <int DL>
+template <int DL, int NW>   // NW: the warps of a block that take work items
 __device__ void pd_attention(const DecodeArgs& a, const DecodeLayer& L, int start, float* qw) {
   constexpr int D = 32 * DL, KB = 32 / DL;   // KB: keys per batch of value loads
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
   const int visible = start + 1, used = (visible + PD_KEYS - 1) / PD_KEYS;
   const int group = a.n_heads / a.n_kv, kv_size = a.n_kv * D;
   float* q_s = qw + warp * D;
-  for (int item = blockIdx.x * PD_WARPS + warp; item < a.n_heads * used;
-       item += gridDim.x * PD_WARPS) {
+  for (int item = blockIdx.x * NW + warp; item < a.n_heads * used; item += gridDim.x * NW) {
     const int h = item / used, s = item % used, hk = h / group;
     const int k0 = s * PD_KEYS, count = min(PD_KEYS, visible - k0);
 #pragma unroll
@@ -364,12 +363,13 @@ __device__ void pd_attention(const DecodeArgs& a, const DecodeLayer& L, int star
   }
 }
 
+template <int NW>
 __device__ __forceinline__ void pd_attention_any(const DecodeArgs& a, const DecodeLayer& L,
                                                  int start, float* qw) {
   switch (a.head_dim / WARP) {
-    case 1: pd_attention<1>(a, L, start, qw); break;
-    case 2: pd_attention<2>(a, L, start, qw); break;
-    default: pd_attention<4>(a, L, start, qw); break;   // head_dim 128 (the backend checks)
+    case 1: pd_attention<1, NW>(a, L, start, qw); break;
+    case 2: pd_attention<2, NW>(a, L, start, qw); break;
+    default: pd_attention<4, NW>(a, L, start, qw); break;   // head_dim 128 (the backend checks)
   }
 }
 
@@ -400,7 +400,7 @@ decode_persistent(int* state, const DecodeArgs* args) {
     pd_matvec<EPI_QKV_ROPE>(w, L.wqkv, qkv_rows, hid, xs, qkv_rows / 2, nullptr, state, start, qa);
     // B: attention
     grid_sync(a.bar, &target);
-    pd_attention_any(a, L, start, qw);
+    pd_attention_any<PD_WARPS>(a, L, start, qw);
     // C: o projection into the residual
     grid_arrive(a.bar);
     pd_prefetch<EPI_RESIDUAL>(w, L.wo, hid, q_size, hid_units, none);
@@ -444,4 +444,527 @@ decode_persistent(int* state, const DecodeArgs* args) {
     if (lane == 0) a.mass[t] = sum;
   }
   grid_sync_reset(a.bar, &target);
+}
+
+// ---- decode_ring --------------------------------------------------------------------------
+// decode_ring  grid = SMs (one block of RG_THREADS each, all resident: cooperative launch),
+//   dynamic shared memory = the input vector (4 * max(hidden, q_size, inter) bytes, in
+//   16-byte lines) + a ring of `ring_bytes` (sm_90: bulk copies and mbarriers; a stub that
+//   traps elsewhere). The same step as decode_persistent, phase for phase, but a block owns
+//   a fixed contiguous share of every matrix's units (units * b / grid ..) and does not
+//   wait for its weights: a producer warp (the block's last) streams the block's shares of
+//   every matrix of the step, in the order the phases use them, into the ring as chunks
+//   (up to RG_CHUNK bytes of whole units, one bulk copy per run of rows contiguous in
+//   memory, completing on the chunk's `full` mbarrier), running ahead of the phases across
+//   grid barriers and layers as far as the ring allows; the RG_WARPS compute warps take a
+//   chunk from shared memory once it has landed (a unit per warp, or per RG_WARPS / n
+//   warps that split its K when the chunk has n < RG_WARPS units, their sums added in warp
+//   order) and release its space (`empty` mbarrier, one arrival a warp). A chunk holds its
+//   units' rows as [2][n][K] ([n][2][K] for row-pair units, whose rows 2u, 2u + 1 are then
+//   one copy). Every output has one writer and a fixed order of sums: repeatable bit for
+//   bit. Grid barriers, `flag_barrier` 1: block b stores its count of barriers passed in
+//   flags[b] (release) and its threads poll one flag each (acquire): no two blocks write one
+//   word and no reset is needed (every flag holds the same count after a launch); 0:
+//   grid_sync's counter. `prof` (null: off): clock64 accounting of compute thread 0's time.
+#define RG_WARPS 7                       // compute warps (8 warps in all keep 255 registers)
+#define RG_THREADS (32 * (RG_WARPS + 1))  // and the producer warp
+#define RG_NB 32        // chunks in flight at most (an mbarrier pair each)
+#define RG_CHUNK 57344  // a chunk's size in bytes at most, unless one unit is larger
+#define RG_STAGE4 12    // float4s a compute thread stages: inputs up to 4 * 12 * 224 = 10752 wide
+
+struct RgPhase {
+  const wt* W;
+  int rows, K, units, epi, u0, u1, per_chunk;
+  QkvArgs qa;
+};
+
+// Phase p of the step's weight sequence: 4 per layer (q/k/v, o, gate/up, down), then the
+// LM head (p == 4 * n_layers); this block's units [u0, u1), whole units per chunk.
+__device__ __forceinline__ RgPhase rg_phase(const DecodeArgs& a, int p, int ring_bytes) {
+  RgPhase ph;
+  const int l = p >> 2, d = a.head_dim, q_size = a.n_heads * d, kv_size = a.n_kv * d;
+  ph.qa = QkvArgs{};
+  if (l >= a.n_layers) {
+    ph.W = a.lm_head; ph.rows = a.vocab; ph.K = a.hidden; ph.units = (a.vocab + 1) / 2;
+    ph.epi = EPI_STORE;
+  } else {
+    const DecodeLayer& L = a.layers[l];
+    switch (p & 3) {
+      case 0:
+        ph.W = L.wqkv; ph.rows = q_size + 2 * kv_size; ph.K = a.hidden; ph.units = ph.rows / 2;
+        ph.epi = EPI_QKV_ROPE;
+        ph.qa = QkvArgs{L.bqkv, a.q, L.k, L.v, a.cos_t, a.sin_t, a.n_heads, a.n_kv, d, a.cap};
+        break;
+      case 1:
+        ph.W = L.wo; ph.rows = a.hidden; ph.K = q_size; ph.units = (a.hidden + 1) / 2;
+        ph.epi = EPI_RESIDUAL;
+        break;
+      case 2:
+        ph.W = L.wgate_up; ph.rows = 2 * a.inter; ph.K = a.hidden; ph.units = a.inter;
+        ph.epi = EPI_SWIGLU;
+        break;
+      default:
+        ph.W = L.wdown; ph.rows = a.hidden; ph.K = a.inter; ph.units = (a.hidden + 1) / 2;
+        ph.epi = EPI_RESIDUAL;
+        break;
+    }
+  }
+  ph.u0 = ph.units * (int)blockIdx.x / (int)gridDim.x;   // units * grid < 2^31 (backend)
+  ph.u1 = ph.units * ((int)blockIdx.x + 1) / (int)gridDim.x;
+  const int unit_bytes = 2 * ph.K * (int)sizeof(wt);
+  ph.per_chunk = max(1, min(RG_CHUNK, ring_bytes / 3) / unit_bytes);
+  if (ph.per_chunk > RG_WARPS) ph.per_chunk -= ph.per_chunk % RG_WARPS;   // every warp busy
+  return ph;
+}
+
+__device__ __forceinline__ void rg_rows(const RgPhase& ph, int u, int* r0, int* r1, int* kind) {
+  switch (ph.epi) {
+    case EPI_QKV_ROPE: unit_rows<EPI_QKV_ROPE>(u, ph.rows, ph.qa, r0, r1, kind); break;
+    case EPI_SWIGLU: unit_rows<EPI_SWIGLU>(u, ph.rows, ph.qa, r0, r1, kind); break;
+    default: unit_rows<EPI_RESIDUAL>(u, ph.rows, ph.qa, r0, r1, kind); break;
+  }
+}
+
+// Shared-memory row of unit j's row `which` (0: r0, 1: r1) in a chunk of n units.
+__device__ __forceinline__ int rg_slot(const RgPhase& ph, int j, int which, int n) {
+  return (ph.epi == EPI_RESIDUAL || ph.epi == EPI_STORE) ? 2 * j + which : which * n + j;
+}
+
+// A cursor over this block's chunks of the step, in order: phase, first unit, units.
+struct RgCursor { int p, u, n; };
+
+__device__ __forceinline__ void rg_settle(const DecodeArgs& a, RgCursor& c, RgPhase& ph,
+                                          int ring_bytes) {
+  const int last = 4 * a.n_layers;   // the LM head
+  while (c.p <= last) {
+    ph = rg_phase(a, c.p, ring_bytes);
+    if (c.u < 0) c.u = ph.u0;
+    if (c.u < ph.u1) { c.n = min(ph.per_chunk, ph.u1 - c.u); return; }
+    ++c.p;
+    c.u = -1;
+  }
+  c.n = 0;   // past the end
+}
+
+__device__ __forceinline__ void rg_next(const DecodeArgs& a, RgCursor& c, RgPhase& ph,
+                                        int ring_bytes) {
+  c.u += c.n;
+  if (c.u < ph.u1) {   // the same phase: no need to look its matrix up again
+    c.n = min(ph.per_chunk, ph.u1 - c.u);
+    return;
+  }
+  rg_settle(a, c, ph, ring_bytes);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+
+// Block until the phase of parity `parity` of the mbarrier has completed (a wait that
+// never ends traps: a launch that could not complete fails instead of hanging).
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+  unsigned ok, polls = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(ok) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    if (++polls > (1u << 22)) asm volatile("trap;");   // try_wait may sleep a while a poll
+  } while (!ok);
+}
+
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes,
+                                          unsigned long long* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+
+// The compute warps' own barrier (named barrier 1; the producer warp never joins it).
+__device__ __forceinline__ void rg_sync() {
+  asm volatile("bar.sync 1, %0;" ::"r"(RG_WARPS * WARP) : "memory");
+}
+
+// The producer (one thread): every chunk of the step in order, each where the ring has
+// room once the compute warps have released the chunks before it.
+__device__ void rg_produce_all(const DecodeArgs& a, unsigned char* ring, int ring_bytes,
+                               int* offs, unsigned long long* full, unsigned long long* empty) {
+  RgCursor cur = {0, -1, 0};
+  RgPhase ph;
+  rg_settle(a, cur, ph, ring_bytes);
+  int issued = 0, freed = 0, head = 0;
+  while (cur.n > 0) {
+    const int row_bytes = ph.K * (int)sizeof(wt), n = cur.n, bytes = 2 * n * row_bytes;
+    int off;
+    while (true) {
+      off = -1;
+      if (issued - freed < RG_NB) {
+        if (freed == issued) {
+          off = 0;
+        } else {
+          const int tail = offs[freed % RG_NB];
+          if (head > tail) {   // in flight: [tail, head)
+            if (head + bytes <= ring_bytes) off = head;
+            else if (bytes <= tail) off = 0;
+          } else if (head + bytes <= tail) {   // in flight: [tail, end) and [0, head)
+            off = head;
+          }
+        }
+      }
+      if (off >= 0) break;
+      mbar_wait(empty + freed % RG_NB, (freed / RG_NB) & 1);   // the oldest's release
+      ++freed;
+    }
+    const int slot = issued % RG_NB;
+    offs[slot] = off;
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    mbar_expect_tx(full + slot, (unsigned)bytes);
+    // runs of rows contiguous both in memory and in the chunk: one bulk copy each
+    const bool pairs = ph.epi == EPI_RESIDUAL || ph.epi == EPI_STORE;
+    int run_row = -1, run_slot = 0, run_len = 0;
+    for (int s = 0; s < 2 * n; ++s) {
+      const int j = pairs ? s / 2 : s % n, which = pairs ? s % 2 : s / n;
+      int r0, r1, kind;
+      rg_rows(ph, cur.u + j, &r0, &r1, &kind);
+      const int r = which ? r1 : r0;
+      if (run_len > 0 && r == run_row + run_len) {
+        ++run_len;
+        continue;
+      }
+      if (run_len > 0)
+        bulk_copy(ring + off + (long long)run_slot * row_bytes,
+                  ph.W + (long long)run_row * ph.K, (unsigned)(run_len * row_bytes),
+                  full + slot);
+      run_row = r; run_slot = s; run_len = 1;
+    }
+    bulk_copy(ring + off + (long long)run_slot * row_bytes, ph.W + (long long)run_row * ph.K,
+              (unsigned)(run_len * row_bytes), full + slot);
+    head = off + bytes;
+    ++issued;
+    rg_next(a, cur, ph, ring_bytes);
+  }
+}
+
+__device__ __forceinline__ void st_release_u32(unsigned* p, unsigned v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// The grid barrier of the compute warps: arrive (after every compute thread's writes),
+// then wait for every block's arrival.
+__device__ __forceinline__ void rg_grid_sync(unsigned* bar, unsigned* flags, int flag_barrier,
+                                             unsigned* count, unsigned* target) {
+  rg_sync();
+  ++*count;
+  if (flag_barrier) {
+    if (threadIdx.x == 0) st_release_u32(flags + blockIdx.x, *count);
+    for (int b = threadIdx.x; b < gridDim.x; b += RG_WARPS * WARP) {
+      unsigned polls = 0;
+      while ((int)(ld_acquire_u32(flags + b) - *count) < 0)
+        if (++polls > (1u << 25)) asm volatile("trap;");
+    }
+  } else {
+    *target += gridDim.x;
+    if (threadIdx.x == 0) {
+      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(bar) : "memory");
+      unsigned polls = 0;
+      while ((int)(ld_acquire_u32(bar) - *target) < 0)
+        if (++polls > (1u << 25)) asm volatile("trap;");
+    }
+  }
+  rg_sync();
+}
+
+// xs[k] = x[k] * inv_rms * norm_w[k] (or x[k]), as pd_stage, over the compute warps.
+__device__ __forceinline__ void rg_stage(float* xs, const float* x, int K, const wt* norm_w,
+                                         float eps, float* scratch) {
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  float4* xs4 = reinterpret_cast<float4*>(xs);
+  const int K4 = K / 4, nt = RG_WARPS * WARP;
+  float4 v[RG_STAGE4];
+#pragma unroll
+  for (int i = 0; i < RG_STAGE4; ++i) {
+    const int e = threadIdx.x + i * nt;
+    if (e < K4) v[i] = __ldcg(x4 + e);
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < RG_STAGE4; ++i) {
+    const int e = threadIdx.x + i * nt;
+    if (e < K4) {
+      ss = fmaf(v[i].x, v[i].x, fmaf(v[i].y, v[i].y, fmaf(v[i].z, v[i].z, fmaf(v[i].w, v[i].w, ss))));
+      if (!norm_w) xs4[e] = v[i];
+    }
+  }
+  if (norm_w) {
+    ss = warp_sum(ss);
+    if (threadIdx.x % WARP == 0) scratch[threadIdx.x / WARP] = ss;
+    rg_sync();
+    float tot = 0.f;
+#pragma unroll
+    for (int w = 0; w < RG_WARPS; ++w) tot += scratch[w];
+    const float inv_rms = 1.f / sqrtf(tot / K + eps);
+#pragma unroll
+    for (int i = 0; i < RG_STAGE4; ++i) {
+      const int e = threadIdx.x + i * nt;
+      if (e < K4) {
+        float nw[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) nw[j] = w2f(norm_w[4 * e + j]);
+        xs4[e] = make_float4(v[i].x * inv_rms * nw[0], v[i].y * inv_rms * nw[1],
+                             v[i].z * inv_rms * nw[2], v[i].w * inv_rms * nw[3]);
+      }
+    }
+  }
+  rg_sync();   // xs complete (and scratch free again)
+}
+
+// Optional clock64 accounting of compute thread 0's time (`prof`, null: off): [0] grid
+// barriers, [1] staging inputs, [2] waiting for a chunk to land, [3] computing chunks,
+// [4] attention, [5] the rest.
+struct RgProf {
+  long long* out;   // [grid, 8]
+  long long mark;
+  __device__ __forceinline__ void lap(int i) {
+    if (out && threadIdx.x == 0) {
+      const long long now = clock64();
+      out[blockIdx.x * 8 + i] += now - mark;
+      mark = now;
+    }
+  }
+};
+
+// Eight weights from shared memory, raw.
+__device__ __forceinline__ w8raw lds_w8(const wt* p) {
+  w8raw r;
+#if defined(RT_WEIGHT_F32)
+  r.a = reinterpret_cast<const float4*>(p)[0];
+  r.b = reinterpret_cast<const float4*>(p)[1];
+#else
+  r.a = *reinterpret_cast<const uint4*>(p);
+#endif
+  return r;
+}
+
+// The epilogue's inputs of unit u, loaded before its dot product so that their latency
+// hides behind it: the residual pair (EPI_RESIDUAL) or the rotation's cos and sin.
+template <int EPI>
+__device__ __forceinline__ void rg_epilogue_inputs(const RgPhase& ph, int u, const float* out,
+                                                   int start, float* e0, float* e1) {
+  int r0, r1, kind;
+  unit_rows<EPI>(u, ph.rows, ph.qa, &r0, &r1, &kind);
+  if (EPI == EPI_RESIDUAL) {
+    *e0 = ld_cg(out + r0);
+    *e1 = ld_cg(out + r1);
+  } else if (EPI == EPI_QKV_ROPE && kind < 2) {
+    const int half = ph.qa.head_dim / 2, q_size = ph.qa.n_heads * ph.qa.head_dim;
+    const int i = (kind == 0 ? r0 : r0 - q_size) % ph.qa.head_dim;
+    *e0 = __ldg(ph.qa.cos_t + (long long)(ph.qa.cap + start) * half + i);
+    *e1 = __ldg(ph.qa.sin_t + (long long)(ph.qa.cap + start) * half + i);
+  }
+}
+
+template <int EPI>
+__device__ __forceinline__ void rg_epilogue(int* state, const RgPhase& ph, int u, float a0,
+                                            float a1, float* out, int start, float e0,
+                                            float e1) {
+  int r0, r1, kind;
+  unit_rows<EPI>(u, ph.rows, ph.qa, &r0, &r1, &kind);
+  if (EPI == EPI_RESIDUAL) {   // one writer an element: x += W y with the residual read early
+    out[r0] = e0 + a0;
+    if (2 * u + 1 < ph.rows) out[r1] = e1 + a1;
+  } else {
+    epilogue<EPI>(state, 0, u, ph.rows, r0, r1, kind, a0, a1, out, 0, start, ph.qa,
+                  EPI == EPI_QKV_ROPE, e0, e1);
+  }
+}
+
+// One phase's matrix: every chunk of this block's units, each computed from the ring once
+// landed, through the phase's epilogue.
+template <int EPI>
+__device__ __forceinline__ void rg_matrix(const DecodeArgs& a, int p, RgCursor& cc,
+                                          RgPhase& ph, const float* xs, float* out,
+                                          int* state, int start, unsigned char* ring,
+                                          int ring_bytes, const int* offs,
+                                          unsigned long long* full,
+                                          unsigned long long* empty, int* consumed,
+                                          float2* part, RgProf& prof) {
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+  while (cc.n > 0 && cc.p == p) {   // none when this block has no units in phase p
+    const int c = *consumed, slot = c % RG_NB, n = cc.n, K = ph.K, nc = K >> 3;
+    // warps a unit: 1 with at least RG_WARPS units, else RG_WARPS / n splitting K
+    const int split = max(1, RG_WARPS / n);
+    const int at_once = RG_WARPS / split, per_part = (nc + split - 1) / split;
+    const int q = warp % split, g0 = q * per_part, g1 = min(nc, g0 + per_part);
+    const bool active = warp < at_once * split;   // all of them unless RG_WARPS is odd
+    mbar_wait(full + slot, (c / RG_NB) & 1);
+    prof.lap(2);
+    const wt* chunk = reinterpret_cast<const wt*>(ring + offs[slot]);
+    for (int j0 = 0; j0 < n; j0 += at_once) {   // the same count for every warp
+      const int j = active ? j0 + warp / split : n;
+      float a0 = 0.f, a1 = 0.f, e0 = 0.f, e1 = 0.f;
+      if (j < n && lane == 0 && q == 0)   // the epilogue's loads, in flight during the dot
+        rg_epilogue_inputs<EPI>(ph, cc.u + j, out, start, &e0, &e1);
+      if (j < n) {
+        const wt* w0 = chunk + (long long)rg_slot(ph, j, 0, n) * K;
+        const wt* w1 = chunk + (long long)rg_slot(ph, j, 1, n) * K;
+#pragma unroll 2
+        for (int g = g0 + lane; g < g1; g += WARP) {
+          float fa[8], fb[8];
+          w8_floats(lds_w8(w0 + 8 * g), fa);
+          w8_floats(lds_w8(w1 + 8 * g), fb);
+          const float4 x0 = *reinterpret_cast<const float4*>(xs + 8 * g);
+          const float4 x1 = *reinterpret_cast<const float4*>(xs + 8 * g + 4);
+          const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            a0 = fmaf(fa[k], xv[k], a0);
+            a1 = fmaf(fb[k], xv[k], a1);
+          }
+        }
+      }
+      a0 = warp_sum(a0);
+      a1 = warp_sum(a1);
+      if (split == 1) {
+        if (lane == 0 && j < n) rg_epilogue<EPI>(state, ph, cc.u + j, a0, a1, out, start, e0, e1);
+      } else {
+        if (lane == 0) part[warp] = make_float2(a0, a1);
+        rg_sync();
+        if (lane == 0 && q == 0 && j < n) {
+          float s0 = 0.f, s1 = 0.f;
+          for (int i = 0; i < split; ++i) { s0 += part[warp + i].x; s1 += part[warp + i].y; }
+          rg_epilogue<EPI>(state, ph, cc.u + j, s0, s1, out, start, e0, e1);
+        }
+        rg_sync();
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + slot);
+    ++*consumed;
+    rg_next(a, cc, ph, ring_bytes);
+    prof.lap(3);
+  }
+}
+#endif  // sm_90
+
+extern "C" __global__ void __launch_bounds__(RG_THREADS, 1)
+decode_ring(int* state, const DecodeArgs* args, unsigned* flags, int ring_bytes,
+            int flag_barrier, long long* prof_out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ float4 rg_smem4[];
+  __shared__ unsigned long long full[RG_NB], empty[RG_NB];
+  __shared__ int offs[RG_NB];
+  __shared__ float scratch[WARP];
+  __shared__ float2 part[RG_WARPS];
+  __shared__ float qw[RG_WARPS * 128];   // attention: a warp's query
+  const DecodeArgs& a = *args;   // read as needed (L1), not held in registers
+  float* xs = reinterpret_cast<float*>(rg_smem4);
+  const int xs_bytes = 16 * ((4 * max(max(a.hidden, a.n_heads * a.head_dim), a.inter) + 15) / 16);
+  unsigned char* ring = reinterpret_cast<unsigned char*>(rg_smem4) + xs_bytes;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < RG_NB; ++i) {
+      mbar_init(full + i, 1);
+      mbar_init(empty + i, RG_WARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();   // the last barrier of the whole block: the producer leaves below
+  if (threadIdx.x / WARP == RG_WARPS) {
+    if (threadIdx.x % WARP == 0) rg_produce_all(a, ring, ring_bytes, offs, full, empty);
+    return;
+  }
+  const int start = state[STATE_START], token = state[STATE_TOKEN];
+  const int hid = a.hidden, q_size = a.n_heads * a.head_dim;
+  unsigned* bar = a.bar;
+  unsigned count = 0, target = 0;
+  if (flag_barrier) count = __ldcg(flags + blockIdx.x);   // this block's own, from the last launch
+  RgCursor cc = {0, -1, 0};
+  RgPhase ph;
+  rg_settle(a, cc, ph, ring_bytes);
+  int consumed = 0;
+  RgProf prof;
+  prof.out = prof_out;
+  prof.mark = clock64();
+  const int nt = RG_WARPS * WARP;
+  for (int k = blockIdx.x * nt + threadIdx.x; k < hid; k += gridDim.x * nt)
+    a.x[k] = w2f(a.embed[(long long)token * hid + k]);
+  prof.lap(5);
+#define RG_SYNC()                                                    \
+  do {                                                               \
+    rg_grid_sync(bar, flags, flag_barrier, &count, &target);         \
+    prof.lap(0);                                                     \
+  } while (0)
+#define RG_MATRIX(EPI, P, OUT)                                                             \
+  rg_matrix<EPI>(a, P, cc, ph, xs, OUT, state, start, ring, ring_bytes, offs, full, empty, \
+                 &consumed, part, prof)
+  for (int l = 0; l < a.n_layers; ++l) {
+    const DecodeLayer L = a.layers[l];
+    RG_SYNC();   // x complete
+    rg_stage(xs, a.x, hid, L.attn_norm, a.eps, scratch);
+    prof.lap(1);
+    RG_MATRIX(EPI_QKV_ROPE, 4 * l, nullptr);
+    RG_SYNC();   // q, k, v complete
+    pd_attention_any<RG_WARPS>(a, L, start, qw);
+    prof.lap(4);
+    RG_SYNC();   // attention complete
+    rg_stage(xs, a.attn_out, q_size, nullptr, a.eps, scratch);
+    prof.lap(1);
+    RG_MATRIX(EPI_RESIDUAL, 4 * l + 1, a.x);
+    RG_SYNC();
+    rg_stage(xs, a.x, hid, L.mlp_norm, a.eps, scratch);
+    prof.lap(1);
+    RG_MATRIX(EPI_SWIGLU, 4 * l + 2, a.act);
+    RG_SYNC();
+    rg_stage(xs, a.act, a.inter, nullptr, a.eps, scratch);
+    prof.lap(1);
+    RG_MATRIX(EPI_RESIDUAL, 4 * l + 3, a.x);
+  }
+  RG_SYNC();
+  rg_stage(xs, a.x, hid, a.final_norm, a.eps, scratch);
+  prof.lap(1);
+  RG_MATRIX(EPI_STORE, 4 * a.n_layers, a.logits);
+  // mass (as decode_persistent), after every attention phase: the barrier above suffices
+  const int visible = start + 1, n_rows = a.n_layers * a.n_heads;
+  const int lane = threadIdx.x % WARP;
+  for (int t = blockIdx.x * RG_WARPS + threadIdx.x / WARP; t < visible;
+       t += gridDim.x * RG_WARPS) {
+    float sum = 0.f;
+#pragma unroll 4
+    for (int r = lane; r < n_rows; r += WARP) {
+      const DecodeLayer& L = a.layers[r / a.n_heads];
+      const int h = r % a.n_heads;
+      sum += expf(__ldcg(L.scores + (long long)h * a.cap + t) - __ldcg(L.ml + 2 * h)) /
+             __ldcg(L.ml + 2 * h + 1);
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) a.mass[t] = sum;
+  }
+  if (!flag_barrier) {   // the counter's reset, as grid_sync_reset
+    rg_grid_sync(bar, flags, 0, &count, &target);
+    if (threadIdx.x == 0) {
+      unsigned out;
+      asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(out) : "l"(bar + 1) : "memory");
+      if (out == gridDim.x - 1) { bar[0] = 0; bar[1] = 0; }
+    }
+  }
+  prof.lap(5);
+#undef RG_SYNC
+#undef RG_MATRIX
+#else
+  asm volatile("trap;");   // needs sm_90 (bulk copies); the backend never launches it below
+#endif
 }

@@ -71,7 +71,7 @@ def shape_dirs(tmp_path_factory):
     return {name: write_random_checkpoint(root / name, name, seed=5) for name in SHAPES}
 
 
-@pytest.mark.parametrize('persistent', [False, True])
+@pytest.mark.parametrize('persistent', [False, True, 'ring'])
 @pytest.mark.parametrize('shape', SHAPES)
 def test_shapes_match_numpy_backend(shape, persistent, shape_dirs):
     checkpoint = load_checkpoint(shape_dirs[shape])
@@ -265,18 +265,19 @@ PERSISTENT_CONFIG = {'family': 'llama', 'vocab_size': 512, 'hidden_size': 128,
                      'tie_word_embeddings': True}
 
 
+@pytest.mark.parametrize('kind', ['barrier', 'ring'])
 @pytest.mark.parametrize('shape', SHAPES)
-def test_persistent_decode_matches_a_kernel_per_phase(shape, shape_dirs):
+def test_persistent_decode_matches_a_kernel_per_phase(shape, kind, shape_dirs):
     """One cooperative launch per step against the five-kernels-a-layer forward: same
     tokens, logits and attention mass, over steps that cross a 32-key attention split."""
     checkpoint = load_checkpoint(shape_dirs[shape])
-    backend = cuda_backend(checkpoint, 320, persistent_decode=True)
-    assert backend.persistent_decode, backend.persistent_decode_problem()
+    backend = cuda_backend(checkpoint, 320, persistent_decode=kind)
+    assert backend.persistent_kind == kind, backend.persistent_decode_problem(kind)
     prompt = np.random.default_rng(7).integers(0, checkpoint.config.vocab_size, 60)
     runs = []
-    for enabled in (False, True):
+    for enabled in (False, kind):
         backend.set_persistent_decode(enabled)
-        assert backend.persistent_decode == enabled
+        assert backend.persistent_decode == bool(enabled)
         runs.append(run_steps(backend, prompt, 8))   # positions 60 .. 67
     per_phase, persistent = runs
     assert persistent[1] == per_phase[1]
@@ -286,22 +287,47 @@ def test_persistent_decode_matches_a_kernel_per_phase(shape, shape_dirs):
                                    atol=1e-6)
 
 
-def test_persistent_decode_is_repeatable_bit_for_bit(shape_dirs):
-    """Every output of decode_persistent has one writer and a fixed order of sums, so two
+@pytest.mark.parametrize('shape', SHAPES)
+def test_ring_decode_barriers_agree_bit_for_bit(shape, shape_dirs):
+    """decode_ring with its flag barrier and with the shared counter: logits, tokens and
+    attention mass equal bit for bit, and both within REL / 10 of decode_persistent. The
+    full-size shapes stream megabytes a block through a ring of ~190 KB: it wraps, fills
+    and makes the producer wait (the LM head's chunks)."""
+    checkpoint = load_checkpoint(shape_dirs[shape])
+    backend = cuda_backend(checkpoint, 320, persistent_decode='barrier')
+    prompt = np.random.default_rng(9).integers(0, checkpoint.config.vocab_size, 60)
+    barrier = run_steps(backend, prompt, 6)
+    runs = []
+    for flags in (True, False):
+        backend.flag_barrier = flags
+        backend.set_persistent_decode('ring')
+        assert backend.persistent_kind == 'ring'
+        runs.append(run_steps(backend, prompt, 6))
+    assert runs[0][1] == runs[1][1] == barrier[1]
+    for step in range(6):
+        np.testing.assert_array_equal(runs[0][0][step], runs[1][0][step])
+        np.testing.assert_array_equal(runs[0][2][step], runs[1][2][step])
+        assert rel_err(runs[0][0][step], barrier[0][step]) < REL / 10, step
+
+
+@pytest.mark.parametrize('kind', ['barrier', 'ring'])
+def test_persistent_decode_is_repeatable_bit_for_bit(kind, shape_dirs):
+    """Every output of a persistent step has one writer and a fixed order of sums, so two
     runs of the same tokens agree bit for bit, however the blocks were scheduled."""
     checkpoint = load_checkpoint(shape_dirs['smollm2-135m'])
-    backend = cuda_backend(checkpoint, 320, persistent_decode=True)
-    assert backend.persistent_decode
+    backend = cuda_backend(checkpoint, 320, persistent_decode=kind)
+    assert backend.persistent_kind == kind
     assert_repeatable(backend, checkpoint)
 
 
-def test_persistent_decode_after_compaction_matches_numpy(tmp_path):
+@pytest.mark.parametrize('kind', ['barrier', 'ring'])
+def test_persistent_decode_after_compaction_matches_numpy(kind, tmp_path):
     config = ModelConfig(**PERSISTENT_CONFIG)
     checkpoint = load_checkpoint(write_random_checkpoint(tmp_path, config, seed=8))
     rng = np.random.default_rng(8)
-    cuda = cuda_backend(checkpoint, 128, persistent_decode=True)
+    cuda = cuda_backend(checkpoint, 128, persistent_decode=kind)
     ref = NumpyBackend(checkpoint, 128)
-    assert cuda.persistent_decode, cuda.persistent_decode_problem()
+    assert cuda.persistent_kind == kind, cuda.persistent_decode_problem(kind)
     prompt = rng.integers(0, config.vocab_size, 90)
     keep = np.sort(rng.choice(85, 25, replace=False))
     tokens = rng.integers(0, config.vocab_size, 70)
@@ -317,6 +343,22 @@ def test_persistent_decode_after_compaction_matches_numpy(tmp_path):
                                    atol=1e-4)
 
 
+def test_ring_decode_fp32_weights_give_identical_greedy_tokens(tmp_path):
+    """fp32 weights through decode_ring (8-wide rows of 32 bytes in the ring): the numpy
+    backend's greedy tokens."""
+    config = ModelConfig(**PERSISTENT_CONFIG)
+    weights = {name: w if name.endswith('norm.weight') else 10 * w
+               for name, w in random_weights(config, seed=3).items()}
+    checkpoint = load_checkpoint(write_checkpoint(tmp_path, config, weights,
+                                                  word_tokenizer(config.vocab_size), dtype='F32'))
+    cuda = cuda_backend(checkpoint, 128, persistent_decode='ring')
+    assert cuda.persistent_kind == 'ring'
+    prompt = np.random.default_rng(2).integers(0, config.vocab_size, 40)
+    ours = run_steps(cuda, prompt, 24)
+    ref = run_steps(NumpyBackend(checkpoint, 128), prompt, 24)
+    assert ours[1] == ref[1]
+
+
 def test_persistent_decode_refuses_shapes_it_cannot_run(tiny_checkpoint):
     from rt_llm_node.backends import BackendError
     checkpoint = load_checkpoint(tiny_checkpoint)   # head_dim 16
@@ -325,6 +367,10 @@ def test_persistent_decode_refuses_shapes_it_cannot_run(tiny_checkpoint):
     assert 'head_dim 16' in backend.persistent_decode_problem()
     with pytest.raises(BackendError, match='head_dim 16'):
         cuda_backend(checkpoint, 32, persistent_decode=True)
+    with pytest.raises(BackendError, match='head_dim 16'):
+        cuda_backend(checkpoint, 32, persistent_decode='ring')
+    with pytest.raises(ValueError, match='persistent_decode must be'):
+        cuda_backend(checkpoint, 32, persistent_decode='rings')
 
 
 @pytest.mark.parametrize('dtype', ['BF16', 'F16'])

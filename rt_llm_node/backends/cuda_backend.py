@@ -33,12 +33,16 @@ NULL = np.uint64(0)  # a null device pointer argument
 MATMUL_WARPS = 4     # warps per block of the matmul kernels
 MMA_UNITS, MMA_TN = 8, 64   # a _mma prefill block's units and tokens (matmul.cu, mma_body)
 PD_THREADS, PD_KEYS = 256, 32    # decode_persistent's block and attention split (persistent.cu)
+RG_THREADS = 256                 # decode_ring's block: 7 compute warps and a producer warp
 PD_MAX_SHARED = 40 * 1024        # its dynamic shared memory: the largest input vector
 # the staged one-token matmuls (matmul.cu, staged_body): a block's rows, norm and xhat in
 # at most this much dynamic shared memory, so that the next kernel's blocks fit beside it;
 # one or two blocks an SM, else the matrix stays on the streaming _t1 kernel
 SP_THREADS, SP_MAX_SHARED, SP_MAX_BLOCKS_PER_SM = 128, 96 * 1024, 2
 MAX_DYNAMIC_SHARED = 8           # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cuda.h
+SHARED_SIZE_BYTES = 1            # CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES (static), cuda.h
+SHARED_OPTIN = 97                # cudaDevAttrMaxSharedMemoryPerBlockOptin
+RG_MAX_RING = 192 * 1024         # decode_ring's weight ring at most (persistent.cu)
 
 
 def staged_plan(units, k, weight_bytes, n_sm):
@@ -124,19 +128,25 @@ class CudaBackend:
 
     def __init__(self, checkpoint, capacity, device_id=0, dependent_launch=None,
                  persistent_decode=False, grid_stride=True, prefill_mma=False,
-                 staged_decode=None):
+                 staged_decode=None, flag_barrier=False):
         """``dependent_launch``: launch each kernel of a forward with programmatic dependent
         launch, so that it loads its weights while the previous one finishes (None: where
         the device has it, compute capability 9.0 and later). ``grid_stride``: size the
         grid of each one-token matmul to the blocks that fit on the device at once, each
         block looping over its share of the rows (False: a block per group of rows, the
         layout before stop 18, kept to compare). ``persistent_decode``: run a
-        decode step as one cooperative launch of ``decode_persistent`` (grid-wide barriers
-        between its phases) instead of five kernels a layer; off by default, as it measured
-        slower on the H200 for the SmolLM2 and Qwen2.5 shapes (BENCHMARKS.md). None: where
-        the model's shape allows it; True raises where it does not. ``prefill_mma``: run the
-        prefill's matmuls on tensor cores (``*_mma`` kernels: bf16 weights, every K a
-        multiple of 8; True raises elsewhere), not on the 16-token CUDA-core tiles.
+        decode step as one cooperative launch instead of five kernels a layer: True or
+        'barrier', ``decode_persistent`` (grid-wide barriers between its phases, each warp
+        loading its weights as it goes; slower on the H200 for the SmolLM2 and Qwen2.5
+        shapes, BENCHMARKS.md); 'ring', ``decode_ring`` (sm_90: each block streams its
+        shares of every matrix of the step into a shared-memory ring with bulk copies,
+        ahead of the barriers; correct, and slower than both others on the H200); None:
+        'barrier' where the shape allows it, else off; a kind named raises where it cannot
+        run. ``flag_barrier``: decode_ring's grid barrier is a flag a block (True) or one
+        shared counter (False, the default: 90-110 us a step faster on the H200).
+        ``prefill_mma``: run the prefill's matmuls on tensor cores (``*_mma`` kernels: bf16
+        weights, every K a multiple of 8; True raises elsewhere), not on the 16-token
+        CUDA-core tiles.
         ``staged_decode``: a decode step's q/k/v, o, gate/up and down matmuls whose rows fit
         a block's shared memory (``staged_plan``) run as the ``*_sp`` kernels, which copy
         their weights in before the wait for the previous kernel and let the next one
@@ -164,6 +174,8 @@ class CudaBackend:
         self.weight_dtype = dtypes.pop()
         self.device = cp.cuda.Device(device_id)
         self.n_sm = self.device.attributes['MultiProcessorCount']
+        self.flag_barrier = bool(flag_barrier)
+        self.ring_profile = None   # decode_ring's clock64 accounting ([n_sm, 8] int64), or None
         with self.device:
             self._allocate(checkpoint)
             self.kernels = KernelSet(self.weight_dtype, device_id)
@@ -289,8 +301,9 @@ class CudaBackend:
         with self.device:
             self._warm_up_and_capture()
 
-    def persistent_decode_problem(self):
-        """Why decode_persistent cannot run this model here, or None when it can."""
+    def persistent_decode_problem(self, kind='barrier'):
+        """Why a persistent decode step of ``kind`` ('barrier': decode_persistent, 'ring':
+        decode_ring) cannot run this model here, or None when it can."""
         cfg = self.config
         if cfg.head_dim not in (32, 64, 128):
             return f'head_dim {cfg.head_dim} is not 32, 64 or 128'
@@ -302,31 +315,80 @@ class CudaBackend:
                     'shared memory')
         if not self.device.attributes.get('CooperativeLaunch', 1):
             return 'the device has no cooperative launch'
-        if self._resident_blocks('decode_persistent', PD_THREADS, self._pd_shared()) < 1:
-            return 'decode_persistent does not fit on a multiprocessor'
+        if kind == 'ring':
+            if self.kernels.arch < 90:
+                return ('decode_ring needs compute capability 9.0 (bulk copies), this device '
+                        f'has {self.kernels.arch / 10:.1f}')
+            ring = self._ring_bytes()
+            unit = 2 * max(widths) * (4 if self.weight_dtype == 'F32' else 2)
+            if unit > ring:
+                return f'a {unit}-byte row pair does not fit the {ring}-byte ring'
+            if (cfg.vocab_size + 1) // 2 * self.n_sm >= 2 ** 31:
+                return f'a vocabulary of {cfg.vocab_size} overflows the shares of the LM head'
+            name, shared, threads = 'decode_ring', self._rg_shared(), RG_THREADS
+            from cupy_backends.cuda.api import driver   # the occupancy query needs the limit
+            driver.funcSetAttribute(self.kernels.functions[name].ptr, MAX_DYNAMIC_SHARED,
+                                    shared)
+        else:
+            name, shared, threads = 'decode_persistent', self._pd_shared(), PD_THREADS
+        if self._resident_blocks(name, threads, shared) < 1:
+            return f'{name} does not fit on a multiprocessor'
         return None
 
     def _pd_shared(self):
         cfg = self.config
         return 4 * max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
 
+    def _ring_bytes(self):
+        """decode_ring's weight ring: what the block's shared memory leaves, at most
+        RG_MAX_RING bytes, in 128-byte lines."""
+        from cupy_backends.cuda.api import driver
+        function = self.kernels.functions['decode_ring']
+        static = driver.funcGetAttribute(SHARED_SIZE_BYTES, function.ptr)
+        optin = self.cp.cuda.runtime.deviceGetAttribute(SHARED_OPTIN, self.device.id)
+        xs = -(-self._pd_shared() // 16) * 16
+        return max(0, min(RG_MAX_RING, optin - static - xs - 1024) // 128 * 128)
+
+    def _rg_shared(self):
+        return -(-self._pd_shared() // 16) * 16 + self._ring_bytes()
+
     @property
     def persistent_decode(self):
         """Whether a decode step is one persistent launch."""
         return self._pd_args is not None
 
+    @property
+    def persistent_kind(self):
+        """'barrier' (decode_persistent), 'ring' (decode_ring) or None (a kernel a phase)."""
+        return self._pd_kind if self._pd_args is not None else None
+
     def _choose_persistent(self, enabled):
+        """enabled: False, True or 'barrier' (decode_persistent), 'ring' (decode_ring),
+        None (decode_persistent where the model allows it)."""
         # the last step may still run and read the buffers replaced here, and the pool may
         # hand their memory to the new ones at once (written on another stream)
         self.stream.synchronize()
         self._pd_args = None
+        self._pd_kind = None
         if enabled is False:
             return
-        problem = self.persistent_decode_problem()
+        if enabled is None:   # decode_ring measured slower than both others (BENCHMARKS.md)
+            kinds = ('barrier',)
+        else:
+            kinds = ('barrier',) if enabled is True else (enabled,)
+            if kinds[0] not in ('barrier', 'ring'):
+                raise ValueError(f"persistent_decode must be False, True, None, 'barrier' "
+                                 f"or 'ring', got {enabled!r}")
+        problem = None
+        for kind in kinds:
+            problem = self.persistent_decode_problem(kind)
+            if problem is None:
+                break
         if problem:
-            if enabled:
+            if enabled is not None:
                 raise BackendError(f'persistent decode not possible: {problem}')
             return
+        self._pd_kind = kind
         import struct
         cp, cfg, cap = self.cp, self.config, self.capacity
         ptr = lambda a: 0 if a is None else a.data.ptr   # noqa: E731
@@ -351,6 +413,8 @@ class CudaBackend:
             cfg.rms_norm_eps, 1.0 / np.sqrt(cfg.head_dim))
         self._pd_args = cp.asarray(np.frombuffer(packed, np.uint8))
         self._cooperative = CooperativeLauncher()
+        if kind == 'ring':   # (its shared-memory limit is set by persistent_decode_problem)
+            self._rg_flags = cp.zeros(self.n_sm, np.uint32)   # flag barrier: one word a block
 
     @reports_device_errors
     def set_persistent_decode(self, enabled):
@@ -515,6 +579,15 @@ class CudaBackend:
                 grid, split = mm(units, k, kind)
                 launch(kind + sfx, grid, block, self.state, *args, _i32(units), _i32(0),
                        split)
+        if decode and self._pd_args is not None and self._pd_kind == 'ring':
+            self._cooperative(self.kernels.functions['decode_ring'], (self.n_sm,),
+                              (RG_THREADS,), (self.state, self._pd_args, self._rg_flags,
+                                              _i32(self._ring_bytes()),
+                                              _i32(1 if self.flag_barrier else 0),
+                                              NULL if self.ring_profile is None
+                                              else self.ring_profile),
+                              self._rg_shared(), self.stream)
+            return
         if decode and self._pd_args is not None:
             self._cooperative(self.kernels.functions['decode_persistent'], (self.n_sm,),
                               (PD_THREADS,), (self.state, self._pd_args), self._pd_shared(),

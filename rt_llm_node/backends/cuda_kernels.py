@@ -34,7 +34,7 @@ KERNELS = (
     'argmax_masked',
     'compact_gather', 'compact_store',
     'read_sum',
-    'grid_sync_probe', 'decode_persistent',
+    'grid_sync_probe', 'decode_persistent', 'decode_ring',
 )
 # Built for bf16 weights only: the prefill matmuls on tensor cores (matmul.cu, mma_body).
 KERNELS_BF16 = ('matmul_residual_mma', 'matmul_swiglu_mma', 'matmul_qkv_rope_mma')
