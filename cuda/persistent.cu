@@ -373,6 +373,26 @@ __device__ __forceinline__ void pd_attention_any(const DecodeArgs& a, const Deco
   }
 }
 
+// mass[t] = sum over layers and heads of the probability of key t (< start + 1): a warp per
+// key (NW warps a block take keys), its lanes over the (layer, head) rows, in a fixed order.
+template <int NW>
+__device__ __forceinline__ void pd_mass(const DecodeArgs& a, int start) {
+  const int visible = start + 1, n_rows = a.n_layers * a.n_heads;
+  const int lane = threadIdx.x % WARP;
+  for (int t = blockIdx.x * NW + threadIdx.x / WARP; t < visible; t += gridDim.x * NW) {
+    float sum = 0.f;
+#pragma unroll 4
+    for (int r = lane; r < n_rows; r += WARP) {
+      const DecodeLayer& L = a.layers[r / a.n_heads];
+      const int h = r % a.n_heads;
+      sum += expf(__ldcg(L.scores + (long long)h * a.cap + t) - __ldcg(L.ml + 2 * h)) /
+             __ldcg(L.ml + 2 * h + 1);
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) a.mass[t] = sum;
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(PD_THREADS, 1)
 decode_persistent(int* state, const DecodeArgs* args) {
   extern __shared__ float4 pd_smem4[];
@@ -427,22 +447,7 @@ decode_persistent(int* state, const DecodeArgs* args) {
   grid_wait(a.bar, &target);
   pd_stage(xs, a.x, hid, a.final_norm, a.eps, scratch);
   pd_matvec<EPI_STORE>(w, a.lm_head, a.vocab, hid, xs, vocab_units, a.logits, state, start, none);
-  // mass: a warp per key, its lanes over the (layer, head) rows, summed in a fixed order
-  const int visible = start + 1, n_rows = a.n_layers * a.n_heads;
-  const int lane = threadIdx.x % WARP;
-  for (int t = blockIdx.x * PD_WARPS + threadIdx.x / WARP; t < visible;
-       t += gridDim.x * PD_WARPS) {
-    float sum = 0.f;
-#pragma unroll 4
-    for (int r = lane; r < n_rows; r += WARP) {
-      const DecodeLayer& L = a.layers[r / a.n_heads];
-      const int h = r % a.n_heads;
-      sum += expf(__ldcg(L.scores + (long long)h * a.cap + t) - __ldcg(L.ml + 2 * h)) /
-             __ldcg(L.ml + 2 * h + 1);
-    }
-    sum = warp_sum(sum);
-    if (lane == 0) a.mass[t] = sum;
-  }
+  pd_mass<PD_WARPS>(a, start);
   grid_sync_reset(a.bar, &target);
 }
 
@@ -937,22 +942,7 @@ decode_ring(int* state, const DecodeArgs* args, unsigned* flags, int ring_bytes,
   rg_stage(xs, a.x, hid, a.final_norm, a.eps, scratch);
   prof.lap(1);
   RG_MATRIX(EPI_STORE, 4 * a.n_layers, a.logits);
-  // mass (as decode_persistent), after every attention phase: the barrier above suffices
-  const int visible = start + 1, n_rows = a.n_layers * a.n_heads;
-  const int lane = threadIdx.x % WARP;
-  for (int t = blockIdx.x * RG_WARPS + threadIdx.x / WARP; t < visible;
-       t += gridDim.x * RG_WARPS) {
-    float sum = 0.f;
-#pragma unroll 4
-    for (int r = lane; r < n_rows; r += WARP) {
-      const DecodeLayer& L = a.layers[r / a.n_heads];
-      const int h = r % a.n_heads;
-      sum += expf(__ldcg(L.scores + (long long)h * a.cap + t) - __ldcg(L.ml + 2 * h)) /
-             __ldcg(L.ml + 2 * h + 1);
-    }
-    sum = warp_sum(sum);
-    if (lane == 0) a.mass[t] = sum;
-  }
+  pd_mass<RG_WARPS>(a, start);   // after every attention phase: the barrier above suffices
   if (!flag_barrier) {   // the counter's reset, as grid_sync_reset
     rg_grid_sync(bar, flags, 0, &count, &target);
     if (threadIdx.x == 0) {
