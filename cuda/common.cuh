@@ -91,6 +91,21 @@ __device__ __forceinline__ void load8f(const float* p, float* o) {
   o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
 }
 
+// a0 += wa . x and a1 += wb . x over eight weights of two rows (raw, converted here) and the
+// eight fp32 activations at xs (16-byte aligned), multiply-adds in element order.
+__device__ __forceinline__ void fma_pair8(const w8raw& wa, const w8raw& wb, const float* xs,
+                                          float& a0, float& a1) {
+  float fa[8], fb[8], xv[8];
+  w8_floats(wa, fa);
+  w8_floats(wb, fb);
+  load8f(xs, xv);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    a0 = fmaf(fa[j], xv[j], a0);
+    a1 = fmaf(fb[j], xv[j], a1);
+  }
+}
+
 // A load that bypasses L1: for data other blocks of the same launch wrote.
 __device__ __forceinline__ float ld_cg(const float* p) {
   float v;

@@ -609,17 +609,9 @@ __device__ void staged_body(int* __restrict__ state, const wt* __restrict__ W, i
     const wt* w0 = ws + (long long)(2 * lu) * K;
     const wt* w1 = w0 + K;
     float a0 = 0.f, a1 = 0.f;
-    for (int k = 8 * lane; k < K; k += 8 * WARP) {
-      float fa[8], fb[8], xv[8];
-      w8_floats(*reinterpret_cast<const w8raw*>(w0 + k), fa);
-      w8_floats(*reinterpret_cast<const w8raw*>(w1 + k), fb);
-      load8f(xs + k, xv);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        a0 = fmaf(fa[j], xv[j], a0);
-        a1 = fmaf(fb[j], xv[j], a1);
-      }
-    }
+    for (int k = 8 * lane; k < K; k += 8 * WARP)
+      fma_pair8(*reinterpret_cast<const w8raw*>(w0 + k), *reinterpret_cast<const w8raw*>(w1 + k),
+                xs + k, a0, a1);
     a0 = warp_sum(a0);
     a1 = warp_sum(a1);
     if (lane == 0) {

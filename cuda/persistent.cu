@@ -149,34 +149,50 @@ __device__ __forceinline__ void pd_prefetch(PdBatch& w, const wt* W, int rows, i
   pd_load(w, W, r0, r1, K, 0);
 }
 
-// xs[k] = x[k] * inv_rms * norm_w[k] (or x[k] without a norm), x read through L2; a
-// thread's float4s (up to PD_STAGE4 of them, K <= 4 * PD_STAGE4 * blockDim) all in flight.
+// The barrier of the NT threads that stage: BAR 0, __syncthreads (the whole block); else
+// named barrier BAR, which the block's other warps never join (decode_ring's producer).
+template <int NT, int BAR>
+__device__ __forceinline__ void stage_sync() {
+  if (BAR == 0) __syncthreads();
+  else asm volatile("bar.sync %0, %1;" ::"n"(BAR), "n"(NT) : "memory");
+}
+
+// xs[k] = x[k] * inv_rms * norm_w[k] (or x[k] without a norm), x read through L2, by the
+// block's first NT threads; a thread's float4s (up to S4 of them, K <= 4 * S4 * NT) all in
+// flight; the sum of squares reduced as block_sum does (every thread gets the same).
 #define PD_STAGE4 8
+template <int NT, int S4, int BAR>
 __device__ __forceinline__ void pd_stage(float* xs, const float* x, int K, const wt* norm_w,
                                          float eps, float* scratch) {
   const float4* x4 = reinterpret_cast<const float4*>(x);
   float4* xs4 = reinterpret_cast<float4*>(xs);
   const int K4 = K / 4;
-  float4 v[PD_STAGE4];
+  float4 v[S4];
 #pragma unroll
-  for (int i = 0; i < PD_STAGE4; ++i) {
-    const int e = threadIdx.x + i * blockDim.x;
+  for (int i = 0; i < S4; ++i) {
+    const int e = threadIdx.x + i * NT;
     if (e < K4) v[i] = __ldcg(x4 + e);
   }
   float ss = 0.f;
 #pragma unroll
-  for (int i = 0; i < PD_STAGE4; ++i) {
-    const int e = threadIdx.x + i * blockDim.x;
+  for (int i = 0; i < S4; ++i) {
+    const int e = threadIdx.x + i * NT;
     if (e < K4) {
       ss = fmaf(v[i].x, v[i].x, fmaf(v[i].y, v[i].y, fmaf(v[i].z, v[i].z, fmaf(v[i].w, v[i].w, ss))));
       if (!norm_w) xs4[e] = v[i];
     }
   }
   if (norm_w) {
-    const float inv_rms = 1.f / sqrtf(block_sum(ss, scratch) / K + eps);
+    const int lane = threadIdx.x % WARP;
+    ss = warp_sum(ss);
+    stage_sync<NT, BAR>();
+    if (lane == 0) scratch[threadIdx.x / WARP] = ss;
+    stage_sync<NT, BAR>();
+    ss = warp_sum(lane < NT / WARP ? scratch[lane] : 0.f);
+    const float inv_rms = 1.f / sqrtf(ss / K + eps);
 #pragma unroll
-    for (int i = 0; i < PD_STAGE4; ++i) {
-      const int e = threadIdx.x + i * blockDim.x;
+    for (int i = 0; i < S4; ++i) {
+      const int e = threadIdx.x + i * NT;
       if (e < K4) {
         float nw[4];
 #pragma unroll
@@ -186,7 +202,7 @@ __device__ __forceinline__ void pd_stage(float* xs, const float* x, int K, const
       }
     }
   }
-  __syncthreads();
+  stage_sync<NT, BAR>();
 }
 
 // y = W xs for every unit of this phase (strided over the grid's warps); EPI_RESIDUAL adds
@@ -224,19 +240,7 @@ __device__ void pd_matvec(PdBatch& w, const wt* W, int rows, int K, const float*
 #pragma unroll
     for (int i = 0; i < PD_PB; ++i) {
       const int c = (batch * PD_PB + i) * WARP + lane;
-      if (c < nc) {
-        float fa[8], fb[8];
-        w8_floats(w.a[i], fa);
-        w8_floats(w.b[i], fb);
-        const float4 x0 = *reinterpret_cast<const float4*>(xs + 8 * c);
-        const float4 x1 = *reinterpret_cast<const float4*>(xs + 8 * c + 4);
-        const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          a0 = fmaf(fa[j], xv[j], a0);
-          a1 = fmaf(fb[j], xv[j], a1);
-        }
-      }
+      if (c < nc) fma_pair8(w.a[i], w.b[i], xs + 8 * c, a0, a1);
     }
     if (batch == n_batches - 1) {
       a0 = warp_sum(a0);
@@ -416,7 +420,7 @@ decode_persistent(int* state, const DecodeArgs* args) {
     grid_arrive(a.bar);
     pd_prefetch<EPI_QKV_ROPE>(w, L.wqkv, qkv_rows, hid, qkv_rows / 2, qa);
     grid_wait(a.bar, &target);
-    pd_stage(xs, a.x, hid, L.attn_norm, a.eps, scratch);
+    pd_stage<PD_THREADS, PD_STAGE4, 0>(xs, a.x, hid, L.attn_norm, a.eps, scratch);
     pd_matvec<EPI_QKV_ROPE>(w, L.wqkv, qkv_rows, hid, xs, qkv_rows / 2, nullptr, state, start, qa);
     // B: attention
     grid_sync(a.bar, &target);
@@ -425,19 +429,19 @@ decode_persistent(int* state, const DecodeArgs* args) {
     grid_arrive(a.bar);
     pd_prefetch<EPI_RESIDUAL>(w, L.wo, hid, q_size, hid_units, none);
     grid_wait(a.bar, &target);
-    pd_stage(xs, a.attn_out, q_size, nullptr, a.eps, scratch);
+    pd_stage<PD_THREADS, PD_STAGE4, 0>(xs, a.attn_out, q_size, nullptr, a.eps, scratch);
     pd_matvec<EPI_RESIDUAL>(w, L.wo, hid, q_size, xs, hid_units, a.x, state, start, none);
     // D: gate, up
     grid_arrive(a.bar);
     pd_prefetch<EPI_SWIGLU>(w, L.wgate_up, 2 * a.inter, hid, a.inter, none);
     grid_wait(a.bar, &target);
-    pd_stage(xs, a.x, hid, L.mlp_norm, a.eps, scratch);
+    pd_stage<PD_THREADS, PD_STAGE4, 0>(xs, a.x, hid, L.mlp_norm, a.eps, scratch);
     pd_matvec<EPI_SWIGLU>(w, L.wgate_up, 2 * a.inter, hid, xs, a.inter, a.act, state, start, none);
     // E: down into the residual
     grid_arrive(a.bar);
     pd_prefetch<EPI_RESIDUAL>(w, L.wdown, hid, a.inter, hid_units, none);
     grid_wait(a.bar, &target);
-    pd_stage(xs, a.act, a.inter, nullptr, a.eps, scratch);
+    pd_stage<PD_THREADS, PD_STAGE4, 0>(xs, a.act, a.inter, nullptr, a.eps, scratch);
     pd_matvec<EPI_RESIDUAL>(w, L.wdown, hid, a.inter, xs, hid_units, a.x, state, start, none);
   }
   // LM head and the attention mass
@@ -445,7 +449,7 @@ decode_persistent(int* state, const DecodeArgs* args) {
   grid_arrive(a.bar);
   pd_prefetch<EPI_STORE>(w, a.lm_head, a.vocab, hid, vocab_units, none);
   grid_wait(a.bar, &target);
-  pd_stage(xs, a.x, hid, a.final_norm, a.eps, scratch);
+  pd_stage<PD_THREADS, PD_STAGE4, 0>(xs, a.x, hid, a.final_norm, a.eps, scratch);
   pd_matvec<EPI_STORE>(w, a.lm_head, a.vocab, hid, xs, vocab_units, a.logits, state, start, none);
   pd_mass<PD_WARPS>(a, start);
   grid_sync_reset(a.bar, &target);
@@ -601,9 +605,7 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
 }
 
 // The compute warps' own barrier (named barrier 1; the producer warp never joins it).
-__device__ __forceinline__ void rg_sync() {
-  asm volatile("bar.sync 1, %0;" ::"r"(RG_WARPS * WARP) : "memory");
-}
+__device__ __forceinline__ void rg_sync() { stage_sync<RG_WARPS * WARP, 1>(); }
 
 // The producer (one thread): every chunk of the step in order, each where the ring has
 // room once the compute warps have released the chunks before it.
@@ -694,50 +696,6 @@ __device__ __forceinline__ void rg_grid_sync(unsigned* bar, unsigned* flags, int
   rg_sync();
 }
 
-// xs[k] = x[k] * inv_rms * norm_w[k] (or x[k]), as pd_stage, over the compute warps.
-__device__ __forceinline__ void rg_stage(float* xs, const float* x, int K, const wt* norm_w,
-                                         float eps, float* scratch) {
-  const float4* x4 = reinterpret_cast<const float4*>(x);
-  float4* xs4 = reinterpret_cast<float4*>(xs);
-  const int K4 = K / 4, nt = RG_WARPS * WARP;
-  float4 v[RG_STAGE4];
-#pragma unroll
-  for (int i = 0; i < RG_STAGE4; ++i) {
-    const int e = threadIdx.x + i * nt;
-    if (e < K4) v[i] = __ldcg(x4 + e);
-  }
-  float ss = 0.f;
-#pragma unroll
-  for (int i = 0; i < RG_STAGE4; ++i) {
-    const int e = threadIdx.x + i * nt;
-    if (e < K4) {
-      ss = fmaf(v[i].x, v[i].x, fmaf(v[i].y, v[i].y, fmaf(v[i].z, v[i].z, fmaf(v[i].w, v[i].w, ss))));
-      if (!norm_w) xs4[e] = v[i];
-    }
-  }
-  if (norm_w) {
-    ss = warp_sum(ss);
-    if (threadIdx.x % WARP == 0) scratch[threadIdx.x / WARP] = ss;
-    rg_sync();
-    float tot = 0.f;
-#pragma unroll
-    for (int w = 0; w < RG_WARPS; ++w) tot += scratch[w];
-    const float inv_rms = 1.f / sqrtf(tot / K + eps);
-#pragma unroll
-    for (int i = 0; i < RG_STAGE4; ++i) {
-      const int e = threadIdx.x + i * nt;
-      if (e < K4) {
-        float nw[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) nw[j] = w2f(norm_w[4 * e + j]);
-        xs4[e] = make_float4(v[i].x * inv_rms * nw[0], v[i].y * inv_rms * nw[1],
-                             v[i].z * inv_rms * nw[2], v[i].w * inv_rms * nw[3]);
-      }
-    }
-  }
-  rg_sync();   // xs complete (and scratch free again)
-}
-
 // Optional clock64 accounting of compute thread 0's time (`prof`, null: off): [0] grid
 // barriers, [1] staging inputs, [2] waiting for a chunk to land, [3] computing chunks,
 // [4] attention, [5] the rest.
@@ -752,18 +710,6 @@ struct RgProf {
     }
   }
 };
-
-// Eight weights from shared memory, raw.
-__device__ __forceinline__ w8raw lds_w8(const wt* p) {
-  w8raw r;
-#if defined(RT_WEIGHT_F32)
-  r.a = reinterpret_cast<const float4*>(p)[0];
-  r.b = reinterpret_cast<const float4*>(p)[1];
-#else
-  r.a = *reinterpret_cast<const uint4*>(p);
-#endif
-  return r;
-}
 
 // The epilogue's inputs of unit u, loaded before its dot product so that their latency
 // hides behind it: the residual pair (EPI_RESIDUAL) or the rotation's cos and sin.
@@ -828,19 +774,9 @@ __device__ __forceinline__ void rg_matrix(const DecodeArgs& a, int p, RgCursor& 
         const wt* w0 = chunk + (long long)rg_slot(ph, j, 0, n) * K;
         const wt* w1 = chunk + (long long)rg_slot(ph, j, 1, n) * K;
 #pragma unroll 2
-        for (int g = g0 + lane; g < g1; g += WARP) {
-          float fa[8], fb[8];
-          w8_floats(lds_w8(w0 + 8 * g), fa);
-          w8_floats(lds_w8(w1 + 8 * g), fb);
-          const float4 x0 = *reinterpret_cast<const float4*>(xs + 8 * g);
-          const float4 x1 = *reinterpret_cast<const float4*>(xs + 8 * g + 4);
-          const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            a0 = fmaf(fa[k], xv[k], a0);
-            a1 = fmaf(fb[k], xv[k], a1);
-          }
-        }
+        for (int g = g0 + lane; g < g1; g += WARP)
+          fma_pair8(*reinterpret_cast<const w8raw*>(w0 + 8 * g),
+                    *reinterpret_cast<const w8raw*>(w1 + 8 * g), xs + 8 * g, a0, a1);
       }
       a0 = warp_sum(a0);
       a1 = warp_sum(a1);
@@ -919,27 +855,27 @@ decode_ring(int* state, const DecodeArgs* args, unsigned* flags, int ring_bytes,
   for (int l = 0; l < a.n_layers; ++l) {
     const DecodeLayer L = a.layers[l];
     RG_SYNC();   // x complete
-    rg_stage(xs, a.x, hid, L.attn_norm, a.eps, scratch);
+    pd_stage<RG_WARPS * WARP, RG_STAGE4, 1>(xs, a.x, hid, L.attn_norm, a.eps, scratch);
     prof.lap(1);
     RG_MATRIX(EPI_QKV_ROPE, 4 * l, nullptr);
     RG_SYNC();   // q, k, v complete
     pd_attention_any<RG_WARPS>(a, L, start, qw);
     prof.lap(4);
     RG_SYNC();   // attention complete
-    rg_stage(xs, a.attn_out, q_size, nullptr, a.eps, scratch);
+    pd_stage<RG_WARPS * WARP, RG_STAGE4, 1>(xs, a.attn_out, q_size, nullptr, a.eps, scratch);
     prof.lap(1);
     RG_MATRIX(EPI_RESIDUAL, 4 * l + 1, a.x);
     RG_SYNC();
-    rg_stage(xs, a.x, hid, L.mlp_norm, a.eps, scratch);
+    pd_stage<RG_WARPS * WARP, RG_STAGE4, 1>(xs, a.x, hid, L.mlp_norm, a.eps, scratch);
     prof.lap(1);
     RG_MATRIX(EPI_SWIGLU, 4 * l + 2, a.act);
     RG_SYNC();
-    rg_stage(xs, a.act, a.inter, nullptr, a.eps, scratch);
+    pd_stage<RG_WARPS * WARP, RG_STAGE4, 1>(xs, a.act, a.inter, nullptr, a.eps, scratch);
     prof.lap(1);
     RG_MATRIX(EPI_RESIDUAL, 4 * l + 3, a.x);
   }
   RG_SYNC();
-  rg_stage(xs, a.x, hid, a.final_norm, a.eps, scratch);
+  pd_stage<RG_WARPS * WARP, RG_STAGE4, 1>(xs, a.x, hid, a.final_norm, a.eps, scratch);
   prof.lap(1);
   RG_MATRIX(EPI_STORE, 4 * a.n_layers, a.logits);
   pd_mass<RG_WARPS>(a, start);   // after every attention phase: the barrier above suffices

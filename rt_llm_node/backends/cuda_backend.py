@@ -319,13 +319,13 @@ class CudaBackend:
             if self.kernels.arch < 90:
                 return ('decode_ring needs compute capability 9.0 (bulk copies), this device '
                         f'has {self.kernels.arch / 10:.1f}')
-            ring = self._ring_bytes()
+            ring = self._rg_layout[1]
             unit = 2 * max(widths) * (4 if self.weight_dtype == 'F32' else 2)
             if unit > ring:
                 return f'a {unit}-byte row pair does not fit the {ring}-byte ring'
             if (cfg.vocab_size + 1) // 2 * self.n_sm >= 2 ** 31:
                 return f'a vocabulary of {cfg.vocab_size} overflows the shares of the LM head'
-            name, shared, threads = 'decode_ring', self._rg_shared(), RG_THREADS
+            name, shared, threads = 'decode_ring', self._rg_layout[0], RG_THREADS
             from cupy_backends.cuda.api import driver   # the occupancy query needs the limit
             driver.funcSetAttribute(self.kernels.functions[name].ptr, MAX_DYNAMIC_SHARED,
                                     shared)
@@ -339,18 +339,18 @@ class CudaBackend:
         cfg = self.config
         return 4 * max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
 
-    def _ring_bytes(self):
-        """decode_ring's weight ring: what the block's shared memory leaves, at most
-        RG_MAX_RING bytes, in 128-byte lines."""
+    @functools.cached_property
+    def _rg_layout(self):
+        """decode_ring's dynamic shared memory: (its bytes in all, the weight ring's): the
+        input vector in 16-byte lines, then what the block's shared memory leaves, at most
+        RG_MAX_RING bytes, in 128-byte lines (the kernel finds the ring the same way)."""
         from cupy_backends.cuda.api import driver
         function = self.kernels.functions['decode_ring']
         static = driver.funcGetAttribute(SHARED_SIZE_BYTES, function.ptr)
         optin = self.cp.cuda.runtime.deviceGetAttribute(SHARED_OPTIN, self.device.id)
         xs = -(-self._pd_shared() // 16) * 16
-        return max(0, min(RG_MAX_RING, optin - static - xs - 1024) // 128 * 128)
-
-    def _rg_shared(self):
-        return -(-self._pd_shared() // 16) * 16 + self._ring_bytes()
+        ring = max(0, min(RG_MAX_RING, optin - static - xs - 1024) // 128 * 128)
+        return xs + ring, ring
 
     @property
     def persistent_decode(self):
@@ -372,18 +372,12 @@ class CudaBackend:
         self._pd_kind = None
         if enabled is False:
             return
-        if enabled is None:   # decode_ring measured slower than both others (BENCHMARKS.md)
-            kinds = ('barrier',)
-        else:
-            kinds = ('barrier',) if enabled is True else (enabled,)
-            if kinds[0] not in ('barrier', 'ring'):
-                raise ValueError(f"persistent_decode must be False, True, None, 'barrier' "
-                                 f"or 'ring', got {enabled!r}")
-        problem = None
-        for kind in kinds:
-            problem = self.persistent_decode_problem(kind)
-            if problem is None:
-                break
+        # None never picks decode_ring: it measured slower than both others (BENCHMARKS.md)
+        kind = 'barrier' if enabled is None or enabled is True else enabled
+        if kind not in ('barrier', 'ring'):
+            raise ValueError(f"persistent_decode must be False, True, None, 'barrier' or "
+                             f"'ring', got {enabled!r}")
+        problem = self.persistent_decode_problem(kind)
         if problem:
             if enabled is not None:
                 raise BackendError(f'persistent decode not possible: {problem}')
@@ -582,11 +576,11 @@ class CudaBackend:
         if decode and self._pd_args is not None and self._pd_kind == 'ring':
             self._cooperative(self.kernels.functions['decode_ring'], (self.n_sm,),
                               (RG_THREADS,), (self.state, self._pd_args, self._rg_flags,
-                                              _i32(self._ring_bytes()),
+                                              _i32(self._rg_layout[1]),
                                               _i32(1 if self.flag_barrier else 0),
                                               NULL if self.ring_profile is None
                                               else self.ring_profile),
-                              self._rg_shared(), self.stream)
+                              self._rg_layout[0], self.stream)
             return
         if decode and self._pd_args is not None:
             self._cooperative(self.kernels.functions['decode_persistent'], (self.n_sm,),
