@@ -463,3 +463,99 @@ def test_grid_sync_lets_no_block_pass_early(kit, per_sm, threads):
     assert int(errors.get()[0]) == 0
     assert not bar.get().any()
     assert (slot.get() == 3).all()
+
+
+def floor_reference(w, x, phases):
+    """layer_floor's phases in numpy: x <- (W x or x) / rms(x)."""
+    x = x.astype(np.float64)
+    for _ in range(phases):
+        inv = 1.0 / np.sqrt(np.mean(x * x) + 1e-6)
+        x = (w.astype(np.float64) @ x if w is not None else x) * inv
+    return x
+
+
+@pytest.mark.parametrize('rows,release_first', [(0, 0), (6, 1), (16, 0), (16, 1)])
+def test_layer_floor_kernels_compute_the_chain(kit, rows, release_first):
+    """The probe kernels of tools/probe_layer_floor.py do the work they are timed for: each
+    phase's vector is the whole previous one normalized (and multiplied by W), in one
+    cooperative launch and in a chain of launches under programmatic dependent launch."""
+    cp, k, dtype = kit
+    from rt_llm_node.backends.cuda_kernels import CooperativeLauncher
+    from rt_llm_node.backends.cuda_kernels import DependentLauncher
+    rng = np.random.default_rng(rows)
+    n_sm = cp.cuda.Device().attributes['MultiProcessorCount']
+    d, phases = 576, 5
+    w, exact = weights(cp, dtype, (d, d), rng, scale=1 / np.sqrt(d))
+    x0 = rng.standard_normal(d).astype(np.float32)
+    ref = floor_reference(exact if rows else None, x0, phases)
+    smem = 4 * d + np.dtype(STORAGE[dtype]).itemsize * rows * d
+    stream = cp.cuda.Stream(non_blocking=True)
+    bar, sink = cp.zeros(2, np.uint32), cp.zeros(1, np.float32)
+    xs = cp.concatenate([cp.asarray(x0), poisoned(cp, d)])
+    CooperativeLauncher()(k.layer_floor_probe, (n_sm,), (256,),
+                          (bar, xs, w, i32(d), i32(rows), i32(phases), sink), smem, stream)
+    stream.synchronize()
+    close(xs.get()[d:], ref)
+    assert not bar.get().any()
+    xs = cp.concatenate([cp.asarray(x0), poisoned(cp, d)])
+    launch = DependentLauncher()
+    for p in range(phases):
+        src, dst = xs[(p % 2) * d:(p % 2 + 1) * d], xs[(1 - p % 2) * d:(2 - p % 2) * d]
+        launch(k.layer_floor_step, (n_sm,), (256,),
+               (src, dst, w, i32(d), i32(rows), i32(release_first), sink), smem, stream)
+    stream.synchronize()
+    close(xs.get()[d:], ref)
+
+
+@pytest.mark.parametrize('grid', [1, 16])
+def test_read_sum_wide_reads_every_value_once(kit, grid):
+    cp, k, _ = kit
+    n = 8 * grid * 1024 * 3
+    data = cp.arange(4 * n, dtype=cp.float32) % 7
+    out = poisoned(cp, grid)
+    k.read_sum_wide((grid,), (1024,), (data, np.int64(n), out))
+    assert float(out.get().astype(np.float64).sum()) == float((cp.arange(4 * n) % 7).sum())
+
+
+def test_layer_floor_splitk_sums_the_blocks_partials(kit):
+    """layer_floor_splitk: every block adds x * inv_rms / grid into the next buffer and
+    zeroes its rows of the one after; over a chain of 7 launches on three rotating buffers
+    the vector follows x <- x / rms(x) (the blocks' partials add up to the whole)."""
+    cp, k, _ = kit
+    from rt_llm_node.backends.cuda_kernels import DependentLauncher
+    rng = np.random.default_rng(3)
+    n_sm = cp.cuda.Device().attributes['MultiProcessorCount']
+    d, phases = 896, 7
+    x0 = rng.standard_normal(d).astype(np.float32)
+    xs = cp.concatenate([cp.asarray(x0), cp.zeros(d, np.float32), poisoned(cp, d)])
+    part = [xs[i * d:(i + 1) * d] for i in range(3)]
+    stream = cp.cuda.Stream(non_blocking=True)
+    launch = DependentLauncher()
+    for p in range(phases):
+        launch(k.layer_floor_splitk, (n_sm,), (256,),
+               (part[p % 3], part[(p + 1) % 3], part[(p + 2) % 3], i32(d)), 0, stream)
+    stream.synchronize()
+    close(part[phases % 3].get(), floor_reference(None, x0, phases))
+    assert not part[(phases + 1) % 3].get().any()   # zeroed by the last launch
+
+
+@pytest.mark.parametrize('size', [2, 8, 16])
+def test_cluster_floor_probe_keeps_the_chain_in_a_cluster(kit, size):
+    """cluster_floor_probe: the vector spread over a cluster's shared memories, read
+    through DSMEM each round, follows x <- x / rms(x) in every cluster of the grid."""
+    cp, k, _ = kit
+    from cupy_backends.cuda.api import driver
+    from rt_llm_node.backends.cuda_kernels import ClusterLauncher
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip('thread-block clusters need sm_90')
+    driver.funcSetAttribute(k.cluster_floor_probe.ptr, 14, 1)   # non-portable sizes (16)
+    rng = np.random.default_rng(size)
+    n_sm = cp.cuda.Device().attributes['MultiProcessorCount']
+    d, rounds = 576, 9
+    x0 = rng.standard_normal(d).astype(np.float32)
+    out = poisoned(cp, d)
+    stream = cp.cuda.Stream(non_blocking=True)
+    ClusterLauncher(size)(k.cluster_floor_probe, (size * (n_sm // size),), (256,),
+                          (cp.asarray(x0), out, i32(d), i32(rounds)), 8 * -(-d // size), stream)
+    stream.synchronize()
+    close(out.get(), floor_reference(None, x0, rounds))

@@ -33,8 +33,9 @@ KERNELS = (
     'attn_partial', 'attn_combine', 'attn_decode', 'attn_mass',
     'argmax_masked',
     'compact_gather', 'compact_store',
-    'read_sum',
-    'grid_sync_probe', 'decode_persistent', 'decode_ring',
+    'read_sum', 'read_sum_wide',
+    'grid_sync_probe', 'layer_floor_probe', 'layer_floor_step',
+    'layer_floor_splitk', 'cluster_floor_probe', 'decode_persistent', 'decode_ring',
 )
 # Built for bf16 weights only: the prefill matmuls on tensor cores (matmul.cu, mma_body).
 KERNELS_BF16 = ('matmul_residual_mma', 'matmul_swiglu_mma', 'matmul_qkv_rope_mma')
@@ -181,6 +182,7 @@ class KernelSet:
 # kernels pair it with griddepcontrol.wait before they read what the previous one wrote
 # (pdl_wait_then_release in common.cuh). Stream capture keeps it as a programmatic edge.
 COOPERATIVE = 2                         # CUlaunchAttributeID, cuda.h
+CLUSTER_DIMENSION = 4
 PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -259,3 +261,14 @@ class CooperativeLauncher(LaunchWithAttribute):
 
     def __init__(self):
         super().__init__(COOPERATIVE)
+
+
+class ClusterLauncher(LaunchWithAttribute):
+    """Launch a kernel in thread-block clusters of ``size`` blocks along x (sm_90 and
+    later); more than 8 needs the kernel's non-portable cluster size attribute set."""
+
+    def __init__(self, size):
+        import ctypes
+        super().__init__(CLUSTER_DIMENSION)
+        dims = (ctypes.c_uint * 3)(int(size), 1, 1)
+        ctypes.memmove(ctypes.addressof(self._attribute.value), dims, ctypes.sizeof(dims))
