@@ -4,6 +4,8 @@ Runs where CuPy sees a GPU (``make gpu-test``); skipped with the reason elsewher
 Tolerance: |gpu - ref| <= ATOL + RTOL * |ref| elementwise.
 """
 
+import os
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,6 +18,10 @@ from rt_llm_node.backends.numpy_backend import rmsnorm
 from rt_llm_node.backends.numpy_backend import rope_tables
 from rt_llm_node.backends.numpy_backend import silu
 from rt_llm_node.model.synthetic import encode_bits
+
+# the decode-floor probe's numpy twin (tools/probe_layer_floor.py, which times these kernels)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tools'))
+from probe_layer_floor import floor_reference  # noqa: E402, I100
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason='no CUDA device (CuPy sees none)')]
@@ -463,15 +469,6 @@ def test_grid_sync_lets_no_block_pass_early(kit, per_sm, threads):
     assert int(errors.get()[0]) == 0
     assert not bar.get().any()
     assert (slot.get() == 3).all()
-
-
-def floor_reference(w, x, phases):
-    """layer_floor's phases in numpy: x <- (W x or x) / rms(x)."""
-    x = x.astype(np.float64)
-    for _ in range(phases):
-        inv = 1.0 / np.sqrt(np.mean(x * x) + 1e-6)
-        x = (w.astype(np.float64) @ x if w is not None else x) * inv
-    return x
 
 
 @pytest.mark.parametrize('rows,release_first', [(0, 0), (6, 1), (16, 0), (16, 1)])

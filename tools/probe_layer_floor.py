@@ -58,7 +58,8 @@ def model_bytes(config, bytes_per_weight=2):
 
 
 def floor_reference(w, x, phases):
-    """numpy twin of `phases` floor phases (w None: rows = 0)."""
+    """numpy twin of `phases` floor phases, x <- (W x or x) / rms(x) (w None: rows = 0);
+    test_cuda_kernels checks the kernels against it too."""
     x = x.astype(np.float64)
     for _ in range(phases):
         inv = 1.0 / np.sqrt(np.mean(x * x) + 1e-6)
