@@ -289,8 +289,21 @@ def main():
     parser.add_argument('--repeats', type=int, default=20)
     parser.add_argument('--write', action='store_true', help='write the BENCHMARKS.md section')
     args = parser.parse_args()
+    from rt_llm_node.model.synthetic import SHAPES
     shapes = [s for s in args.shapes.split(',') if s]
-    phase_counts = [int(p) for p in args.phases.split(',') if p]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        parser.error(f'unknown shape(s) {", ".join(unknown)}; known: {", ".join(SHAPES)}')
+    try:
+        phase_counts = [int(p) for p in args.phases.split(',') if p]
+    except ValueError:
+        parser.error(f'--phases takes whole numbers separated by commas, got {args.phases!r}')
+    if not phase_counts or min(phase_counts) < 1:
+        parser.error(f'--phases: every count must be 1 or more, got {args.phases!r}')
+    from rt_llm_node.backends import cuda_available
+    if not cuda_available():
+        print('probe_layer_floor: no CUDA device (CuPy sees none)', file=sys.stderr)
+        return 2
     floor = Floor()
     rng = np.random.default_rng(0)
     for d in (576, 896, 2048):
@@ -331,4 +344,4 @@ def main():
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(main())
