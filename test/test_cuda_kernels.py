@@ -543,9 +543,10 @@ def test_cluster_floor_probe_keeps_the_chain_in_a_cluster(kit, size):
     cp, k, _ = kit
     from cupy_backends.cuda.api import driver
     from rt_llm_node.backends.cuda_kernels import ClusterLauncher
+    from rt_llm_node.backends.cuda_kernels import NON_PORTABLE_CLUSTER_SIZE_ALLOWED
     if int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip('thread-block clusters need sm_90')
-    driver.funcSetAttribute(k.cluster_floor_probe.ptr, 14, 1)   # non-portable sizes (16)
+    driver.funcSetAttribute(k.cluster_floor_probe.ptr, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
     rng = np.random.default_rng(size)
     n_sm = cp.cuda.Device().attributes['MultiProcessorCount']
     d, rounds = 576, 9

@@ -245,9 +245,10 @@ def cluster_table(floor, repeats, rng, d=576, rounds=90):
     the grid at once: us a round, by cluster size; checked against numpy first."""
     from cupy_backends.cuda.api import driver
     from rt_llm_node.backends.cuda_kernels import ClusterLauncher
+    from rt_llm_node.backends.cuda_kernels import NON_PORTABLE_CLUSTER_SIZE_ALLOWED
     cp = floor.cp
     fn = floor.k.cluster_floor_probe
-    driver.funcSetAttribute(fn.ptr, 14, 1)   # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+    driver.funcSetAttribute(fn.ptr, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
     x0 = rng.standard_normal(d).astype(np.float32)
     x0_dev, out = cp.asarray(x0), cp.zeros(d, np.float32)
     rows = []

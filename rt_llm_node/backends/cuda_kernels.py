@@ -183,6 +183,7 @@ class KernelSet:
 # (pdl_wait_then_release in common.cuh). Stream capture keeps it as a programmatic edge.
 COOPERATIVE = 2                         # CUlaunchAttributeID, cuda.h
 CLUSTER_DIMENSION = 4
+NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14   # CUfunction_attribute, cuda.h: clusters of 9-16
 PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
