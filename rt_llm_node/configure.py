@@ -75,6 +75,12 @@ def configure_engine(values, clock=None, log=print, cost_model=None):
         f'{cfg.num_layers} layers, vocab {cfg.vocab_size}, weights {checkpoint.weight_dtype}')
     backend = make_backend(values['backend'], checkpoint, values['kv_capacity_tokens'])
     log(f'backend {backend.name}: KV cache of {backend.capacity} tokens allocated')
+    tuning = getattr(backend, 'decode_tuning', None)
+    if tuning:   # the CUDA backend's decode step, chosen by its GPU time on this device
+        persistent = tuning['persistent']
+        log(f"decode step: {tuning['chosen']} (a kernel a phase {tuning['kernels']:.0f} us, "
+            + ('one persistent launch n/a)' if persistent is None else
+               f'one persistent launch {persistent:.0f} us)'))
     grammar = action_grammar(values, checkpoint.tokenizer)
     specs = input_specs(values)
     if cost_model is None:

@@ -258,6 +258,29 @@ def test_staged_decode_needs_dependent_launch(shape_dirs):
         assert not backend.staged_decode, 'staged kernels without dependent launch'
 
 
+def test_auto_decode_keeps_the_faster_step(shape_dirs, tiny_checkpoint):
+    """make_backend's CUDA backend (persistent_decode='auto') times both decode steps at
+    configure and keeps decode_persistent only where it was 3% faster; it is left with an
+    empty cache and gives the numpy backend's logits. Where decode_persistent cannot run
+    (tiny: head_dim 16) the kernel step stays."""
+    from rt_llm_node.backends import make_backend
+    checkpoint = load_checkpoint(shape_dirs['llama-3.2-1b'])
+    backend = make_backend('cuda', checkpoint, 256)
+    tuning = backend.decode_tuning
+    assert tuning['kernels'] > 0 and tuning['persistent'] > 0, tuning
+    assert backend.persistent_decode == (tuning['persistent'] <= 0.97 * tuning['kernels'])
+    assert tuning['chosen'] == ('persistent' if backend.persistent_decode else 'kernels')
+    assert backend.length == 0
+    prompt = np.random.default_rng(4).integers(0, checkpoint.config.vocab_size, 60)
+    ours = run_steps(backend, prompt, 3)
+    ref = run_steps(NumpyBackend(checkpoint, 256), prompt, 3)
+    for step in range(3):
+        assert rel_err(ours[0][step], ref[0][step]) < REL, step
+    assert ours[1] == ref[1]
+    tiny = make_backend('cuda', load_checkpoint(tiny_checkpoint), 32)
+    assert tiny.decode_tuning['persistent'] is None and not tiny.persistent_decode
+
+
 # head_dim 32: the smallest shape decode_persistent takes (tiny's head_dim 16 does not)
 PERSISTENT_CONFIG = {'family': 'llama', 'vocab_size': 512, 'hidden_size': 128,
                      'intermediate_size': 160, 'num_layers': 2, 'num_heads': 4,

@@ -43,6 +43,9 @@ MAX_DYNAMIC_SHARED = 8           # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYT
 SHARED_SIZE_BYTES = 1            # CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES (static), cuda.h
 SHARED_OPTIN = 97                # cudaDevAttrMaxSharedMemoryPerBlockOptin
 RG_MAX_RING = 192 * 1024         # decode_ring's weight ring at most (persistent.cu)
+# persistent_decode='auto': decode-graph replays timed per candidate at configure, and the
+# margin by which decode_persistent must beat the kernel step to be kept
+TUNE_REPEATS, TUNE_CONTEXT, TUNE_MARGIN = 30, 256, 0.03
 
 
 def staged_plan(units, k, weight_bytes, n_sm):
@@ -144,6 +147,9 @@ class CudaBackend:
         'barrier' where the shape allows it, else off; a kind named raises where it cannot
         run. ``flag_barrier``: decode_ring's grid barrier is a flag a block (True) or one
         shared counter (False, the default: 90-110 us a step faster on the H200).
+        'auto': time both decode steps at configure (``decode_tuning``) and keep
+        decode_persistent only where it is at least 3% faster (on the H200: the Llama-3.2
+        shape); what ``make_backend``, and so the node, uses.
         ``prefill_mma``: run the prefill's matmuls on tensor cores (``*_mma`` kernels: bf16
         weights, every K a multiple of 8; True raises elsewhere), not on the 16-token
         CUDA-core tiles.
@@ -183,10 +189,49 @@ class CudaBackend:
             self._resident = {}
             self._grid_stride = self._check_grid_stride(grid_stride)
             self._choose_launch(dependent_launch)
-            self._choose_persistent(persistent_decode)
+            tune = isinstance(persistent_decode, str) and persistent_decode == 'auto'
+            self._choose_persistent(False if tune else persistent_decode)
             self._prefill_mma = self._check_prefill_mma(prefill_mma)
             self._staged = self._check_staged(staged_decode)
             self._warm_up_and_capture()
+            self.decode_tuning = self._tune_decode() if tune else None
+
+    def _tune_decode(self):
+        """persistent_decode='auto': the decode graph's GPU time (median us of TUNE_REPEATS
+        replays at TUNE_CONTEXT cached slots, CUDA events) as a kernel a phase and as
+        decode_persistent, where it can run; keeps the faster, decode_persistent only by
+        TUNE_MARGIN. Returns {'kernels': us, 'persistent': us or None, 'chosen': name}."""
+        times = {'kernels': self._time_decode_graph(), 'persistent': None}
+        if self.persistent_decode_problem() is None:
+            self.set_persistent_decode('barrier')
+            times['persistent'] = self._time_decode_graph()
+            if times['persistent'] > (1 - TUNE_MARGIN) * times['kernels']:
+                self.set_persistent_decode(False)
+        times['chosen'] = 'persistent' if self.persistent_decode else 'kernels'
+        return times
+
+    def _time_decode_graph(self):
+        """Median GPU us of a decode-graph replay at min(TUNE_CONTEXT, capacity - 1) cached
+        slots (their contents do not change the work); leaves the cache empty."""
+        cp = self.cp
+        length = min(TUNE_CONTEXT, self.capacity - 1)
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        times = []
+        with self.device:
+            for i in range(TUNE_REPEATS + 3):   # the first three warm the caches
+                self._write_state(token=0, start=length, n=1, mass_acc=0)
+                start.record(self.stream)
+                self.graphs[1].launch(self.stream)
+                stop.record(self.stream)
+                stop.synchronize()
+                if i >= 3:
+                    times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3)
+            self.k.fill(0)
+            self.v.fill(0)
+            self.device.synchronize()
+        self.length = 0
+        self._logits_valid = False
+        return float(np.median(times))
 
     @property
     def dependent_launch(self):
