@@ -132,6 +132,10 @@ extern "C" __global__ void grid_sync_probe(unsigned* bar, int* slot, int* errors
 //   (mapa + ld.shared::cluster), takes its RMS and writes its slice of the next one; a
 //   cluster barrier a round (x ping-pongs between two slices). Every cluster runs the same
 //   rounds from x0; each writes the result to out.
+// cluster_push_probe the same rounds with the exchange pushed: every block keeps the whole
+//   vector in its own shared memory (dynamic shared memory 8 * d, two copies), reads it
+//   locally, and writes its slice of the next one into every block of the cluster
+//   (st.shared::cluster), then the cluster barrier.
 // Dtypes: x fp32, W wt.
 __device__ __forceinline__ void floor_rows(int d, int* first, int* own) {
   const int per = (d + gridDim.x - 1) / gridDim.x;
@@ -282,6 +286,42 @@ cluster_floor_probe(const float* x0, float* out, int d, int rounds) {
   }
   for (int j = threadIdx.x; j < own; j += blockDim.x)
     out[first + j] = floor_smem[(rounds & 1) * per + j];
+#else
+  asm volatile("trap;");   // clusters need sm_90
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+cluster_push_probe(const float* x0, float* out, int d, int rounds) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(16) float push_smem[];   // [2][d]
+  __shared__ float scratch[WARP];
+  unsigned rank, size;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(size));
+  const int per = (d + size - 1) / size, first = rank * per, own = max(0, min(per, d - first));
+  for (int k = threadIdx.x; k < d; k += blockDim.x) push_smem[k] = x0[k];
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+  for (int p = 0; p < rounds; ++p) {
+    const float* cur = push_smem + (p & 1) * d;
+    float ss = 0.f;
+    for (int k = threadIdx.x; k < d; k += blockDim.x) ss += cur[k] * cur[k];
+    const float inv = rsqrtf(block_sum(ss, scratch) / d + 1e-6f);
+    const unsigned next = __cvta_generic_to_shared(push_smem + ((p + 1) & 1) * d + first);
+    for (int i = threadIdx.x; i < own * (int)size; i += blockDim.x) {
+      const int dst = i / own, j = i - dst * own;
+      unsigned remote;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                   : "=r"(remote) : "r"(next + 4u * j), "r"(dst));
+      asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(cur[first + j] * inv)
+                   : "memory");
+    }
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+  }
+  for (int j = threadIdx.x; j < own; j += blockDim.x)
+    out[first + j] = push_smem[(rounds & 1) * d + first + j];
 #else
   asm volatile("trap;");   // clusters need sm_90
 #endif

@@ -537,23 +537,27 @@ def test_layer_floor_splitk_sums_the_blocks_partials(kit):
 
 
 @pytest.mark.parametrize('size', [2, 8, 16])
-def test_cluster_floor_probe_keeps_the_chain_in_a_cluster(kit, size):
-    """cluster_floor_probe: the vector spread over a cluster's shared memories, read
-    through DSMEM each round, follows x <- x / rms(x) in every cluster of the grid."""
+@pytest.mark.parametrize('kind', ['pull', 'push'])
+def test_cluster_floor_probe_keeps_the_chain_in_a_cluster(kit, size, kind):
+    """cluster_floor_probe (pull: the vector spread over a cluster's shared memories, read
+    through DSMEM each round) and cluster_push_probe (push: each block writes its slice into
+    every block's copy) follow x <- x / rms(x) in every cluster of the grid."""
     cp, k, _ = kit
     from cupy_backends.cuda.api import driver
     from rt_llm_node.backends.cuda_kernels import ClusterLauncher
     from rt_llm_node.backends.cuda_kernels import NON_PORTABLE_CLUSTER_SIZE_ALLOWED
     if int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip('thread-block clusters need sm_90')
-    driver.funcSetAttribute(k.cluster_floor_probe.ptr, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+    fn, smem = ((k.cluster_floor_probe, lambda d: 8 * -(-d // size)) if kind == 'pull'
+                else (k.cluster_push_probe, lambda d: 8 * d))
+    driver.funcSetAttribute(fn.ptr, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
     rng = np.random.default_rng(size)
     n_sm = cp.cuda.Device().attributes['MultiProcessorCount']
     d, rounds = 576, 9
     x0 = rng.standard_normal(d).astype(np.float32)
     out = poisoned(cp, d)
     stream = cp.cuda.Stream(non_blocking=True)
-    ClusterLauncher(size)(k.cluster_floor_probe, (size * (n_sm // size),), (256,),
-                          (cp.asarray(x0), out, i32(d), i32(rounds)), 8 * -(-d // size), stream)
+    ClusterLauncher(size)(fn, (size * (n_sm // size),), (256,),
+                          (cp.asarray(x0), out, i32(d), i32(rounds)), smem(d), stream)
     stream.synchronize()
     close(out.get(), floor_reference(None, x0, rounds))

@@ -24,10 +24,11 @@
    vector (red.global.add) instead of writing its own rows, the hand-off a phase fused
    across a split K would pay (SwiGLU + down, or o_proj split by head). Outputs are checked
    against numpy.
-3. The same phase inside a thread-block cluster (cluster_floor_probe: the vector spread
-   over the cluster's shared memories, read through DSMEM, a cluster barrier a round), by
-   cluster size: what an exchange costs that never leaves a cluster (q, k, v to attention
-   within a KV group's cluster, say).
+3. The same phase inside a thread-block cluster, by cluster size: what an exchange costs
+   that never leaves a cluster (q, k, v to attention within a KV group's cluster, say).
+   Pulled (cluster_floor_probe: the vector spread over the cluster's shared memories, read
+   through DSMEM, a cluster barrier a round) and pushed (cluster_push_probe: every block
+   holds the whole vector and writes its slice into each block's copy, then the barrier).
 """
 
 import argparse
@@ -241,46 +242,57 @@ def skeleton_table(floor, shapes, phase_counts, repeats, rng):
 
 
 def cluster_table(floor, repeats, rng, d=576, rounds=90):
-    """A phase kept inside a thread-block cluster (cluster_floor_probe), every cluster of
-    the grid at once: us a round, by cluster size; checked against numpy first."""
+    """A phase kept inside a thread-block cluster, every cluster of the grid at once: us a
+    round, by cluster size, for each exchange (cluster_floor_probe: pull,
+    cluster_push_probe: push); each checked against numpy first."""
     from cupy_backends.cuda.api import driver
-    from rt_llm_node.backends.cuda_kernels import ClusterLauncher
     from rt_llm_node.backends.cuda_kernels import NON_PORTABLE_CLUSTER_SIZE_ALLOWED
-    cp = floor.cp
-    fn = floor.k.cluster_floor_probe
-    driver.funcSetAttribute(fn.ptr, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
     x0 = rng.standard_normal(d).astype(np.float32)
-    x0_dev, out = cp.asarray(x0), cp.zeros(d, np.float32)
     rows = []
     for size in (2, 4, 8, 16):
-        launch = ClusterLauncher(size)
         grid = size * (floor.n_sm // size)
-        smem = 8 * math.ceil(d / size)
-
-        def graph(n, launch=launch, grid=grid, smem=smem):
-            with floor.stream:
-                floor.stream.begin_capture()
-                try:
-                    launch(fn, (grid,), (256,), (x0_dev, out, np.int32(d), np.int32(n)), smem,
-                           floor.stream)
-                finally:
-                    captured = floor.stream.end_capture()
-                return captured
-        try:
-            out.fill(np.nan)
-            graph(7).launch(floor.stream)
-            floor.stream.synchronize()
-        except Exception as exc:   # e.g. a cluster size the device cannot place
-            rows.append([size, grid, f'refused: {exc}', '-', '-'])
-            continue
-        ref = floor_reference(None, x0, 7)
-        if (np.abs(out.get() - ref) > 1e-4 + 1e-4 * np.abs(ref)).any():
-            raise AssertionError(f'cluster_floor_probe, clusters of {size}: values off')
-        t_full, t_zero = (floor.time_us(graph(n), repeats) for n in (rounds, 0))
-        per = (t_full - t_zero) / rounds
-        rows.append([size, grid, f'{per:.2f}', f'{30 * 2 * per:.1f}', f'{30 * 3 * per:.1f}'])
-    header = ['cluster size', 'blocks', 'us a round', '60 rounds us', '90 rounds us']
+        row = [size, grid]
+        for name, smem in (('cluster_floor_probe', 8 * math.ceil(d / size)),
+                           ('cluster_push_probe', 8 * d)):
+            driver.funcSetAttribute(getattr(floor.k, name).ptr,
+                                    NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+            row += cluster_rounds(floor, name, size, grid, smem, x0, repeats, rounds)
+        rows.append(row)
+    header = ['cluster size', 'blocks', 'pull: us a round', 'pull: 60 rounds us',
+              'pull: 90 rounds us', 'push: us a round', 'push: 60 rounds us',
+              'push: 90 rounds us']
     return header, rows
+
+
+def cluster_rounds(floor, name, size, grid, smem, x0, repeats, rounds):
+    """[us a round, 60 rounds us, 90 rounds us] of cluster kernel ``name`` (x0, out, d,
+    rounds) in clusters of ``size``, or why the device refused the launch."""
+    from rt_llm_node.backends.cuda_kernels import ClusterLauncher
+    cp, d, fn = floor.cp, len(x0), getattr(floor.k, name)
+    x0_dev, out = cp.asarray(x0), cp.zeros(d, np.float32)
+    launch = ClusterLauncher(size)
+
+    def graph(n):
+        with floor.stream:
+            floor.stream.begin_capture()
+            try:
+                launch(fn, (grid,), (256,), (x0_dev, out, np.int32(d), np.int32(n)), smem,
+                       floor.stream)
+            finally:
+                captured = floor.stream.end_capture()
+            return captured
+    try:
+        out.fill(np.nan)
+        graph(7).launch(floor.stream)
+        floor.stream.synchronize()
+    except Exception as exc:   # e.g. a cluster size the device cannot place
+        return [f'refused: {exc}', '-', '-']
+    ref = floor_reference(None, x0, 7)
+    if (np.abs(out.get() - ref) > 1e-4 + 1e-4 * np.abs(ref)).any():
+        raise AssertionError(f'{name}, clusters of {size}: values off')
+    t_full, t_zero = (floor.time_us(graph(n), repeats) for n in (rounds, 0))
+    per = (t_full - t_zero) / rounds
+    return [f'{per:.2f}', f'{30 * 2 * per:.1f}', f'{30 * 3 * per:.1f}']
 
 
 def main():
@@ -289,6 +301,8 @@ def main():
     parser.add_argument('--phases', default='2,3,5', help='phases a layer to time (P)')
     parser.add_argument('--repeats', type=int, default=20)
     parser.add_argument('--write', action='store_true', help='write the BENCHMARKS.md section')
+    parser.add_argument('--cluster-only', action='store_true',
+                        help='only the cluster table (printed; --write needs every table)')
     args = parser.parse_args()
     from rt_llm_node.model.synthetic import SHAPES
     shapes = [s for s in args.shapes.split(',') if s]
@@ -301,12 +315,17 @@ def main():
         parser.error(f'--phases takes whole numbers separated by commas, got {args.phases!r}')
     if not phase_counts or min(phase_counts) < 1:
         parser.error(f'--phases: every count must be 1 or more, got {args.phases!r}')
+    if args.cluster_only and args.write:
+        parser.error('--write needs every table; leave out --cluster-only')
     from rt_llm_node.backends import cuda_available
     if not cuda_available():
         print('probe_layer_floor: no CUDA device (CuPy sees none)', file=sys.stderr)
         return 2
     floor = Floor()
     rng = np.random.default_rng(0)
+    if args.cluster_only:
+        print_table(*cluster_table(floor, args.repeats, rng))
+        return 0
     for d in (576, 896, 2048):
         for rows in (0, floor.own(d) + floor.own(d) % 2, 40):
             check(floor, d, rows, 7, rng)
@@ -335,9 +354,11 @@ def main():
                 'would):\n\n'
                 + markdown_table(sk_header, sk_rows)
                 + '\n\nThe same phase (d = 576, no weights) kept inside a thread-block '
-                'cluster (cluster_floor_probe): each block reads the whole vector from its '
-                "cluster's shared memories (DSMEM), a cluster barrier a round, every cluster "
-                'of the grid at once; checked against numpy:\n\n'
+                'cluster, a cluster barrier a round, every cluster of the grid at once; pull '
+                "(cluster_floor_probe): each block reads the whole vector from its cluster's "
+                'shared memories (DSMEM); push (cluster_push_probe): each block keeps the '
+                "whole vector and writes its slice into every block's copy; both checked "
+                'against numpy:\n\n'
                 + markdown_table(cl_header, cl_rows))
         write_section('floor', 'Decode step floor: phase skeleton and few-SM bandwidth', body,
                       machine=f'{name} ({floor.n_sm} SMs), Python {sys.version.split()[0]}',

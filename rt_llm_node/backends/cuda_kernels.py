@@ -35,7 +35,8 @@ KERNELS = (
     'compact_gather', 'compact_store',
     'read_sum', 'read_sum_wide',
     'grid_sync_probe', 'layer_floor_probe', 'layer_floor_step',
-    'layer_floor_splitk', 'cluster_floor_probe', 'decode_persistent', 'decode_ring',
+    'layer_floor_splitk', 'cluster_floor_probe', 'cluster_push_probe', 'decode_persistent',
+    'decode_ring',
 )
 # Built for bf16 weights only: the prefill matmuls on tensor cores (matmul.cu, mma_body).
 KERNELS_BF16 = ('matmul_residual_mma', 'matmul_swiglu_mma', 'matmul_qkv_rope_mma')
