@@ -253,18 +253,39 @@ layer_floor_splitk(const float* x_in, float* x_out, float* x_zero, int d) {
   }
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The block's place in its cluster and its slice [first, first + own) of a d-vector spread
+// over the cluster in slices of per.
+struct ClusterSlice {
+  unsigned rank, size;
+  int per, first, own;
+};
+
+__device__ __forceinline__ ClusterSlice cluster_slice(int d) {
+  ClusterSlice c;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(c.rank));
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(c.size));
+  c.per = (d + c.size - 1) / c.size;
+  c.first = c.rank * c.per;
+  c.own = max(0, min(c.per, d - c.first));
+  return c;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(256)
 cluster_floor_probe(const float* x0, float* out, int d, int rounds) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(16) float floor_smem[];   // [2][per]
   __shared__ float scratch[WARP];
-  unsigned rank, size;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(size));
-  const int per = (d + size - 1) / size, first = rank * per, own = max(0, min(per, d - first));
+  const ClusterSlice c = cluster_slice(d);
+  const int per = c.per, first = c.first, own = c.own;
   for (int j = threadIdx.x; j < own; j += blockDim.x) floor_smem[j] = x0[first + j];
-  asm volatile("barrier.cluster.arrive.release.aligned;\n"
-               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+  cluster_sync();
   for (int p = 0; p < rounds; ++p) {
     const unsigned cur = __cvta_generic_to_shared(floor_smem + (p & 1) * per);
     float ss = 0.f;
@@ -281,8 +302,7 @@ cluster_floor_probe(const float* x0, float* out, int d, int rounds) {
     float* mine = floor_smem + (p & 1) * per;
     float* next = floor_smem + ((p + 1) & 1) * per;
     for (int j = threadIdx.x; j < own; j += blockDim.x) next[j] = mine[j] * inv;
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    cluster_sync();
   }
   for (int j = threadIdx.x; j < own; j += blockDim.x)
     out[first + j] = floor_smem[(rounds & 1) * per + j];
@@ -296,20 +316,17 @@ cluster_push_probe(const float* x0, float* out, int d, int rounds) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(16) float push_smem[];   // [2][d]
   __shared__ float scratch[WARP];
-  unsigned rank, size;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(size));
-  const int per = (d + size - 1) / size, first = rank * per, own = max(0, min(per, d - first));
+  const ClusterSlice c = cluster_slice(d);
+  const int first = c.first, own = c.own;
   for (int k = threadIdx.x; k < d; k += blockDim.x) push_smem[k] = x0[k];
-  asm volatile("barrier.cluster.arrive.release.aligned;\n"
-               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+  cluster_sync();
   for (int p = 0; p < rounds; ++p) {
     const float* cur = push_smem + (p & 1) * d;
     float ss = 0.f;
     for (int k = threadIdx.x; k < d; k += blockDim.x) ss += cur[k] * cur[k];
     const float inv = rsqrtf(block_sum(ss, scratch) / d + 1e-6f);
     const unsigned next = __cvta_generic_to_shared(push_smem + ((p + 1) & 1) * d + first);
-    for (int i = threadIdx.x; i < own * (int)size; i += blockDim.x) {
+    for (int i = threadIdx.x; i < own * (int)c.size; i += blockDim.x) {
       const int dst = i / own, j = i - dst * own;
       unsigned remote;
       asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
@@ -317,8 +334,7 @@ cluster_push_probe(const float* x0, float* out, int d, int rounds) {
       asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(cur[first + j] * inv)
                    : "memory");
     }
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    cluster_sync();
   }
   for (int j = threadIdx.x; j < own; j += blockDim.x)
     out[first + j] = push_smem[(rounds & 1) * d + first + j];
