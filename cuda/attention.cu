@@ -3,8 +3,9 @@
 //
 // Query qi of head h sits at position start + qi and sees keys 0 .. start + qi. Head h
 // reads kv head h / (n_heads / n_kv). Rows are (h, qi) pairs, row = h * n_max + qi.
-//   attn_partial  grid (n_heads * n_max, ceil(cap / chunk)), block 128, dynamic shared
-//                 memory (2 * chunk * d + chunk + d) floats: stages the split's keys and
+//   attn_partial  grid (n_heads * n_max, <= ceil(cap / chunk)), block 128, dynamic shared
+//                 memory (2 * chunk * d + chunk + d) floats; a block takes the splits
+//                 blockIdx.y, + gridDim.y, ... that hold keys. Stages the split's keys and
 //                 values in shared memory, then the row's scaled scores (kept in `scores`
 //                 [rows, cap] for the mass), their max m, sum l of exp(score - m) and the
 //                 exp-weighted sum of values.
@@ -48,66 +49,72 @@ attn_partial(const int* __restrict__ state, const float* __restrict__ q,
   float* p = vs + chunk * d;                      // [chunk]
   float* qs = p + chunk;                          // [d]
   __shared__ float scratch[WARP];
-  const int row = blockIdx.x, h = row / n_max, qi = row % n_max, s = blockIdx.y;
+  const int row = blockIdx.x, h = row / n_max, qi = row % n_max;
   const int n = state[STATE_N], start = state[STATE_START];
   if (qi >= n) return;
-  const int k0 = s * chunk, k1 = min(k0 + chunk, start + qi + 1);
-  if (k0 >= k1) return;  // attn_combine reads only the splits that hold keys
-  const int hk = h / (n_heads / n_kv), count = k1 - k0, d4 = d / 4;
-  // stage keys and values: four float4s of each per thread in flight before any is stored
-  const int total = count * d4;
-  for (int base = threadIdx.x; base < total; base += 4 * blockDim.x) {
-    float4 tk[4], tv[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int e = base + u * blockDim.x;
-      if (e < total) {
-        const long long src = ((long long)(k0 + e / d4) * n_kv + hk) * d4 + e % d4;
-        tk[u] = reinterpret_cast<const float4*>(k_cache)[src];
-        tv[u] = reinterpret_cast<const float4*>(v_cache)[src];
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int e = base + u * blockDim.x;
-      if (e < total) {
-        smem4[e] = tk[u];                // row e / d4, column e % d4
-        smem4[chunk * d4 + e] = tv[u];
-      }
-    }
-  }
+  const int hk = h / (n_heads / n_kv), d4 = d / 4;
   for (int i = threadIdx.x; i < d; i += blockDim.x) qs[i] = q[(long long)qi * n_heads * d + h * d + i];
-  __syncthreads();
-  float mine = NEG_INF;
-  for (int j = threadIdx.x; j < count; j += blockDim.x) {
-    float acc = 0.f;
-    int c = j % d;   // skewed start: a warp's threads read 32 different banks
-    for (int i = 0; i < d; ++i) {
-      acc = fmaf(qs[c], ks[j * d + c], acc);
-      if (++c == d) c = 0;
+  // the splits s = blockIdx.y, + gridDim.y, ... (grid-stride: the grid's y may be smaller
+  // than n_splits, so a prefill near the start of the cache launches few empty blocks)
+  for (int s = blockIdx.y; s < n_splits; s += gridDim.y) {
+    const int k0 = s * chunk, k1 = min(k0 + chunk, start + qi + 1);
+    if (k0 >= k1) break;  // so are the later splits; attn_combine reads only those with keys
+    const int count = k1 - k0;
+    // stage keys and values: four float4s of each per thread in flight before any is stored
+    const int total = count * d4;
+    for (int base = threadIdx.x; base < total; base += 4 * blockDim.x) {
+      float4 tk[4], tv[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int e = base + u * blockDim.x;
+        if (e < total) {
+          const long long src = ((long long)(k0 + e / d4) * n_kv + hk) * d4 + e % d4;
+          tk[u] = reinterpret_cast<const float4*>(k_cache)[src];
+          tv[u] = reinterpret_cast<const float4*>(v_cache)[src];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int e = base + u * blockDim.x;
+        if (e < total) {
+          smem4[e] = tk[u];                // row e / d4, column e % d4
+          smem4[chunk * d4 + e] = tv[u];
+        }
+      }
     }
-    acc *= scale;
-    p[j] = acc;
-    scores[(long long)row * cap + k0 + j] = acc;
-    mine = fmaxf(mine, acc);
-  }
-  const float m = block_max(mine, scratch);
-  float e_sum = 0.f;
-  for (int j = threadIdx.x; j < count; j += blockDim.x) {
-    const float e = expf(p[j] - m);
-    p[j] = e;
-    e_sum += e;
-  }
-  const float l = block_sum(e_sum, scratch);   // its barriers also publish p
-  float* po = part_o + ((long long)row * n_splits + s) * d;
-  for (int i = threadIdx.x; i < d; i += blockDim.x) {
-    float o = 0.f;
-    for (int j = 0; j < count; ++j) o = fmaf(p[j], vs[j * d + i], o);
-    po[i] = o;
-  }
-  if (threadIdx.x == 0) {
-    part_ml[((long long)row * n_splits + s) * 2] = m;
-    part_ml[((long long)row * n_splits + s) * 2 + 1] = l;
+    __syncthreads();
+    float mine = NEG_INF;
+    for (int j = threadIdx.x; j < count; j += blockDim.x) {
+      float acc = 0.f;
+      int c = j % d;   // skewed start: a warp's threads read 32 different banks
+      for (int i = 0; i < d; ++i) {
+        acc = fmaf(qs[c], ks[j * d + c], acc);
+        if (++c == d) c = 0;
+      }
+      acc *= scale;
+      p[j] = acc;
+      scores[(long long)row * cap + k0 + j] = acc;
+      mine = fmaxf(mine, acc);
+    }
+    const float m = block_max(mine, scratch);
+    float e_sum = 0.f;
+    for (int j = threadIdx.x; j < count; j += blockDim.x) {
+      const float e = expf(p[j] - m);
+      p[j] = e;
+      e_sum += e;
+    }
+    const float l = block_sum(e_sum, scratch);   // its barriers also publish p
+    float* po = part_o + ((long long)row * n_splits + s) * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+      float o = 0.f;
+      for (int j = 0; j < count; ++j) o = fmaf(p[j], vs[j * d + i], o);
+      po[i] = o;
+    }
+    if (threadIdx.x == 0) {
+      part_ml[((long long)row * n_splits + s) * 2] = m;
+      part_ml[((long long)row * n_splits + s) * 2 + 1] = l;
+    }
+    __syncthreads();   // every thread is done with this split's keys, values and p
   }
 }
 

@@ -310,9 +310,13 @@ def test_matmul_qkv_rope_staged(kit, bias, per_block):
     assert np.isnan(c.q.get()[1:]).all()
 
 
-@pytest.mark.parametrize('start,n,d', [(0, 1, 64), (150, 1, 64), (0, 17, 64), (70, 33, 64),
-                                       (130, 1, 128), (40, 9, 32)])
-def test_attention_and_mass(kit, start, n, d):
+# split_blocks: attn_partial's grid over the splits (None: one block a split); fewer make
+# each block loop over several (2 of 4 splits, 3 of 8, 1 of all)
+@pytest.mark.parametrize('start,n,d,split_blocks', [
+    (0, 1, 64, None), (150, 1, 64, None), (0, 17, 64, None), (70, 33, 64, None),
+    (130, 1, 128, None), (40, 9, 32, None), (150, 40, 64, 2), (200, 50, 128, 3),
+    (100, 33, 64, 1)])
+def test_attention_and_mass(kit, start, n, d, split_blocks):
     cp, k, _ = kit
     rng = np.random.default_rng()
     heads, kv, cap, n_max = 6, 2, 256, 64 if n > 1 else 1
@@ -329,7 +333,7 @@ def test_attention_and_mass(kit, start, n, d):
     old = rng.random(cap).astype(np.float32)
     mass = cp.asarray(old)
     dq, dk, dv = cp.asarray(q), cp.asarray(kc), cp.asarray(vc)
-    k.attn_partial((heads * n_max, splits), (128,), (
+    k.attn_partial((heads * n_max, split_blocks or splits), (128,), (
         st, dq, dk, dv, scores, part_ml, part_o, i32(n_max), i32(heads), i32(kv), i32(d),
         i32(cap), i32(splits), i32(chunk), np.float32(1 / np.sqrt(d))),
         shared_mem=(2 * chunk * d + chunk + d) * 4)

@@ -1,6 +1,12 @@
 """Where a CUDA decode step spends its time: per kernel (CUDA events), graph replay, host calls.
 
     PYTHONPATH=. python3 tools/profile_cuda.py [--shape smollm2-135m] [--context 256]
+        [--att-prefill-blocks 100000,2048]
+
+--att-prefill-blocks: the 48-token prefill (GPU time, median of 20) with attn_partial's grid
+capped at each block count (CudaBackend.att_prefill_blocks; 100000: a block for every
+split of the capacity, as before stop 33), side by side, each prefill's logits checked
+equal to the first's.
 """
 
 import argparse
@@ -24,6 +30,8 @@ def main():
     parser.add_argument('--prefill-mma', action='store_true',
                         help="the prefill's matmuls on tensor cores (the *_mma kernels)")
     parser.add_argument('--chain', type=int, default=32, help='launches per kernel graph')
+    parser.add_argument('--att-prefill-blocks', type=lambda v: [int(k) for k in v.split(',') if k],
+                        default=[], help="attn_partial's block caps to compare (N,N,..)")
     parser.add_argument('--sweep-blocks', type=lambda v: [int(k) for k in v.split(',') if k],
                         default=[], help='also time grid_stride caps of K blocks an SM (K,K,..)')
     args = parser.parse_args()
@@ -121,16 +129,30 @@ def main():
         print(line + f'  x{count}')
     print(f'  sum over the forward {total_us:.1f} us (each kernel timed in a chain of its own)')
     ids = np.random.default_rng(1).integers(0, vocab, 48)
-    pre = []
-    for _ in range(20):
-        backend.rollback(args.context)
-        stream.synchronize()
-        start.record(stream)
-        backend.prefill(ids)
-        stop.record(stream)
-        stop.synchronize()
-        pre.append(cp.cuda.get_elapsed_time(start, stop))
-    print(f'  prefill 48: {np.median(pre):.3f} ms')
+
+    def prefill_ms():
+        pre = []
+        for _ in range(20):
+            backend.rollback(args.context)
+            stream.synchronize()
+            start.record(stream)
+            backend.prefill(ids)
+            stop.record(stream)
+            stop.synchronize()
+            pre.append(cp.cuda.get_elapsed_time(start, stop))
+        return np.median(pre), backend.logits()
+    print(f'  prefill 48: {prefill_ms()[0]:.3f} ms (att_prefill_blocks '
+          f'{backend.att_prefill_blocks})')
+    first = None
+    for blocks in args.att_prefill_blocks:
+        backend.att_prefill_blocks = blocks
+        with backend.device:
+            backend._warm_up_and_capture()
+        backend.prefill(np.random.default_rng(0).integers(0, vocab, args.context))
+        ms, logits = prefill_ms()
+        first = logits if first is None else first
+        same = 'equal' if np.array_equal(logits, first) else 'DIFFERENT'
+        print(f'  prefill 48, att_prefill_blocks {blocks}: {ms:.3f} ms, logits {same}')
 
 
 if __name__ == '__main__':

@@ -43,6 +43,10 @@ MAX_DYNAMIC_SHARED = 8           # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYT
 SHARED_SIZE_BYTES = 1            # CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES (static), cuda.h
 SHARED_OPTIN = 97                # cudaDevAttrMaxSharedMemoryPerBlockOptin
 RG_MAX_RING = 192 * 1024         # decode_ring's weight ring at most (persistent.cu)
+# the prefill's attn_partial: at most this many blocks beyond one a row (each row's block
+# then loops over its splits), so that a prefill near the start of the cache does not
+# launch a block for every empty split of the whole capacity
+ATT_PREFILL_BLOCKS = 2048
 # persistent_decode='auto': decode-graph replays timed per candidate at configure, and the
 # margin by which decode_persistent must beat the kernel step to be kept
 TUNE_REPEATS, TUNE_CONTEXT, TUNE_MARGIN = 30, 256, 0.03
@@ -493,6 +497,7 @@ class CudaBackend:
         d = cfg.head_dim
         self.chunk = 64 if d <= 64 else 32 if d <= 128 else 16
         self.att_smem = (2 * self.chunk * d + self.chunk + d) * 4
+        self.att_prefill_blocks = ATT_PREFILL_BLOCKS   # (tools/profile_cuda.py varies it)
         self.n_splits = (cap + self.chunk - 1) // self.chunk
         if self.n_splits > ATT_MAX_SPLITS:   # the merge keeps a weight per split in shared memory
             raise BackendError(f'kv capacity {cap} needs {self.n_splits} attention splits '
@@ -661,7 +666,9 @@ class CudaBackend:
                        _i32(cfg.num_kv_heads), _i32(d), _i32(cap), _i32(self.n_splits),
                        _i32(self.chunk), scale)
             else:
-                launch('attn_partial', (cfg.num_heads * n_max, self.n_splits), (128,),
+                rows = cfg.num_heads * n_max
+                split_blocks = min(self.n_splits, max(1, -(-self.att_prefill_blocks // rows)))
+                launch('attn_partial', (rows, split_blocks), (128,),
                        self.state, self.q, kc, vc, self.scores, self.part_ml,
                        self.part_o, _i32(n_max), _i32(cfg.num_heads),
                        _i32(cfg.num_kv_heads), _i32(d), _i32(cap), _i32(self.n_splits),
