@@ -73,7 +73,8 @@ def configure_engine(values, clock=None, log=print, cost_model=None):
             f'length {cfg.max_position_embeddings}')
     log(f'{cfg.family} model: {cfg.n_parameters() / 1e6:.1f}M parameters, '
         f'{cfg.num_layers} layers, vocab {cfg.vocab_size}, weights {checkpoint.weight_dtype}')
-    backend = make_backend(values['backend'], checkpoint, values['kv_capacity_tokens'])
+    backend = make_backend(values['backend'], checkpoint, values['kv_capacity_tokens'],
+                           values['cuda_decode_step'])
     log(f'backend {backend.name}: KV cache of {backend.capacity} tokens allocated')
     tuning = getattr(backend, 'decode_tuning', None)
     if tuning:   # the CUDA backend's decode step, chosen by its GPU time on this device
@@ -81,6 +82,8 @@ def configure_engine(values, clock=None, log=print, cost_model=None):
         log(f"decode step: {tuning['chosen']} (a kernel a phase {tuning['kernels']:.0f} us, "
             + ('one persistent launch n/a)' if persistent is None else
                f'one persistent launch {persistent:.0f} us)'))
+    elif backend.name == 'cuda':
+        log(f"decode step: {values['cuda_decode_step']} (set by cuda_decode_step)")
     grammar = action_grammar(values, checkpoint.tokenizer)
     specs = input_specs(values)
     if cost_model is None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import math
 
 from rt_llm_node.backends import BACKENDS
+from rt_llm_node.backends import DECODE_STEPS
 from rt_llm_node.codec import normalize_type
 from rt_llm_node.kvcache import POLICIES
 
@@ -30,6 +31,9 @@ class Param:
 PARAMETERS = (
     Param('model_path', '', 'HF-layout checkpoint directory; empty: the embedded demo model'),
     Param('backend', 'auto', 'inference backend', choices=BACKENDS),
+    Param('cuda_decode_step', 'auto', "the CUDA backend's decode step: auto (the faster of "
+          'the two, timed at configure), kernels (a kernel a phase) or persistent (one '
+          'cooperative launch); numpy ignores it', choices=DECODE_STEPS),
     Param('rate_hz', 30.0, 'control rate (ticks per second)', 1.0, 200.0),
     Param('deadline_margin_ms', 3.0, 'safety margin kept before each tick deadline (ms)',
           0.0, 100.0),

@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import yaml
 
 from rt_llm_node.demo import task
@@ -66,3 +67,20 @@ def test_inconsistent_lists_are_reported():
     values = {p: BY_NAME[p].default for p in BY_NAME}
     values['input_types'] = ['sensor_msgs/msg/PointCloud2', 'nav_msgs/msg/Odometry']
     assert any('unsupported input type' in e for e in validate(values))
+
+
+def test_cuda_decode_step_is_checked_and_numpy_ignores_it(tiny_checkpoint):
+    """cuda_decode_step takes auto, kernels or persistent (a typo is a parameter error, not a
+    silent default); make_backend refuses anything else and the numpy backend, which has
+    one decode step, builds the same with any of them."""
+    from rt_llm_node.backends import DECODE_STEPS
+    from rt_llm_node.backends import make_backend
+    from rt_llm_node.model import load_checkpoint
+    values = {p: BY_NAME[p].default for p in BY_NAME}
+    values['cuda_decode_step'] = 'persistant'
+    assert any('cuda_decode_step' in e for e in validate(values)), validate(values)
+    checkpoint = load_checkpoint(tiny_checkpoint)
+    for step in DECODE_STEPS:
+        assert make_backend('numpy', checkpoint, 32, step).name == 'numpy'
+    with pytest.raises(ValueError, match='unknown decode step'):
+        make_backend('numpy', checkpoint, 32, 'fast')

@@ -279,6 +279,10 @@ def test_auto_decode_keeps_the_faster_step(shape_dirs, tiny_checkpoint):
     assert ours[1] == ref[1]
     tiny = make_backend('cuda', load_checkpoint(tiny_checkpoint), 32)
     assert tiny.decode_tuning['persistent'] is None and not tiny.persistent_decode
+    # the node's cuda_decode_step pins either step, untimed
+    for step, persistent in (('kernels', False), ('persistent', True)):
+        pinned = make_backend('cuda', checkpoint, 64, step)
+        assert pinned.persistent_decode == persistent and pinned.decode_tuning is None
 
 
 # head_dim 32: the smallest shape decode_persistent takes (tiny's head_dim 16 does not)

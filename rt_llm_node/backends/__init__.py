@@ -26,6 +26,9 @@ class CacheOverflowError(BackendError):
 
 
 BACKENDS = ('auto', 'numpy', 'cuda')
+# the CUDA backend's decode step: the faster of the two timed at configure, a kernel a phase,
+# or one persistent (cooperative) launch; the numpy backend has one step and ignores it
+DECODE_STEPS = ('auto', 'kernels', 'persistent')
 
 
 def cuda_available():
@@ -46,10 +49,14 @@ def cuda_backend_class():
     return CudaBackend
 
 
-def make_backend(name, checkpoint, capacity):
-    """Build backend ``name`` ('auto', 'numpy' or 'cuda') for ``checkpoint``."""
+def make_backend(name, checkpoint, capacity, decode_step='auto'):
+    """Build backend ``name`` ('auto', 'numpy' or 'cuda') for ``checkpoint``; the CUDA one
+    with ``decode_step`` (DECODE_STEPS)."""
     if name not in BACKENDS:
         raise ValueError(f'unknown backend {name!r} (choose from {", ".join(BACKENDS)})')
+    if decode_step not in DECODE_STEPS:
+        raise ValueError(f'unknown decode step {decode_step!r} '
+                         f'(choose from {", ".join(DECODE_STEPS)})')
     if name == 'auto':
         name = 'cuda' if cuda_available() and cuda_backend_class() else 'numpy'
     if name == 'cuda':
@@ -59,7 +66,8 @@ def make_backend(name, checkpoint, capacity):
                                "use backend 'numpy' (or 'auto')")
         if not cuda_available():
             raise BackendError('backend cuda needs CuPy and a CUDA device; none was found')
-        # the faster decode step on this device and model, timed at configure
-        return backend_class(checkpoint, capacity, persistent_decode='auto')
+        # auto: the faster decode step on this device and model, timed at configure
+        persistent = {'auto': 'auto', 'kernels': False, 'persistent': 'barrier'}[decode_step]
+        return backend_class(checkpoint, capacity, persistent_decode=persistent)
     from rt_llm_node.backends.numpy_backend import NumpyBackend
     return NumpyBackend(checkpoint, capacity)
