@@ -149,11 +149,11 @@ class CudaBackend:
         shares of every matrix of the step into a shared-memory ring with bulk copies,
         ahead of the barriers; correct, and slower than both others on the H200); None:
         'barrier' where the shape allows it, else off; a kind named raises where it cannot
-        run. ``flag_barrier``: decode_ring's grid barrier is a flag a block (True) or one
-        shared counter (False, the default: 90-110 us a step faster on the H200).
-        'auto': time both decode steps at configure (``decode_tuning``) and keep
+        run; 'auto': time both decode steps at configure (``decode_tuning``) and keep
         decode_persistent only where it is at least 3% faster (on the H200: the Llama-3.2
-        shape); what ``make_backend``, and so the node, uses.
+        shape), what ``make_backend``, and so the node, asks for by default.
+        ``flag_barrier``: decode_ring's grid barrier is a flag a block (True) or one
+        shared counter (False, the default: 90-110 us a step faster on the H200).
         ``prefill_mma``: run the prefill's matmuls on tensor cores (``*_mma`` kernels: bf16
         weights, every K a multiple of 8; True raises elsewhere), not on the 16-token
         CUDA-core tiles.
