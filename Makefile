@@ -1,7 +1,7 @@
 # One command sets up and runs the demo, one sets up and passes the tests.
 #   make demo    closed-loop demo on the embedded model (numpy on CPU unless a GPU is configured)
 #   make test    the whole test suite (CI runs this through .ci/run)
-#   make bench   numpy benchmarks on this machine -> BENCHMARKS.md
+#   make bench   numpy benchmarks on this machine -> benchmarks/RESULTS.md
 #   make gpu-test / gpu-bench   on a machine with an NVIDIA GPU and CuPy
 PYTHON ?= python3
 VENV ?= .venv
@@ -27,27 +27,27 @@ demo: $(STAMP)
 	$(VENV)/bin/rt-llm-demo --seconds $(or $(SECONDS),60) --out out/demo.png
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra test
+	$(PY) -m pytest -q -ra test training/test_training.py
 
 lint: $(STAMP)
-	$(PY) -m flake8 rt_llm_node test tools launch setup.py
+	$(PY) -m flake8 rt_llm_node test launch setup.py benchmarks training dev
 
 bench: $(STAMP)
-	$(PY) tools/bench_numpy.py --write
-	$(PY) tools/bench_replay.py --write
+	$(PY) benchmarks/bench_numpy.py --write
+	$(PY) benchmarks/bench_replay.py --write
 
 soak: $(STAMP)
-	$(PY) tools/soak.py --tokens 1000000 --write
+	$(PY) benchmarks/soak.py --tokens 1000000 --write
 
 # On a GPU machine whose python3 has CuPy (+ torch and transformers for the HF comparisons).
 gpu-test:
-	PYTHONPATH=. python3 -m pytest -q -ra -m gpu test
+	PYTHONPATH=. python3 -m pytest -q -ra -m gpu test dev/cuda/test_probes.py
 
-# BENCHMARKS_OUT=DIR also copies the updated BENCHMARKS.md there (a remote GPU machine's
-# output folder, so the figures come back with the run).
+# RESULTS_OUT=DIR also copies the updated benchmarks/RESULTS.md there (a remote GPU
+# machine's output folder, so the figures come back with the run).
 gpu-bench:
-	PYTHONPATH=. python3 -m rt_llm_node.bench --write
-	$(if $(BENCHMARKS_OUT),mkdir -p $(BENCHMARKS_OUT) && cp BENCHMARKS.md $(BENCHMARKS_OUT)/)
+	PYTHONPATH=. python3 benchmarks/bench_cuda.py --write
+	$(if $(RESULTS_OUT),mkdir -p $(RESULTS_OUT) && cp benchmarks/RESULTS.md $(RESULTS_OUT)/)
 
 clean:
 	rm -rf $(VENV) build install log *.egg-info .pytest_cache

@@ -23,7 +23,7 @@ def model_files():
 setup(
     name=PACKAGE,
     version='0.1.0',
-    packages=find_packages(exclude=['test']),
+    packages=find_packages(include=[PACKAGE, PACKAGE + '.*']),
     package_data={PACKAGE: model_files()},
     data_files=[
         ('share/ament_index/resource_index/packages', ['resource/' + PACKAGE]),
@@ -52,7 +52,6 @@ setup(
     entry_points={
         'console_scripts': [
             'rt-llm-generate = rt_llm_node.generate:main',
-            'rt-llm-bench = rt_llm_node.bench:main',
             'rt-llm-eval = rt_llm_node.demo.evaluate:main',
             'rt-llm-node = rt_llm_node.node:main',
             'rt-llm-demo = rt_llm_node.demo.run:main',

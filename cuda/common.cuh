@@ -1,7 +1,7 @@
 // common.cuh: types and helpers shared by every kernel file.
 //
-// The loader (rt_llm_node/backends/cuda_kernels.py) compiles all .cu files as one NVRTC
-// program per weight dtype, with exactly one of RT_WEIGHT_BF16, RT_WEIGHT_F16 or
+// The loader (rt_llm_node/backends/cuda_kernels.py) compiles the .cu files as one NVRTC
+// program per weight dtype (each file also compiles alone), with exactly one of RT_WEIGHT_BF16, RT_WEIGHT_F16 or
 // RT_WEIGHT_F32 defined. Weights ("wt") stay in their stored dtype; every sum is fp32.
 // No CUDA header is included: 16-bit conversions are bit operations or one PTX cvt, so
 // NVRTC compiles these sources on a machine with no CUDA toolkit and no GPU.
@@ -175,10 +175,8 @@ __device__ __forceinline__ void pdl_wait_then_release() {
 // state[STATE_MASS_ACC] 1 when the call continues an earlier chunk (attention mass adds up),
 // state[STATE_FLAGS] bit 0 set when a logit was not finite, state[STATE_RESULT] arg-max,
 // state[STATE_COUNTER] blocks done in argmax_masked. The host writes the first five.
-#define STATE_TOKEN 0
-#define STATE_START 1
-#define STATE_N 2
-#define STATE_MASS_ACC 3
-#define STATE_FLAGS 4
-#define STATE_RESULT 5
-#define STATE_COUNTER 6
+// The slot numbers come from the loader's geometry table (cuda_kernels.GEOMETRY), as -D
+// options, so that the backend and the kernels cannot disagree.
+#if !defined(STATE_TOKEN) || !defined(STATE_COUNTER) || !defined(PD_THREADS)
+#error "build through rt_llm_node/backends/cuda_kernels.py: the geometry comes from its table"
+#endif

@@ -26,104 +26,9 @@
 //                    cos/sin tables ([2 * cap, d/2], row cap + position), writes q to q_out
 //                    [n_max, q_size] and k, v to cache slot start + t ([cap, n_kv, d]).
 #include "common.cuh"
+#include "matvec.cuh"
+#include "pdl.cuh"
 
-#define EPI_RESIDUAL 0
-#define EPI_STORE 1
-#define EPI_SWIGLU 2
-#define EPI_QKV_ROPE 3
-
-struct QkvArgs {
-  const wt* bias;        // [q + 2 kv] or null
-  float* q_out;          // [n_max, q_size]
-  float* k_cache;        // this layer: [cap, n_kv, d]
-  float* v_cache;
-  const float* cos_t;    // [2 * cap, d / 2]
-  const float* sin_t;
-  int n_heads, n_kv, head_dim, cap;
-};
-
-// Rows of unit u for the qkv layout: RoPE pairs of q heads, of k heads, then v row pairs.
-__device__ __forceinline__ void qkv_rows(int u, const QkvArgs& a, int* r0, int* r1, int* kind) {
-  const int half = a.head_dim / 2, q_size = a.n_heads * a.head_dim, kv_size = a.n_kv * a.head_dim;
-  if (u < a.n_heads * half) {
-    *kind = 0;
-    *r0 = (u / half) * a.head_dim + u % half;
-    *r1 = *r0 + half;
-  } else if (u < (a.n_heads + a.n_kv) * half) {
-    const int v = u - a.n_heads * half;
-    *kind = 1;
-    *r0 = q_size + (v / half) * a.head_dim + v % half;
-    *r1 = *r0 + half;
-  } else {
-    const int v = u - (a.n_heads + a.n_kv) * half;
-    *kind = 2;
-    *r0 = q_size + kv_size + 2 * v;
-    *r1 = *r0 + 1;
-  }
-}
-
-// Row pair (r0, r1) of unit u for token tok: y0, y1 through the epilogue EPI;
-// qkv: (c, s) are the rotation's cos and sin when have_cs, else read here.
-template <int EPI>
-__device__ __forceinline__ void epilogue(int* state, int tok, int u, int rows, int r0, int r1,
-                                         int kind, float y0, float y1, float* out,
-                                         int last_only, int start, const QkvArgs& qa,
-                                         bool have_cs = false, float c = 0.f, float s = 0.f) {
-  if (EPI == EPI_RESIDUAL) {   // the residual through L2: a staged kernel's block may share
-    // its SM, and so L1, with an earlier kernel's blocks that read x before it was updated
-    float* o0 = out + (long long)tok * rows + r0;
-    *o0 = ld_cg(o0) + y0;
-    if (2 * u + 1 < rows) {
-      float* o1 = out + (long long)tok * rows + r1;
-      *o1 = ld_cg(o1) + y1;
-    }
-  } else if (EPI == EPI_STORE) {
-    const long long base = last_only ? 0 : (long long)tok * rows;
-    out[base + r0] = y0;
-    if (2 * u + 1 < rows) out[base + r1] = y1;
-    if (!isfinite(y0) || !isfinite(y1)) atomicOr(state + STATE_FLAGS, 1);
-  } else if (EPI == EPI_SWIGLU) {
-    out[(long long)tok * (rows / 2) + u] = y0 / (1.f + expf(-y0)) * y1;
-  } else {
-    if (qa.bias) { y0 += w2f(qa.bias[r0]); y1 += w2f(qa.bias[r1]); }
-    const int d = qa.head_dim, half = d / 2, pos = start + tok;
-    const int q_size = qa.n_heads * d, kv_size = qa.n_kv * d;
-    if (kind < 2) {
-      if (!have_cs) {
-        const int i = (kind == 0 ? r0 : r0 - q_size) % d;
-        c = qa.cos_t[(long long)(qa.cap + pos) * half + i];
-        s = qa.sin_t[(long long)(qa.cap + pos) * half + i];
-      }
-      const float o0 = y0 * c - y1 * s, o1 = y1 * c + y0 * s;
-      if (kind == 0) {
-        qa.q_out[(long long)tok * q_size + r0] = o0;
-        qa.q_out[(long long)tok * q_size + r1] = o1;
-      } else {
-        float* slot = qa.k_cache + (long long)pos * kv_size;
-        slot[r0 - q_size] = o0;
-        slot[r1 - q_size] = o1;
-      }
-    } else {
-      float* slot = qa.v_cache + (long long)pos * kv_size;
-      slot[r0 - q_size - kv_size] = y0;
-      slot[r1 - q_size - kv_size] = y1;
-    }
-  }
-}
-
-// The output rows of unit u for epilogue EPI.
-template <int EPI>
-__device__ __forceinline__ void unit_rows(int u, int rows, const QkvArgs& qa, int* r0, int* r1,
-                                          int* kind) {
-  *kind = 0;
-  if (EPI == EPI_SWIGLU) {
-    *r0 = u; *r1 = rows / 2 + u;
-  } else if (EPI == EPI_QKV_ROPE) {
-    qkv_rows(u, qa, r0, r1, kind);
-  } else {
-    *r0 = 2 * u; *r1 = min(2 * u + 1, rows - 1);
-  }
-}
 
 // inv_rms[t] = 1 / rms of token t of the tile (1 without a norm), t < count: warp w takes
 // tokens w, w + warps, ... four at a time, each lane 16-byte loads of the four rows
@@ -235,8 +140,6 @@ __device__ __forceinline__ void reduce_scatter_step(float* s, int lane) {
   }
 }
 
-#define T16_TOKENS 16
-#define T16_UNITS 8                // units a block, 2 a warp
 #define T16_KC 640                 // values of K a stage: a multiple of 128 (5 chunks a lane)
 #define T16_PITCH (T16_KC + 4)
 #define T16_BATCH 5                // float4 loads a thread has in flight while staging
@@ -530,28 +433,7 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
 // Dynamic shared memory: per_block * 2 rows * K weights, K norm weights, K fp32 of xhat.
 // Needs K % 8 == 0 (16-byte rows) and n == 1 (decode); the backend picks it per matrix
 // when the block's rows fit (CudaBackend, staged_decode).
-#define SP_THREADS 128
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
-}
-
-__device__ __forceinline__ void pdl_release_early() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
 
 template <int EPI>
 __device__ void staged_body(int* __restrict__ state, const wt* __restrict__ W, int rows, int K,
@@ -628,167 +510,6 @@ __device__ void staged_body(int* __restrict__ state, const wt* __restrict__ W, i
   }
 }
 
-#if defined(RT_WEIGHT_BF16)
-// Prefill on tensor cores (bf16 weights; the _mma wrappers below): y = W . xhat for up to
-// MMA_TN tokens a block, with the same epilogues and unit layout as tile16_body.
-// Geometry: block = 128 threads (4 warps) owning MMA_UNITS (8) units: one m16 tile whose
-// rows 0-7 are rows r0 of the 8 units and rows 8-15 their rows r1, so the lane that ends
-// with row g's sums (c0, c1) also has row g + 8's (c2, c3): y0 and y1 of unit g, and the
-// epilogues stay per unit. grid = (ceil(units / 8), ceil(n_max / MMA_TN)): small matrices
-// (576 x 576) still get 36 blocks. K is walked in chunks of MMA_KC: the block stages xhat of
-// its tokens for the chunk in shared memory as a bf16 pair hi + lo (hi = bf16(xhat), lo =
-// bf16(xhat - hi): ~16 mantissa bits, so the products match fp32 math to ~1e-5), and warp w
-// multiplies k32 block w of the chunk (the warps split K; their sums are added in shared
-// memory at the end). Inside a k32 block K is permuted: a lane's one 16-byte load of a row's
-// weights (k = 8q .. 8q+7, q = lane % 4) feeds both m16n8k16 steps, and the x fragments
-// (B: token g = lane / 4) follow the same permutation.
-// Needs K % 8 == 0 (16-byte rows); the backend uses it only then.
-#define MMA_UNITS 8
-#define MMA_TN 64
-#define MMA_KC 128
-#define MMA_PITCH (MMA_KC + 32)   // bf16 a staged row: 80 words, 16 mod 32 (no bank conflicts)
-
-__device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2,
-                                         unsigned a3, unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Two floats as packed bf16 (round to nearest even), e0 in the low half.
-__device__ __forceinline__ unsigned pack_bf16x2(float e0, float e1) {
-  unsigned d;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(e1), "f"(e0));
-  return d;
-}
-
-__device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
-
-__device__ __forceinline__ uint4 load_w16(const wt* p, bool ok) {
-  return ok ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0u, 0u, 0u, 0u);
-}
-
-template <int EPI>
-__device__ void mma_body(int* __restrict__ state, const wt* __restrict__ W, int rows, int K,
-                         const float* __restrict__ x, const wt* __restrict__ norm_w, float eps,
-                         float* __restrict__ out, int units, int /* last_only: 0 */, QkvArgs qa,
-                         int /* split: 1 */) {
-  __shared__ __align__(16) unsigned short stage[2][MMA_TN][MMA_PITCH];   // hi, lo
-  __shared__ float inv_rms[MMA_TN];
-  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-  const int g = lane / 4, q = lane % 4;
-  // this lane's unit and its two weight rows (a unit past the end reads the last unit's
-  // rows; its sums are never stored)
-  const int u = blockIdx.x * MMA_UNITS + g;
-  int rr[2], kind;
-  unit_rows<EPI>(min(u, units - 1), rows, qa, &rr[0], &rr[1], &kind);
-  const int n_chunks = (K + MMA_KC - 1) / MMA_KC;
-  // the first chunk's weights load before the wait for the previous kernel
-  uint4 wa[2];
-  {
-    const int k = warp * 32 + 8 * q;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) wa[h] = load_w16(W + (long long)rr[h] * K + k, k < K);
-  }
-  pdl_wait_then_release();
-  const int n = state[STATE_N], start = state[STATE_START];
-  const int t0 = blockIdx.y * MMA_TN;
-  const int n_t = min(MMA_TN, n - t0);
-  if (n_t <= 0) return;  // the whole block leaves together
-  const float* xt = x + (long long)t0 * K;
-  tile_inv_rms(xt, K, norm_w, eps, n_t, MMA_TN, inv_rms);
-  const int n_tiles = (n_t + 7) / 8;   // token tiles of 8 with any valid token (block-uniform)
-  float acc[MMA_TN / 8][4];
-#pragma unroll
-  for (int j = 0; j < MMA_TN / 8; ++j)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) acc[j][r] = 0.f;
-  for (int c = 0; c < n_chunks; ++c) {
-    const int kc = c * MMA_KC;
-    // stage xhat[t][kc .. kc + MMA_KC) as hi and lo: items of 8 values, 16 a token row
-    for (int item = threadIdx.x; item < MMA_TN * (MMA_KC / 8); item += blockDim.x) {
-      const int t = item / (MMA_KC / 8), kk = (item % (MMA_KC / 8)) * 8, k = kc + kk;
-      uint4 hi = make_uint4(0u, 0u, 0u, 0u), lo = hi;
-      if (t < n_t && k < K) {
-        float xv[8], nw[8];
-        load8f(xt + (long long)t * K + k, xv);
-        load_norm8(norm_w, k, nw);
-        unsigned h[4], l[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float e0 = xv[2 * i] * inv_rms[t] * nw[2 * i];
-          const float e1 = xv[2 * i + 1] * inv_rms[t] * nw[2 * i + 1];
-          h[i] = pack_bf16x2(e0, e1);
-          l[i] = pack_bf16x2(e0 - bf16_lo(h[i]), e1 - bf16_hi(h[i]));
-        }
-        hi = make_uint4(h[0], h[1], h[2], h[3]);
-        lo = make_uint4(l[0], l[1], l[2], l[3]);
-      }
-      *reinterpret_cast<uint4*>(&stage[0][t][kk]) = hi;
-      *reinterpret_cast<uint4*>(&stage[1][t][kk]) = lo;
-    }
-    __syncthreads();
-    // A: row g = r0 (wv[0]), row g + 8 = r1 (wv[1]); words 2s, 2s + 1 are step s's pairs
-    const unsigned wv[2][4] = {{wa[0].x, wa[0].y, wa[0].z, wa[0].w},
-                               {wa[1].x, wa[1].y, wa[1].z, wa[1].w}};
-    // the next chunk's weights, in flight while this one is multiplied and staged
-    if (c + 1 < n_chunks) {
-      const int k = kc + MMA_KC + warp * 32 + 8 * q;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) wa[h] = load_w16(W + (long long)rr[h] * K + k, k < K);
-    }
-#pragma unroll
-    for (int j = 0; j < MMA_TN / 8; ++j) {
-      if (j >= n_tiles) break;
-#pragma unroll
-      for (int part = 0; part < 2; ++part) {   // hi, then lo
-        const uint4 xb =
-            *reinterpret_cast<const uint4*>(&stage[part][j * 8 + g][warp * 32 + 8 * q]);
-        const unsigned xw[4] = {xb.x, xb.y, xb.z, xb.w};
-#pragma unroll
-        for (int s = 0; s < 2; ++s)
-          mma_bf16(acc[j], wv[0][2 * s], wv[1][2 * s], wv[0][2 * s + 1], wv[1][2 * s + 1],
-                   xw[2 * s], xw[2 * s + 1]);
-      }
-    }
-    __syncthreads();   // the stage is rewritten by the next chunk
-  }
-  // add the four warps' sums: red[warp][value][lane] over the stage's memory (16 KB of 40)
-  float* red = reinterpret_cast<float*>(&stage[0][0][0]);
-  constexpr int VALS = (MMA_TN / 8) * 4;
-#pragma unroll
-  for (int j = 0; j < MMA_TN / 8; ++j)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) red[(warp * VALS + j * 4 + r) * WARP + lane] = acc[j][r];
-  __syncthreads();
-  if (u >= units) return;
-  // warp w finishes token tiles 2w and 2w + 1: c0, c1 = y0 (row r0), c2, c3 = y1 (row r1)
-  // of this lane's unit for tokens 2q and 2q + 1 of the tile
-#pragma unroll
-  for (int jj = 0; jj < 2; ++jj) {
-    const int j = 2 * warp + jj;
-    if (j >= n_tiles) break;
-    float y[4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < 4; ++w) sum += red[(w * VALS + j * 4 + r) * WARP + lane];
-      y[r] = sum;
-    }
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int t = j * 8 + 2 * q + e;
-      if (t < n_t)
-        epilogue<EPI>(state, t0 + t, u, rows, rr[0], rr[1], kind, y[e], y[2 + e], out, 0,
-                      start, qa);
-    }
-  }
-}
-#endif  // RT_WEIGHT_BF16
 
 #ifndef MV_MIN_BLOCKS  // blocks of 128 threads a _t1 kernel must fit an SM: set by the loader
 #error "MV_MIN_BLOCKS must be defined by the build options"
@@ -850,9 +571,3 @@ matmul_qkv_rope_sp(int* state, const wt* W, int rows, int K, const float* x, con
   staged_body<EPI_QKV_ROPE>(state, W, rows, K, x, norm_w, eps, nullptr, units, qa, per_block);
 }
 
-#if defined(RT_WEIGHT_BF16)
-#define BOUNDS_mma __launch_bounds__(128)
-MATMUL_PLAIN(matmul_residual_mma, BOUNDS_mma, mma_body<EPI_RESIDUAL>)
-MATMUL_PLAIN(matmul_swiglu_mma, BOUNDS_mma, mma_body<EPI_SWIGLU>)
-MATMUL_QKV(matmul_qkv_rope_mma, BOUNDS_mma, mma_body<EPI_QKV_ROPE>)
-#endif

@@ -15,7 +15,7 @@ the measured/model ratios in a recent window, never below a floor (the window co
 ticks, refused ones too, so old ratios expire). Not the worst: on a shared or busy host a
 tick now and then stalls for tens of milliseconds (the process descheduled), and the
 worst ratio made every tick of the next window refused, 2 s of refusals for one stall
-(20 s of `make demo` on a 2-core host: 164-292 of 600 ticks refused; BENCHMARKS.md). A
+(20 s of `make demo` on a 2-core host: 164-292 of 600 ticks refused; docs/history.md). A
 slower host raises the quantile within a tenth of a window; a tick admitted meanwhile
 that would overrun is caught by the watchdog, refused and never published late. A safety
 margin in milliseconds is added on top.

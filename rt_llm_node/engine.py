@@ -18,13 +18,13 @@ from typing import Optional
 from rt_llm_node.backends import BackendError
 from rt_llm_node.codec import ObservationCodec
 from rt_llm_node.codec import RenderError
-from rt_llm_node.context import Context
 from rt_llm_node.kvcache import ACTION
 from rt_llm_node.kvcache import CacheFullError
 from rt_llm_node.kvcache import INSTRUCTION
 from rt_llm_node.kvcache import make_policy
 from rt_llm_node.kvcache import OBSERVATION
 from rt_llm_node.kvcache import SYSTEM
+from rt_llm_node.session import KVSession
 
 REFUSAL_REASONS = ('deadline', 'stale_input', 'not_ready', 'overrun_abort', 'backend_error',
                    'input_error')
@@ -136,8 +136,8 @@ class TickEngine:
         self.codec = ObservationCodec(tokenizer, self.inputs)
         self.grammar = grammar
         self.admission = admission
-        self.context = Context(backend, make_policy(policy) if isinstance(policy, str)
-                               else policy, decay)
+        self.session = KVSession(backend, make_policy(policy) if isinstance(policy, str)
+                                 else policy, decay)
         self.system_ids = tokenizer.encode(system_prompt + '\n').ids if system_prompt else []
         self.clock = clock or WallClock()
         self.index = 0
@@ -161,7 +161,7 @@ class TickEngine:
             if len(self.system_ids) >= self.backend.capacity // 2:
                 raise ValueError(f'the system prompt ({len(self.system_ids)} tokens) needs less '
                                  f'than half the KV capacity ({self.backend.capacity})')
-            self.context.append(self.system_ids, kind=SYSTEM)
+            self.session.append(self.system_ids, kind=SYSTEM)
         self.ready = True
 
     # -- inputs -------------------------------------------------------------------------
@@ -207,7 +207,7 @@ class TickEngine:
             record.available_ms = max(0.0, (deadline - t0) * 1e3 if available is None
                                       else available)
             record.predicted_ms = predicted
-            record.cache_length = self.context.length
+            record.cache_length = self.session.length
             record.total_ms = (clock.now() - t0) * 1e3
             return TickResult(None, Refusal(index, reason, predicted, record.available_ms, stamp,
                                             deadline, detail), record)
@@ -223,17 +223,17 @@ class TickEngine:
             return refuse('input_error', detail=str(exc))
         prefix = list(self.grammar.prefix_ids)
         parts.append((prefix, ACTION, '', stamp))
-        n_prefill = self.context.pending_tokens + sum(len(p[0]) for p in parts)
+        n_prefill = self.session.pending_tokens + sum(len(p[0]) for p in parts)
         n_decode = self.expected_decodes(index)  # the last chosen token is deferred
         t1 = clock.now()
         record.render_ms = (t1 - t0) * 1e3
         try:
-            slots = self.context.plan_room(n_prefill - self.context.pending_tokens + n_decode,
+            slots = self.session.plan_room(n_prefill - self.session.pending_tokens + n_decode,
                                            [(p[1], p[2]) for p in parts])
         except CacheFullError as exc:
             return refuse('backend_error', detail=f'cache cannot make room: {exc}')
         kept = None if slots is None else len(slots)
-        length = self.context.length
+        length = self.session.length
         predicted = self.admission.predict_ms(n_prefill, length, n_decode, kept)
         available = (deadline - clock.now()) * 1e3
         record.predicted_ms, record.available_ms = predicted, available
@@ -246,14 +246,14 @@ class TickEngine:
         scale = self.admission.scale
         mark = None
         try:
-            record.evicted = self.context.apply_plan(slots)
+            record.evicted = self.session.apply_plan(slots)
             if kept is not None:
                 clock.charge(model.compact_ms(kept) * scale)
             t2 = clock.now()
             record.evict_ms = (t2 - t1) * 1e3
-            mark = self.context.mark()
-            segments = self.context.append_segments(list(parts))
-            clock.charge(model.prefill_ms(n_prefill, self.context.length - n_prefill) * scale)
+            mark = self.session.mark()
+            segments = self.session.append_segments(list(parts))
+            clock.charge(model.prefill_ms(n_prefill, self.session.length - n_prefill) * scale)
             t3 = clock.now()
             record.prefill_ms = (t3 - t2) * 1e3
             action_segment = segments[-1]
@@ -270,11 +270,11 @@ class TickEngine:
                 # min_remaining more of which the last is deferred
                 # (the admission margin stays a guard band to the end of the tick)
                 remaining = self.grammar.min_remaining(state)
-                step = self.admission.step_ms(self.context.length, self.admission.probe_scale(
+                step = self.admission.step_ms(self.session.length, self.admission.probe_scale(
                     n_prefill, length, record.n_decode, kept, (clock.now() - t1) * 1e3)
                     if record.probe else None)
                 if clock.now() + (remaining * step + self.admission.margin_ms) / 1e3 > deadline:
-                    self.context.rollback(mark)
+                    self.session.rollback(mark)
                     t4 = clock.now()
                     record.decode_ms = (t4 - t3) * 1e3
                     # what ran so far is evidence too: a slow prefill raises the scale
@@ -282,15 +282,15 @@ class TickEngine:
                                            (t4 - t1) * 1e3, record.probe, in_time=False)
                     return refuse('overrun_abort', predicted,
                                   f'{remaining} decode steps left would pass the deadline')
-                self.context.decode(action_segment, token)
-                clock.charge(model.decode_ms(self.context.length) * scale)
+                self.session.decode(action_segment, token)
+                clock.charge(model.decode_ms(self.session.length) * scale)
                 record.n_decode += 1
             t4 = clock.now()
             record.decode_ms = (t4 - t3) * 1e3
         except (BackendError, CacheFullError, FloatingPointError) as exc:
             if mark is not None:
                 try:
-                    self.context.rollback(mark)
+                    self.session.rollback(mark)
                 except Exception:  # the backend is broken; the node will clean up
                     pass
             return refuse('backend_error', predicted, str(exc))
@@ -299,15 +299,15 @@ class TickEngine:
                                record.probe, in_time=t4 <= deadline)
         if t4 > deadline:
             record.late = True
-            self.context.rollback(mark)
+            self.session.rollback(mark)
             return refuse('overrun_abort', predicted, 'finished after the deadline')
-        self.context.defer(action_segment, [chosen[-1], *self.grammar.end_ids])
+        self.session.defer(action_segment, [chosen[-1], *self.grammar.end_ids])
         for ids, kind, topic, part_stamp in parts[:-1]:
             self.rendered[topic] = part_stamp
         self.recent_decodes.append((index, record.n_decode))
-        self.context.tick()
+        self.session.decay_scores()
         record.decision = 'action'
-        record.cache_length = self.context.length
+        record.cache_length = self.session.length
         record.total_ms = (t4 - t0) * 1e3
         action = self.grammar.action(state, prefix + chosen + list(self.grammar.end_ids))
         return TickResult(action, None, record)

@@ -17,14 +17,14 @@ import numpy as np
 from rt_llm_node.backends import BackendError
 from rt_llm_node.backends import BACKENDS
 from rt_llm_node.backends import make_backend
-from rt_llm_node.context import Context
-from rt_llm_node.context import greedy_generate
 from rt_llm_node.kvcache import CacheFullError
 from rt_llm_node.kvcache import make_policy
 from rt_llm_node.kvcache import POLICIES
 from rt_llm_node.model import CheckpointError
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.embedded import default_model_path
+from rt_llm_node.session import greedy_generate
+from rt_llm_node.session import KVSession
 
 
 def parse_token_ids(text):
@@ -80,7 +80,7 @@ def run(args):
     vocab = checkpoint.config.vocab_size
     if max(prompt_ids) >= vocab:
         raise ValueError(f'token id {max(prompt_ids)} is out of range (vocab_size {vocab})')
-    context = Context(backend, make_policy(args.policy))
+    context = KVSession(backend, make_policy(args.policy))
     segment_tokens = min(args.segment_tokens, max(1, args.kv_capacity // 4))
     logits, stamps = [], []
 

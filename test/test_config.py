@@ -53,7 +53,7 @@ def test_demo_profile_matches_the_demo_task():
 
 
 def test_demo_profile_feeds_the_shipped_model_what_it_was_trained_on():
-    """A policy fed inputs it was not trained on loses most goals (BENCHMARKS.md, stop 20):
+    """A policy fed inputs it was not trained on loses most goals (docs/history.md):
     the shipped checkpoint's recorded inputs (training.json) are the demo profile's."""
     from rt_llm_node.model.embedded import default_model_path
     values = load('demo.yaml')

@@ -28,8 +28,11 @@ def rel_err(a, b):
 
 
 def cuda_backend(checkpoint, capacity, **options):
+    """A CudaBackend with CudaOptions(**options); the kernel decode step unless named."""
     from rt_llm_node.backends.cuda_backend import CudaBackend
-    return CudaBackend(checkpoint, capacity, **options)
+    from rt_llm_node.backends.cuda_backend import CudaOptions
+    options.setdefault('decode_step', 'kernels')
+    return CudaBackend(checkpoint, capacity, CudaOptions(**options))
 
 
 def assert_repeatable(backend, checkpoint, steps=24):
@@ -71,43 +74,18 @@ def shape_dirs(tmp_path_factory):
     return {name: write_random_checkpoint(root / name, name, seed=5) for name in SHAPES}
 
 
-@pytest.mark.parametrize('persistent', [False, True, 'ring'])
+@pytest.mark.parametrize('step', ['kernels', 'persistent'])
 @pytest.mark.parametrize('shape', SHAPES)
-def test_shapes_match_numpy_backend(shape, persistent, shape_dirs):
+def test_shapes_match_numpy_backend(shape, step, shape_dirs):
     checkpoint = load_checkpoint(shape_dirs[shape])
     prompt = np.random.default_rng(1).integers(0, checkpoint.config.vocab_size, 150)
-    ours = run_steps(cuda_backend(checkpoint, 256, persistent_decode=persistent), prompt,
+    ours = run_steps(cuda_backend(checkpoint, 256, decode_step=step), prompt,
                      4)   # 150 > one prefill chunk
     ref = run_steps(NumpyBackend(checkpoint, 256), prompt, 4)
     for step in range(4):
         assert rel_err(ours[0][step], ref[0][step]) < REL, (shape, step)
         np.testing.assert_allclose(ours[2][step], ref[2][step], rtol=1e-3, atol=1e-4)
     assert ours[1] == ref[1]
-
-
-@pytest.mark.parametrize('shape', SHAPES)
-def test_prefill_on_tensor_cores_matches_numpy_backend(shape, shape_dirs):
-    """prefill_mma: the prefill's matmuls on tensor cores (x as a bf16 hi + lo pair) give
-    the numpy backend's logits, attention mass and greedy tokens, over two prefill calls of
-    150 tokens (three token tiles and a part) and decode steps after them."""
-    checkpoint = load_checkpoint(shape_dirs[shape])
-    prompt = np.random.default_rng(8).integers(0, checkpoint.config.vocab_size, 150)
-    backend = cuda_backend(checkpoint, 512, prefill_mma=True)
-    ref_backend = NumpyBackend(checkpoint, 512)
-    for _ in range(2):
-        ours = run_steps(backend, prompt, 3)
-        ref = run_steps(ref_backend, prompt, 3)
-        for step in range(3):
-            assert rel_err(ours[0][step], ref[0][step]) < REL, (shape, step)
-            np.testing.assert_allclose(ours[2][step], ref[2][step], rtol=1e-3, atol=1e-4)
-        assert ours[1] == ref[1]
-
-
-def test_prefill_on_tensor_cores_needs_bf16_weights(tmp_path):
-    from rt_llm_node.backends import BackendError
-    directory = write_random_checkpoint(tmp_path, 'tiny', dtype='F16')
-    with pytest.raises(BackendError, match='prefill_mma needs bf16'):
-        cuda_backend(load_checkpoint(directory), 32, prefill_mma=True)
 
 
 @pytest.mark.parametrize('shape', SHAPES)
@@ -146,54 +124,32 @@ def test_dependent_launch_changes_timing_not_results(shape_dirs):
     read that runs ahead of griddepcontrol.wait would show up as logits that differ from
     the serial launch's, which does the same arithmetic in the same order (bit for bit)."""
     checkpoint = load_checkpoint(shape_dirs['smollm2-135m'])
-    backend = cuda_backend(checkpoint, 320, staged_decode=False)   # the same kernels both ways
-    if backend.kernels.arch < 90:
+    # unstaged: the same kernels both ways
+    dependent = cuda_backend(checkpoint, 320, staged_decode=False)
+    if dependent.kernels.arch < 90:
         pytest.skip('programmatic dependent launch needs sm_90, '
-                    f'this GPU is sm_{backend.kernels.arch}')
-    assert backend.dependent_launch
+                    f'this GPU is sm_{dependent.kernels.arch}')
+    assert dependent.dependent_launch
+    serial = cuda_backend(checkpoint, 320, staged_decode=False, dependent_launch=False)
+    assert not serial.dependent_launch
     prompt = np.random.default_rng(6).integers(0, checkpoint.config.vocab_size, 200)
-    runs = []
-    for enabled in (True, False, True):
-        backend.set_dependent_launch(enabled)
-        assert backend.dependent_launch == enabled
-        runs.append(run_steps(backend, prompt, 24))
-    serial = runs[1]
-    for run in (runs[0], runs[2]):
-        assert run[1] == serial[1]
+    expected = run_steps(serial, prompt, 24)
+    for _ in range(2):
+        dependent.rollback(0)
+        run = run_steps(dependent, prompt, 24)
+        assert run[1] == expected[1]
         for step in range(24):
-            np.testing.assert_array_equal(run[0][step], serial[0][step])
-            np.testing.assert_array_equal(run[2][step], serial[2][step])
-
-
-@pytest.mark.parametrize('shape', SHAPES)
-def test_grid_stride_changes_the_layout_not_results(shape, shape_dirs):
-    """A one-token matmul's warp sums its rows in the same order whatever the grid, so a
-    block per row group (False), the resident grid (True) and 3 blocks that each loop over
-    hundreds of row groups (the split's shared sums reused round after round, every next
-    row's weights loaded while the current one is summed) give the same bits."""
-    checkpoint = load_checkpoint(shape_dirs[shape])
-    # unstaged: the grid layouts are the streaming one-token kernels'
-    backend = cuda_backend(checkpoint, 320, grid_stride=False, staged_decode=False)
-    prompt = np.random.default_rng(7).integers(0, checkpoint.config.vocab_size, 100)
-    runs = []
-    for layout in (False, True, 3):
-        backend.set_grid_stride(layout)
-        assert backend.grid_stride is layout
-        runs.append(run_steps(backend, prompt, 6))
-    for run in runs[1:]:
-        assert run[1] == runs[0][1]
-        for step in range(6):
-            np.testing.assert_array_equal(run[0][step], runs[0][0][step])
-            np.testing.assert_array_equal(run[2][step], runs[0][2][step])
+            np.testing.assert_array_equal(run[0][step], expected[0][step])
+            np.testing.assert_array_equal(run[2][step], expected[2][step])
 
 
 def staged_backend(checkpoint, capacity):
-    backend = cuda_backend(checkpoint, capacity)
-    if not backend.dependent_launch:
+    default = cuda_backend(checkpoint, 16)
+    if not default.dependent_launch:
         pytest.skip('staged decode needs programmatic dependent launch (sm_90), this GPU is '
-                    f'sm_{backend.kernels.arch}')
-    backend.set_staged_decode(True)
-    return backend
+                    f'sm_{default.kernels.arch}')
+    del default
+    return cuda_backend(checkpoint, capacity, staged_decode=True)
 
 
 @pytest.mark.parametrize('shape', SHAPES)
@@ -203,9 +159,9 @@ def test_staged_decode_matches_numpy_backend(shape, shape_dirs):
     checkpoint = load_checkpoint(shape_dirs[shape])
     backend = staged_backend(checkpoint, 256)
     plans = backend.staged_matmuls()
-    backend.set_staged_decode(None)
-    assert backend.staged_decode == all(plans.values()), 'the default: all four or none'
-    backend.set_staged_decode(True)
+    default = cuda_backend(checkpoint, 16)
+    assert default.staged_decode == all(plans.values()), 'the default: all four or none'
+    del default
     expected = {'smollm2-135m': {'qkv', 'o', 'gate_up', 'down'},
                 'qwen2.5-0.5b': {'qkv', 'o', 'gate_up', 'down'},
                 'llama-3.2-1b': {'qkv', 'o'}}[shape] if backend.n_sm >= 100 else None
@@ -250,16 +206,11 @@ def test_staged_decode_needs_dependent_launch(shape_dirs):
     backend = cuda_backend(checkpoint, 64, dependent_launch=False)
     assert not backend.staged_decode, 'the default stages only under dependent launch'
     with pytest.raises(BackendError, match='dependent launch'):
-        backend.set_staged_decode(True)
-    if backend.kernels.arch >= 90:
-        backend.set_dependent_launch(True)
-        backend.set_staged_decode(True)
-        backend.set_dependent_launch(False)
-        assert not backend.staged_decode, 'staged kernels without dependent launch'
+        cuda_backend(checkpoint, 64, dependent_launch=False, staged_decode=True)
 
 
 def test_auto_decode_keeps_the_faster_step(shape_dirs, tiny_checkpoint):
-    """make_backend's CUDA backend (persistent_decode='auto') times both decode steps at
+    """make_backend's CUDA backend (decode_step 'auto') times both decode steps at
     configure and keeps decode_persistent only where it was 3% faster; it is left with an
     empty cache and gives the numpy backend's logits. Where decode_persistent cannot run
     (tiny: head_dim 16) the kernel step stays."""
@@ -268,8 +219,9 @@ def test_auto_decode_keeps_the_faster_step(shape_dirs, tiny_checkpoint):
     backend = make_backend('cuda', checkpoint, 256)
     tuning = backend.decode_tuning
     assert tuning['kernels'] > 0 and tuning['persistent'] > 0, tuning
-    assert backend.persistent_decode == (tuning['persistent'] <= 0.97 * tuning['kernels'])
-    assert tuning['chosen'] == ('persistent' if backend.persistent_decode else 'kernels')
+    faster = tuning['persistent'] <= 0.97 * tuning['kernels']
+    assert backend.decode_step == ('persistent' if faster else 'kernels')
+    assert tuning['chosen'] == backend.decode_step
     assert backend.length == 0
     prompt = np.random.default_rng(4).integers(0, checkpoint.config.vocab_size, 60)
     ours = run_steps(backend, prompt, 3)
@@ -278,11 +230,11 @@ def test_auto_decode_keeps_the_faster_step(shape_dirs, tiny_checkpoint):
         assert rel_err(ours[0][step], ref[0][step]) < REL, step
     assert ours[1] == ref[1]
     tiny = make_backend('cuda', load_checkpoint(tiny_checkpoint), 32)
-    assert tiny.decode_tuning['persistent'] is None and not tiny.persistent_decode
+    assert tiny.decode_tuning['persistent'] is None and tiny.decode_step == 'kernels'
     # the node's cuda_decode_step pins either step, untimed
-    for step, persistent in (('kernels', False), ('persistent', True)):
+    for step in ('kernels', 'persistent'):
         pinned = make_backend('cuda', checkpoint, 64, step)
-        assert pinned.persistent_decode == persistent and pinned.decode_tuning is None
+        assert pinned.decode_step == step and pinned.decode_tuning is None
 
 
 # head_dim 32: the smallest shape decode_persistent takes (tiny's head_dim 16 does not)
@@ -292,20 +244,18 @@ PERSISTENT_CONFIG = {'family': 'llama', 'vocab_size': 512, 'hidden_size': 128,
                      'tie_word_embeddings': True}
 
 
-@pytest.mark.parametrize('kind', ['barrier', 'ring'])
 @pytest.mark.parametrize('shape', SHAPES)
-def test_persistent_decode_matches_a_kernel_per_phase(shape, kind, shape_dirs):
+def test_persistent_decode_matches_a_kernel_per_phase(shape, shape_dirs):
     """One cooperative launch per step against the five-kernels-a-layer forward: same
     tokens, logits and attention mass, over steps that cross a 32-key attention split."""
     checkpoint = load_checkpoint(shape_dirs[shape])
-    backend = cuda_backend(checkpoint, 320, persistent_decode=kind)
-    assert backend.persistent_kind == kind, backend.persistent_decode_problem(kind)
     prompt = np.random.default_rng(7).integers(0, checkpoint.config.vocab_size, 60)
     runs = []
-    for enabled in (False, kind):
-        backend.set_persistent_decode(enabled)
-        assert backend.persistent_decode == bool(enabled)
+    for step in ('kernels', 'persistent'):
+        backend = cuda_backend(checkpoint, 320, decode_step=step)
+        assert backend.decode_step == step
         runs.append(run_steps(backend, prompt, 8))   # positions 60 .. 67
+        del backend
     per_phase, persistent = runs
     assert persistent[1] == per_phase[1]
     for step in range(8):
@@ -314,47 +264,20 @@ def test_persistent_decode_matches_a_kernel_per_phase(shape, kind, shape_dirs):
                                    atol=1e-6)
 
 
-@pytest.mark.parametrize('shape', SHAPES)
-def test_ring_decode_barriers_agree_bit_for_bit(shape, shape_dirs):
-    """decode_ring with its flag barrier and with the shared counter: logits, tokens and
-    attention mass equal bit for bit, and both within REL / 10 of decode_persistent. The
-    full-size shapes stream megabytes a block through a ring of ~190 KB: it wraps, fills
-    and makes the producer wait (the LM head's chunks)."""
-    checkpoint = load_checkpoint(shape_dirs[shape])
-    backend = cuda_backend(checkpoint, 320, persistent_decode='barrier')
-    prompt = np.random.default_rng(9).integers(0, checkpoint.config.vocab_size, 60)
-    barrier = run_steps(backend, prompt, 6)
-    runs = []
-    for flags in (True, False):
-        backend.flag_barrier = flags
-        backend.set_persistent_decode('ring')
-        assert backend.persistent_kind == 'ring'
-        runs.append(run_steps(backend, prompt, 6))
-    assert runs[0][1] == runs[1][1] == barrier[1]
-    for step in range(6):
-        np.testing.assert_array_equal(runs[0][0][step], runs[1][0][step])
-        np.testing.assert_array_equal(runs[0][2][step], runs[1][2][step])
-        assert rel_err(runs[0][0][step], barrier[0][step]) < REL / 10, step
-
-
-@pytest.mark.parametrize('kind', ['barrier', 'ring'])
-def test_persistent_decode_is_repeatable_bit_for_bit(kind, shape_dirs):
+def test_persistent_decode_is_repeatable_bit_for_bit(shape_dirs):
     """Every output of a persistent step has one writer and a fixed order of sums, so two
     runs of the same tokens agree bit for bit, however the blocks were scheduled."""
     checkpoint = load_checkpoint(shape_dirs['smollm2-135m'])
-    backend = cuda_backend(checkpoint, 320, persistent_decode=kind)
-    assert backend.persistent_kind == kind
+    backend = cuda_backend(checkpoint, 320, decode_step='persistent')
     assert_repeatable(backend, checkpoint)
 
 
-@pytest.mark.parametrize('kind', ['barrier', 'ring'])
-def test_persistent_decode_after_compaction_matches_numpy(kind, tmp_path):
+def test_persistent_decode_after_compaction_matches_numpy(tmp_path):
     config = ModelConfig(**PERSISTENT_CONFIG)
     checkpoint = load_checkpoint(write_random_checkpoint(tmp_path, config, seed=8))
     rng = np.random.default_rng(8)
-    cuda = cuda_backend(checkpoint, 128, persistent_decode=kind)
+    cuda = cuda_backend(checkpoint, 128, decode_step='persistent')
     ref = NumpyBackend(checkpoint, 128)
-    assert cuda.persistent_kind == kind, cuda.persistent_decode_problem(kind)
     prompt = rng.integers(0, config.vocab_size, 90)
     keep = np.sort(rng.choice(85, 25, replace=False))
     tokens = rng.integers(0, config.vocab_size, 70)
@@ -370,16 +293,13 @@ def test_persistent_decode_after_compaction_matches_numpy(kind, tmp_path):
                                    atol=1e-4)
 
 
-def test_ring_decode_fp32_weights_give_identical_greedy_tokens(tmp_path):
-    """fp32 weights through decode_ring (8-wide rows of 32 bytes in the ring): the numpy
-    backend's greedy tokens."""
+def test_persistent_decode_fp32_weights_give_identical_greedy_tokens(tmp_path):
     config = ModelConfig(**PERSISTENT_CONFIG)
     weights = {name: w if name.endswith('norm.weight') else 10 * w
                for name, w in random_weights(config, seed=3).items()}
     checkpoint = load_checkpoint(write_checkpoint(tmp_path, config, weights,
                                                   word_tokenizer(config.vocab_size), dtype='F32'))
-    cuda = cuda_backend(checkpoint, 128, persistent_decode='ring')
-    assert cuda.persistent_kind == 'ring'
+    cuda = cuda_backend(checkpoint, 128, decode_step='persistent')
     prompt = np.random.default_rng(2).integers(0, config.vocab_size, 40)
     ours = run_steps(cuda, prompt, 24)
     ref = run_steps(NumpyBackend(checkpoint, 128), prompt, 24)
@@ -388,16 +308,15 @@ def test_ring_decode_fp32_weights_give_identical_greedy_tokens(tmp_path):
 
 def test_persistent_decode_refuses_shapes_it_cannot_run(tiny_checkpoint):
     from rt_llm_node.backends import BackendError
+    from rt_llm_node.backends.cuda_backend import CudaOptions
     checkpoint = load_checkpoint(tiny_checkpoint)   # head_dim 16
     backend = cuda_backend(checkpoint, 32)
-    assert not backend.persistent_decode
+    assert backend.decode_step == 'kernels'
     assert 'head_dim 16' in backend.persistent_decode_problem()
     with pytest.raises(BackendError, match='head_dim 16'):
-        cuda_backend(checkpoint, 32, persistent_decode=True)
-    with pytest.raises(BackendError, match='head_dim 16'):
-        cuda_backend(checkpoint, 32, persistent_decode='ring')
-    with pytest.raises(ValueError, match='persistent_decode must be'):
-        cuda_backend(checkpoint, 32, persistent_decode='rings')
+        cuda_backend(checkpoint, 32, decode_step='persistent')
+    with pytest.raises(ValueError, match='unknown decode step'):
+        CudaOptions(decode_step='ring')
 
 
 @pytest.mark.parametrize('dtype', ['BF16', 'F16'])

@@ -5,10 +5,15 @@ import pytest
 nvrtc = pytest.importorskip('cupy_backends.cuda.libs.nvrtc',
                             reason='CuPy (for its NVRTC bindings) is not installed')
 
-from rt_llm_node.backends.cuda_kernels import compile_cubin  # noqa: E402
+import re  # noqa: E402,I100
+
+from rt_llm_node.backends.cuda_kernels import compile_cubin  # noqa: E402,I100
 from rt_llm_node.backends.cuda_kernels import kernel_names  # noqa: E402
 from rt_llm_node.backends.cuda_kernels import KernelBuildError  # noqa: E402
+from rt_llm_node.backends.cuda_kernels import KERNELS  # noqa: E402
 from rt_llm_node.backends.cuda_kernels import program_source  # noqa: E402
+from rt_llm_node.backends.cuda_kernels import runtime_sources  # noqa: E402
+from rt_llm_node.backends.cuda_kernels import source_dir  # noqa: E402
 from rt_llm_node.backends.cuda_kernels import WEIGHT_DTYPES  # noqa: E402
 
 
@@ -18,8 +23,30 @@ def test_kernels_compile_without_warnings(arch, dtype):
     cubin, log = compile_cubin(arch, dtype)
     assert log == '', f'NVRTC printed for sm_{arch} {dtype}:\n{log}'
     assert len(cubin) > 10000
-    for name in kernel_names(dtype):  # every kernel the backend launches is in the binary
+    for name in kernel_names():  # every kernel the backend launches is in the binary
         assert name.encode() in cubin, name
+
+
+@pytest.mark.parametrize('name', sorted(KERNELS))
+def test_every_file_compiles_on_its_own(name):
+    """Each .cu includes the headers it uses: the one translation unit is an optimisation,
+    and no file depends on the order in which the loader joins them."""
+    cubin, log = compile_cubin(90, 'BF16', files=[source_dir() / name])
+    assert log == ''
+    for kernel in KERNELS[name]:
+        assert kernel.encode() in cubin, kernel
+
+
+def test_the_kernel_table_lists_every_file_and_wrapper():
+    """KERNELS names every .cu of cuda/ and every extern "C" kernel each defines."""
+    folder = source_dir()
+    assert sorted(p.name for p in folder.glob('*.cu')) == sorted(KERNELS)
+    for name, kernels in KERNELS.items():
+        text = (folder / name).read_text()
+        defined = set(re.findall(r'extern "C" __global__ void(?: \w+(?:\([^)]*\))?)?\s+'
+                                 r'(\w+)\(', text))
+        defined |= set(re.findall(r'^MATMUL_\w+\((\w+),', text, re.M))
+        assert defined == set(kernels), name
 
 
 def test_compile_errors_name_the_real_file_and_line(tmp_path):
@@ -36,10 +63,11 @@ def test_compile_errors_name_the_real_file_and_line(tmp_path):
     assert 'argmax.cu(21)' in str(error.value)
 
 
-def test_program_source_inlines_the_common_header_once():
-    source = program_source()
-    assert source.count('#line 1 "common.cuh"') == 1
-    assert '#include "common.cuh"' not in source
+def test_program_source_marks_each_file_once_and_leaves_headers_to_nvrtc():
+    source = program_source(runtime_sources())
+    for name in KERNELS:
+        assert source.count(f'#line 1 "{name}"') == 1
+    assert '#line 1 "common.cuh"' not in source   # headers come by #include
 
 
 @pytest.mark.parametrize('units,k,mv_batch,expected', [
@@ -78,17 +106,12 @@ def test_staged_plan(units, k, wbytes, expected):
     assert staged_plan(units, k, wbytes, n_sm=132) == expected
 
 
-@pytest.mark.parametrize('bad', [0, -2, 2.5, 'yes', None])
-def test_grid_stride_option_refuses_nonsense(bad):
-    from rt_llm_node.backends.cuda_backend import CudaBackend
-    with pytest.raises(ValueError, match='grid_stride'):
-        CudaBackend._check_grid_stride(bad)
-
-
-@pytest.mark.parametrize('good', [True, False, 1, 64])
-def test_grid_stride_option_takes_flags_and_block_counts(good):
-    from rt_llm_node.backends.cuda_backend import CudaBackend
-    assert CudaBackend._check_grid_stride(good) is good
+@pytest.mark.parametrize('bad', [{'decode_step': 'ring'}, {'decode_step': None},
+                                 {'dependent_launch': 'yes'}, {'staged_decode': 1.5}])
+def test_cuda_options_refuse_nonsense(bad):
+    from rt_llm_node.backends.cuda_backend import CudaOptions
+    with pytest.raises(ValueError):
+        CudaOptions(**bad)
 
 
 def test_compiled_kernels_are_kept_by_source_and_options(tmp_path, monkeypatch):
@@ -102,6 +125,7 @@ def test_compiled_kernels_are_kept_by_source_and_options(tmp_path, monkeypatch):
     (src / 'tiny.cu').write_text('#include "common.cuh"\n'
                                  'extern "C" __global__ void twice(float* x) '
                                  '{ x[threadIdx.x] *= 2.f; }\n')
+    tiny = [src / 'tiny.cu']
     compiled = []
     real = cuda_kernels.compile_cubin
 
@@ -111,27 +135,27 @@ def test_compiled_kernels_are_kept_by_source_and_options(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cuda_kernels, 'compile_cubin', counting)
     cache = tmp_path / 'cache'
-    first = cuda_kernels.cached_cubin(90, 'BF16', src, cache)
+    first = cuda_kernels.cached_cubin(90, 'BF16', tiny, src, cache)
     assert len(compiled) == 1 and b'twice' in first[0]
-    assert cuda_kernels.cached_cubin(90, 'BF16', src, cache) == first and len(compiled) == 1
+    assert cuda_kernels.cached_cubin(90, 'BF16', tiny, src, cache) == first and len(compiled) == 1
     # other options or other sources: another entry
-    cuda_kernels.cached_cubin(87, 'BF16', src, cache)
-    cuda_kernels.cached_cubin(90, 'F16', src, cache)
+    cuda_kernels.cached_cubin(87, 'BF16', tiny, src, cache)
+    cuda_kernels.cached_cubin(90, 'F16', tiny, src, cache)
     assert len(compiled) == 3 and len(list(cache.glob('*.cubin'))) == 3
     (src / 'tiny.cu').write_text((src / 'tiny.cu').read_text().replace('2.f', '3.f'))
-    cuda_kernels.cached_cubin(90, 'BF16', src, cache)
+    cuda_kernels.cached_cubin(90, 'BF16', tiny, src, cache)
     assert len(compiled) == 4
     # a damaged entry is compiled again and replaced
     entry = max(cache.glob('*.cubin'), key=lambda p: p.stat().st_mtime_ns)
     entry.write_bytes(entry.read_bytes()[:100])
-    again = cuda_kernels.cached_cubin(90, 'BF16', src, cache)
+    again = cuda_kernels.cached_cubin(90, 'BF16', tiny, src, cache)
     assert len(compiled) == 5 and b'twice' in again[0]
-    assert cuda_kernels.cached_cubin(90, 'BF16', src, cache) == again and len(compiled) == 5
+    assert cuda_kernels.cached_cubin(90, 'BF16', tiny, src, cache) == again and len(compiled) == 5
     # no cache (None, or RT_LLM_KERNEL_CACHE=off), or one that cannot be written: compiled
-    assert cuda_kernels.cached_cubin(90, 'BF16', src, None)[0] == again[0]
+    assert cuda_kernels.cached_cubin(90, 'BF16', tiny, src, None)[0] == again[0]
     blocked = tmp_path / 'file'
     blocked.write_text('not a folder')
-    assert cuda_kernels.cached_cubin(90, 'BF16', src, blocked / 'cache')[0] == again[0]
+    assert cuda_kernels.cached_cubin(90, 'BF16', tiny, src, blocked / 'cache')[0] == again[0]
     assert len(compiled) == 7
     monkeypatch.setenv('RT_LLM_KERNEL_CACHE', 'off')
     assert cuda_kernels.kernel_cache_dir() is None

@@ -4,8 +4,6 @@ Runs where CuPy sees a GPU (``make gpu-test``); skipped with the reason elsewher
 Tolerance: |gpu - ref| <= ATOL + RTOL * |ref| elementwise.
 """
 
-import os
-import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,10 +16,6 @@ from rt_llm_node.backends.numpy_backend import rmsnorm
 from rt_llm_node.backends.numpy_backend import rope_tables
 from rt_llm_node.backends.numpy_backend import silu
 from rt_llm_node.model.synthetic import encode_bits
-
-# the decode-floor probe's numpy twin (tools/probe_layer_floor.py, which times these kernels)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'tools'))
-from probe_layer_floor import floor_reference  # noqa: E402, I100
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason='no CUDA device (CuPy sees none)')]
@@ -74,38 +68,25 @@ def i32(v):
 NULL = np.uint64(0)
 
 
-# x enters the tensor cores (tt 'mma') as a bf16 pair hi + lo: 2^-18 of |x| off (fp32 is
-# 2^-24), so a 4104-long dot product of weights ~0.2 is ~5e-5 off (one sigma; a numpy
-# emulation put the worst element at 1.04x ATOL + RTOL |ref|)
-MMA_ATOL = 5e-4
-
-
 def matmul_kernel(k, family, tt):
-    """``family`` (e.g. 'matmul_residual') as tt: 1, 16 or 'mma' (_t1, _t16, _mma)."""
-    return k.functions[f'{family}_mma' if tt == 'mma' else f'{family}_t{tt}']
+    """``family`` (e.g. 'matmul_residual') as tt: 1 or 16 (_t1, _t16)."""
+    return k.functions[f'{family}_t{tt}']
 
 
 def matmul_grid(units, split, tt, n_rows=32):
     """The grid the backend gives each matmul kernel over ``n_rows`` tokens of x."""
-    if tt == 'mma':   # 8 units x 64 tokens a block
-        return ((units + 7) // 8, (n_rows + 63) // 64)
     if tt == 16:      # 8 units (2 a warp) x 16 tokens a block
         return ((units + 7) // 8, (n_rows + 15) // 16)
     return ((units * split + 3) // 4, n_rows)
 
 
 def matmul_rows(dtype, tt):
-    """Rows of x a matmul test holds (the _mma cases reach past one 64-token tile); skips
-    the _mma cases for the dtypes they are not built for."""
-    if tt != 'mma':
-        return 32
-    if dtype != 'BF16':
-        pytest.skip('the _mma prefill kernels are built for bf16 weights only')
-    return 192
+    """Rows of x a matmul test holds."""
+    return 32
 
 
 def matmul_atol(tt):
-    return MMA_ATOL if tt == 'mma' else ATOL
+    return ATOL
 
 
 def test_embed_gather(kit):
@@ -125,16 +106,12 @@ def test_embed_gather(kit):
 # split: warps sharing a row pair's K (one-token kernels); K = 4104 needs two batches of
 # loads per lane in each half, 2600 splits unevenly, 36 takes the scalar path. _t16: one
 # stage of K (600), seven with a partial last one (4104), three on the scalar path
-# (1500), x rows not 16-byte aligned (37), two full token tiles (32). _mma: one
-# K chunk of 128 with idle k32 blocks (96), a chunk cut inside a k32 block (600), many
-# chunks (4104); one token tile, exactly one, three with a partial last one
+# (1500), x rows not 16-byte aligned (37), two full token tiles (32)
 @pytest.mark.parametrize('n,tt,K,split', [(1, 1, 96, 1), (1, 1, 96, 2), (1, 1, 600, 4),
                                           (1, 1, 4104, 1), (1, 1, 4104, 2), (1, 1, 2600, 4),
                                           (1, 1, 36, 2), (13, 16, 96, 1), (20, 16, 36, 1),
                                           (5, 16, 600, 1), (32, 16, 4104, 1),
-                                          (17, 16, 1500, 1), (7, 16, 37, 1), (5, 'mma', 96, 1),
-                                          (64, 'mma', 600, 1), (130, 'mma', 4104, 1),
-                                          (33, 'mma', 600, 1)])
+                                          (17, 16, 1500, 1), (7, 16, 37, 1)])
 def test_matmul_residual(kit, n, tt, K, split):
     cp, k, dtype = kit
     n_rows = matmul_rows(dtype, tt)
@@ -178,8 +155,7 @@ def test_matmul_store_last_token_with_rmsnorm(kit, split):
     assert st.get()[4] & 1
 
 
-@pytest.mark.parametrize('n,tt,split', [(1, 1, 1), (1, 1, 2), (11, 16, 1), (30, 16, 1),
-                                        (11, 'mma', 1), (70, 'mma', 1)])
+@pytest.mark.parametrize('n,tt,split', [(1, 1, 1), (1, 1, 2), (11, 16, 1), (30, 16, 1)])
 def test_matmul_swiglu(kit, n, tt, split):
     cp, k, dtype = kit
     n_rows = matmul_rows(dtype, tt)
@@ -240,8 +216,7 @@ def check_qkv(c, n, bias, atol=ATOL):
 
 
 @pytest.mark.parametrize('n,tt,bias,split', [(1, 1, True, 1), (1, 1, False, 2),
-                                             (10, 16, False, 1), (20, 16, True, 1),
-                                             (20, 'mma', True, 1), (70, 'mma', False, 1)])
+                                             (10, 16, False, 1), (20, 16, True, 1)])
 def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias, split):
     cp, k, dtype = kit
     n_rows = matmul_rows(dtype, tt)
@@ -451,117 +426,3 @@ def test_compact_rerotates_and_moves(kit):
         close(dk.get()[layer, :m], apply_rope(kk[layer, keep], cos[delta], sin[delta]))
         close(dv.get()[layer, :m], vv[layer, keep], 0, 0)
     close(dm.get()[:m], mass0[keep], 0, 0)
-
-
-@pytest.mark.parametrize('per_sm,threads', [(1, 256), (2, 128)])
-def test_grid_sync_lets_no_block_pass_early(kit, per_sm, threads):
-    """decode_persistent's barrier: in each round every block writes the round number,
-    passes the barrier, then reads its neighbour's; an early pass reads an older round.
-    200 launches back to back: each must leave the counters at zero for the next (a reset
-    while a block still polls would strand it, and the launch would trap)."""
-    cp, k, _ = kit
-    from rt_llm_node.backends.cuda_kernels import CooperativeLauncher
-    n_sm = cp.cuda.Device().attributes['MultiProcessorCount']
-    bar, errors = cp.zeros(2, np.uint32), cp.zeros(1, np.int32)
-    slot = cp.zeros(n_sm * per_sm, np.int32)
-    stream = cp.cuda.Stream(non_blocking=True)
-    launch = CooperativeLauncher()
-    for rounds in [500] + [3] * 199:
-        launch(k.grid_sync_probe, (n_sm * per_sm,), (threads,),
-               (bar, slot, errors, i32(rounds)), 0, stream)
-    stream.synchronize()
-    assert int(errors.get()[0]) == 0
-    assert not bar.get().any()
-    assert (slot.get() == 3).all()
-
-
-@pytest.mark.parametrize('rows,release_first', [(0, 0), (6, 1), (16, 0), (16, 1)])
-def test_layer_floor_kernels_compute_the_chain(kit, rows, release_first):
-    """The probe kernels of tools/probe_layer_floor.py do the work they are timed for: each
-    phase's vector is the whole previous one normalized (and multiplied by W), in one
-    cooperative launch and in a chain of launches under programmatic dependent launch."""
-    cp, k, dtype = kit
-    from rt_llm_node.backends.cuda_kernels import CooperativeLauncher
-    from rt_llm_node.backends.cuda_kernels import DependentLauncher
-    rng = np.random.default_rng(rows)
-    n_sm = cp.cuda.Device().attributes['MultiProcessorCount']
-    d, phases = 576, 5
-    w, exact = weights(cp, dtype, (d, d), rng, scale=1 / np.sqrt(d))
-    x0 = rng.standard_normal(d).astype(np.float32)
-    ref = floor_reference(exact if rows else None, x0, phases)
-    smem = 4 * d + np.dtype(STORAGE[dtype]).itemsize * rows * d
-    stream = cp.cuda.Stream(non_blocking=True)
-    bar, sink = cp.zeros(2, np.uint32), cp.zeros(1, np.float32)
-    xs = cp.concatenate([cp.asarray(x0), poisoned(cp, d)])
-    CooperativeLauncher()(k.layer_floor_probe, (n_sm,), (256,),
-                          (bar, xs, w, i32(d), i32(rows), i32(phases), sink), smem, stream)
-    stream.synchronize()
-    close(xs.get()[d:], ref)
-    assert not bar.get().any()
-    xs = cp.concatenate([cp.asarray(x0), poisoned(cp, d)])
-    launch = DependentLauncher()
-    for p in range(phases):
-        src, dst = xs[(p % 2) * d:(p % 2 + 1) * d], xs[(1 - p % 2) * d:(2 - p % 2) * d]
-        launch(k.layer_floor_step, (n_sm,), (256,),
-               (src, dst, w, i32(d), i32(rows), i32(release_first), sink), smem, stream)
-    stream.synchronize()
-    close(xs.get()[d:], ref)
-
-
-@pytest.mark.parametrize('grid', [1, 16])
-def test_read_sum_wide_reads_every_value_once(kit, grid):
-    cp, k, _ = kit
-    n = 8 * grid * 1024 * 3
-    data = cp.arange(4 * n, dtype=cp.float32) % 7
-    out = poisoned(cp, grid)
-    k.read_sum_wide((grid,), (1024,), (data, np.int64(n), out))
-    assert float(out.get().astype(np.float64).sum()) == float((cp.arange(4 * n) % 7).sum())
-
-
-def test_layer_floor_splitk_sums_the_blocks_partials(kit):
-    """layer_floor_splitk: every block adds x * inv_rms / grid into the next buffer and
-    zeroes its rows of the one after; over a chain of 7 launches on three rotating buffers
-    the vector follows x <- x / rms(x) (the blocks' partials add up to the whole)."""
-    cp, k, _ = kit
-    from rt_llm_node.backends.cuda_kernels import DependentLauncher
-    rng = np.random.default_rng(3)
-    n_sm = cp.cuda.Device().attributes['MultiProcessorCount']
-    d, phases = 896, 7
-    x0 = rng.standard_normal(d).astype(np.float32)
-    xs = cp.concatenate([cp.asarray(x0), cp.zeros(d, np.float32), poisoned(cp, d)])
-    part = [xs[i * d:(i + 1) * d] for i in range(3)]
-    stream = cp.cuda.Stream(non_blocking=True)
-    launch = DependentLauncher()
-    for p in range(phases):
-        launch(k.layer_floor_splitk, (n_sm,), (256,),
-               (part[p % 3], part[(p + 1) % 3], part[(p + 2) % 3], i32(d)), 0, stream)
-    stream.synchronize()
-    close(part[phases % 3].get(), floor_reference(None, x0, phases))
-    assert not part[(phases + 1) % 3].get().any()   # zeroed by the last launch
-
-
-@pytest.mark.parametrize('size', [2, 8, 16])
-@pytest.mark.parametrize('kind', ['pull', 'push'])
-def test_cluster_floor_probe_keeps_the_chain_in_a_cluster(kit, size, kind):
-    """cluster_floor_probe (pull: the vector spread over a cluster's shared memories, read
-    through DSMEM each round) and cluster_push_probe (push: each block writes its slice into
-    every block's copy) follow x <- x / rms(x) in every cluster of the grid."""
-    cp, k, _ = kit
-    from cupy_backends.cuda.api import driver
-    from rt_llm_node.backends.cuda_kernels import ClusterLauncher
-    from rt_llm_node.backends.cuda_kernels import NON_PORTABLE_CLUSTER_SIZE_ALLOWED
-    if int(cp.cuda.Device().compute_capability) < 90:
-        pytest.skip('thread-block clusters need sm_90')
-    fn, smem = ((k.cluster_floor_probe, lambda d: 8 * -(-d // size)) if kind == 'pull'
-                else (k.cluster_push_probe, lambda d: 8 * d))
-    driver.funcSetAttribute(fn.ptr, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-    rng = np.random.default_rng(size)
-    n_sm = cp.cuda.Device().attributes['MultiProcessorCount']
-    d, rounds = 576, 9
-    x0 = rng.standard_normal(d).astype(np.float32)
-    out = poisoned(cp, d)
-    stream = cp.cuda.Stream(non_blocking=True)
-    ClusterLauncher(size)(fn, (size * (n_sm // size),), (256,),
-                          (cp.asarray(x0), out, i32(d), i32(rounds)), smem(d), stream)
-    stream.synchronize()
-    close(out.get(), floor_reference(None, x0, rounds))

@@ -56,19 +56,19 @@ def test_actions_parse_clamp_and_stay_finite_over_many_ticks(checkpoint):
         assert result.action is not None, result.refusal
         v, w = result.action.values['linear.x'], result.action.values['angular.z']
         assert -0.2 <= v <= 0.8 and -1.5 <= w <= 1.5 and math.isfinite(v + w)
-        assert engine.context.length <= 128
+        assert engine.session.length <= 128
         world.step(v, w)
-    assert engine.context.cache.evicted_tokens > 0
+    assert engine.session.cache.evicted_tokens > 0
 
 
 def test_deadline_refusal_leaves_the_cache_untouched(checkpoint):
     engine, clock = make_engine(checkpoint, CostModel(prefill=(40.0, 0.0, 0.0)))
     world = DemoWorld(6, messages=MessageFactory(ros=False))
-    length = engine.context.length
+    length = engine.session.length
     result = engine.tick(snapshot(world, 0.0), 0.0, 1 / 30)
     assert result.refusal.reason == 'deadline'
     assert result.refusal.predicted_ms > result.refusal.available_ms
-    assert engine.context.length == length
+    assert engine.session.length == length
 
 
 def test_watchdog_aborts_and_rolls_back(checkpoint):
@@ -79,10 +79,10 @@ def test_watchdog_aborts_and_rolls_back(checkpoint):
     engine.recent_decodes.clear()
     engine.typical_decodes = 0  # admission thinks no decode step is needed
     world = DemoWorld(7, messages=MessageFactory(ros=False))
-    length, pending = engine.context.length, engine.context.pending
+    length, pending = engine.session.length, engine.session.pending
     result = engine.tick(snapshot(world, 0.0), 0.0, 1 / 30)
     assert result.refusal is not None and result.refusal.reason == 'overrun_abort'
-    assert engine.context.length == length and engine.context.pending == pending
+    assert engine.session.length == length and engine.session.pending == pending
     assert engine.rendered == {}, 'aborted inputs are rendered again next tick'
 
 

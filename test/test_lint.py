@@ -11,7 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_flake8():
     pytest.importorskip('flake8', reason='flake8 is in the test extra')
-    paths = [p for p in ('rt_llm_node', 'test', 'tools', 'launch', 'setup.py')
+    paths = [p for p in ('rt_llm_node', 'test', 'launch', 'setup.py', 'benchmarks', 'training',
+                         'dev')
              if os.path.exists(os.path.join(ROOT, p))]
     result = subprocess.run([sys.executable, '-m', 'flake8', *paths], cwd=ROOT,
                             capture_output=True, text=True)

@@ -15,11 +15,11 @@ from hf_models import CASES
 from hf_models import save_hf_checkpoint
 from hf_models import VOCAB
 from rt_llm_node.backends.numpy_backend import NumpyBackend
-from rt_llm_node.context import Context
 from rt_llm_node.kvcache import make_policy
 from rt_llm_node.kvcache import OBSERVATION
 from rt_llm_node.kvcache import SYSTEM
 from rt_llm_node.model import load_checkpoint
+from rt_llm_node.session import KVSession
 
 TOLERANCE = 1e-4
 
@@ -66,10 +66,10 @@ def test_compacting_random_slots_equals_fresh_prefill(checkpoint):
 
 
 def test_meaning_eviction_then_decode_equals_fresh_prefill(checkpoint):
-    """Evict a stale observation through Context, then compare with the kept tokens."""
+    """Evict a stale observation through KVSession, then compare with the kept tokens."""
     rng = np.random.default_rng()
     backend = NumpyBackend(checkpoint, 48)
-    context = Context(backend, make_policy('meaning'))
+    context = KVSession(backend, make_policy('meaning'))
     context.append(rng.integers(0, VOCAB, 8), kind=SYSTEM)
     stale = context.append(rng.integers(0, VOCAB, 12), kind=OBSERVATION, topic='/scan')
     context.append(rng.integers(0, VOCAB, 12), kind=OBSERVATION, topic='/odom')
@@ -89,7 +89,7 @@ def test_rollback_then_decode_equals_never_having_run(checkpoint):
     rng = np.random.default_rng()
     ids = rng.integers(0, VOCAB, 20)
     backend = NumpyBackend(checkpoint, 64)
-    context = Context(backend, make_policy('meaning'))
+    context = KVSession(backend, make_policy('meaning'))
     context.append(ids, kind=SYSTEM)
     mark = context.mark()
     context.append(rng.integers(0, VOCAB, 15), kind=OBSERVATION, topic='/scan')

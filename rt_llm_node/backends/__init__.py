@@ -14,7 +14,11 @@ offers the same calls:
 - ``compact(keep)``: move the kept slots to ``0 .. len(keep)-1`` and re-rotate
   their keys, so positions stay below ``capacity``;
 - ``rollback(length)``: forget every token at or after ``length``.
+
+The argument checks of that contract live here, once, for both backends.
 """
+
+import numpy as np
 
 
 class BackendError(RuntimeError):
@@ -23,6 +27,43 @@ class BackendError(RuntimeError):
 
 class CacheOverflowError(BackendError):
     """More tokens were run than the KV cache has free slots for."""
+
+
+# -- the contract's argument checks, shared by every backend ------------------------------
+def check_capacity(capacity, config):
+    """A KV capacity must be in 1 .. the model's trained length."""
+    if not 1 <= capacity <= config.max_position_embeddings:
+        raise ValueError(f'kv capacity {capacity} must be in 1..{config.max_position_embeddings} '
+                         "(the model's trained length)")
+
+
+def token_ids(ids, length, capacity, vocab_size):
+    """``ids`` as int64 [n] after checking they can run at positions ``length ..``."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    n = len(ids)
+    if n == 0:
+        raise BackendError('no tokens to run')
+    if length + n > capacity:
+        raise CacheOverflowError(f'{n} tokens do not fit: {length} of {capacity} '
+                                 'cache slots in use')
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise BackendError(f'token id out of range 0..{vocab_size - 1}')
+    return ids
+
+
+def rollback_length(target, length):
+    """``target`` as an int after checking that a cache of ``length`` can roll back to it."""
+    if not 0 <= target <= length:
+        raise BackendError(f'cannot roll back to {target} (length {length})')
+    return int(target)
+
+
+def compact_slots(keep, length):
+    """``keep`` as int64 [m] after checking the slots ascend and lie below ``length``."""
+    keep = np.asarray(keep, dtype=np.int64).reshape(-1)
+    if len(keep) and (keep[-1] >= length or np.any(np.diff(keep) <= 0) or keep[0] < 0):
+        raise BackendError('compact needs ascending slots below the cache length')
+    return keep
 
 
 BACKENDS = ('auto', 'numpy', 'cuda')
@@ -66,8 +107,8 @@ def make_backend(name, checkpoint, capacity, decode_step='auto'):
                                "use backend 'numpy' (or 'auto')")
         if not cuda_available():
             raise BackendError('backend cuda needs CuPy and a CUDA device; none was found')
+        from rt_llm_node.backends.cuda_backend import CudaOptions
         # auto: the faster decode step on this device and model, timed at configure
-        persistent = {'auto': 'auto', 'kernels': False, 'persistent': 'barrier'}[decode_step]
-        return backend_class(checkpoint, capacity, persistent_decode=persistent)
+        return backend_class(checkpoint, capacity, CudaOptions(decode_step=decode_step))
     from rt_llm_node.backends.numpy_backend import NumpyBackend
     return NumpyBackend(checkpoint, capacity)

@@ -8,15 +8,22 @@ start position and length live in a small device ``state`` array, so a tick repl
 graphs and allocates nothing on the device. No cuBLAS, no torch.
 """
 
+from dataclasses import dataclass
 import functools
+from typing import Optional
 
 import numpy as np
 
 from rt_llm_node.backends import BackendError
-from rt_llm_node.backends import CacheOverflowError
+from rt_llm_node.backends import check_capacity
+from rt_llm_node.backends import compact_slots
+from rt_llm_node.backends import DECODE_STEPS
+from rt_llm_node.backends import rollback_length
+from rt_llm_node.backends import token_ids
 from rt_llm_node.backends.cuda_kernels import ATT_MAX_SPLITS
 from rt_llm_node.backends.cuda_kernels import CooperativeLauncher
 from rt_llm_node.backends.cuda_kernels import DependentLauncher
+from rt_llm_node.backends.cuda_kernels import GEOMETRY
 from rt_llm_node.backends.cuda_kernels import KernelSet
 from rt_llm_node.backends.cuda_kernels import MV_BATCH
 from rt_llm_node.backends.numpy_backend import rope_tables
@@ -25,31 +32,59 @@ PREFILL_BUCKETS = (16, 32, 64, 128)
 ARGMAX_BLOCKS = 64
 STATE_RING = 64         # pinned upload slots for the run state
 IDS_RING = 4            # and for prefill token ids
-# state slots; match common.cuh
-TOKEN, START, N, MASS_ACC, FLAGS, RESULT, COUNTER = range(7)
+# state slots (the kernels get the same numbers from the loader's table)
+FLAGS = GEOMETRY['STATE_FLAGS']
+STATE_WORDS = 8
 
 
 NULL = np.uint64(0)  # a null device pointer argument
 MATMUL_WARPS = 4     # warps per block of the matmul kernels
-MMA_UNITS, MMA_TN = 8, 64   # a _mma prefill block's units and tokens (matmul.cu, mma_body)
-PD_THREADS, PD_KEYS = 256, 32    # decode_persistent's block and attention split (persistent.cu)
-RG_THREADS = 256                 # decode_ring's block: 7 compute warps and a producer warp
+T16_UNITS = GEOMETRY['T16_UNITS']      # units (row pairs) of a 16-token prefill tile's block
+T16_TOKENS = GEOMETRY['T16_TOKENS']
+PD_THREADS, PD_KEYS = GEOMETRY['PD_THREADS'], GEOMETRY['PD_KEYS']   # decode_persistent
 PD_MAX_SHARED = 40 * 1024        # its dynamic shared memory: the largest input vector
 # the staged one-token matmuls (matmul.cu, staged_body): a block's rows, norm and xhat in
 # at most this much dynamic shared memory, so that the next kernel's blocks fit beside it;
 # one or two blocks an SM, else the matrix stays on the streaming _t1 kernel
-SP_THREADS, SP_MAX_SHARED, SP_MAX_BLOCKS_PER_SM = 128, 96 * 1024, 2
+SP_THREADS, SP_MAX_SHARED, SP_MAX_BLOCKS_PER_SM = GEOMETRY['SP_THREADS'], 96 * 1024, 2
 MAX_DYNAMIC_SHARED = 8           # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cuda.h
-SHARED_SIZE_BYTES = 1            # CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES (static), cuda.h
-SHARED_OPTIN = 97                # cudaDevAttrMaxSharedMemoryPerBlockOptin
-RG_MAX_RING = 192 * 1024         # decode_ring's weight ring at most (persistent.cu)
 # the prefill's attn_partial: at most this many blocks beyond one a row (each row's block
 # then loops over its splits), so that a prefill near the start of the cache does not
 # launch a block for every empty split of the whole capacity
 ATT_PREFILL_BLOCKS = 2048
-# persistent_decode='auto': decode-graph replays timed per candidate at configure, and the
+# decode_step='auto': decode-graph replays timed per candidate at configure, and the
 # margin by which decode_persistent must beat the kernel step to be kept
 TUNE_REPEATS, TUNE_CONTEXT, TUNE_MARGIN = 30, 256, 0.03
+
+
+@dataclass(frozen=True)
+class CudaOptions:
+    """How the CUDA backend runs a forward; fixed when the backend is built.
+
+    ``decode_step``: 'kernels' (a kernel per phase: five a layer), 'persistent' (the whole
+    step as one cooperative launch, ``decode_persistent``; an error where the model's shape
+    or the device cannot run it) or 'auto' (time both at construction, keep the persistent
+    step only where it is at least TUNE_MARGIN faster). ``dependent_launch``: launch each
+    kernel with programmatic dependent launch so it loads its weights while the previous one
+    finishes (None: where the device has it, compute capability 9.0 and later).
+    ``staged_decode``: run a decode step's matmuls as the ``*_sp`` kernels, which copy their
+    rows into shared memory before waiting for the previous kernel (None: where dependent
+    launch is on and all four of a layer's matmuls fit; True raises without dependent
+    launch). ``device_id``: the CUDA device.
+    """
+
+    decode_step: str = 'auto'
+    dependent_launch: Optional[bool] = None
+    staged_decode: Optional[bool] = None
+    device_id: int = 0
+
+    def __post_init__(self):
+        if self.decode_step not in DECODE_STEPS:
+            raise ValueError(f'unknown decode step {self.decode_step!r} '
+                             f'(choose from {", ".join(DECODE_STEPS)})')
+        for name in ('dependent_launch', 'staged_decode'):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f'{name} must be None, True or False')
 
 
 def staged_plan(units, k, weight_bytes, n_sm):
@@ -133,43 +168,14 @@ class CudaBackend:
 
     name = 'cuda'
 
-    def __init__(self, checkpoint, capacity, device_id=0, dependent_launch=None,
-                 persistent_decode=False, grid_stride=True, prefill_mma=False,
-                 staged_decode=None, flag_barrier=False):
-        """``dependent_launch``: launch each kernel of a forward with programmatic dependent
-        launch, so that it loads its weights while the previous one finishes (None: where
-        the device has it, compute capability 9.0 and later). ``grid_stride``: size the
-        grid of each one-token matmul to the blocks that fit on the device at once, each
-        block looping over its share of the rows (False: a block per group of rows, the
-        layout before stop 18, kept to compare). ``persistent_decode``: run a
-        decode step as one cooperative launch instead of five kernels a layer: True or
-        'barrier', ``decode_persistent`` (grid-wide barriers between its phases, each warp
-        loading its weights as it goes; slower on the H200 for the SmolLM2 and Qwen2.5
-        shapes, BENCHMARKS.md); 'ring', ``decode_ring`` (sm_90: each block streams its
-        shares of every matrix of the step into a shared-memory ring with bulk copies,
-        ahead of the barriers; correct, and slower than both others on the H200); None:
-        'barrier' where the shape allows it, else off; a kind named raises where it cannot
-        run; 'auto': time both decode steps at configure (``decode_tuning``) and keep
-        decode_persistent only where it is at least 3% faster (on the H200: the Llama-3.2
-        shape), what ``make_backend``, and so the node, asks for by default.
-        ``flag_barrier``: decode_ring's grid barrier is a flag a block (True) or one
-        shared counter (False, the default: 90-110 us a step faster on the H200).
-        ``prefill_mma``: run the prefill's matmuls on tensor cores (``*_mma`` kernels: bf16
-        weights, every K a multiple of 8; True raises elsewhere), not on the 16-token
-        CUDA-core tiles.
-        ``staged_decode``: a decode step's q/k/v, o, gate/up and down matmuls whose rows fit
-        a block's shared memory (``staged_plan``) run as the ``*_sp`` kernels, which copy
-        their weights in before the wait for the previous kernel and let the next one
-        start at once (needs programmatic dependent launch; True raises without it).
-        None: where dependent launch is on and all four fit (on the H200 3.6% and 4.6%
-        faster a step for the SmolLM2 and Qwen2.5 shapes, where all four fit, and 2.6%
-        slower for Llama-3.2, where only q/k/v and o do: BENCHMARKS.md)."""
+    def __init__(self, checkpoint, capacity, options=None):
+        """Upload ``checkpoint``, allocate a ``capacity``-token cache, compile, capture the
+        graphs and (decode_step 'auto') pick the decode step: see ``CudaOptions``."""
         import cupy as cp
         self.cp = cp
+        self.options = options = options or CudaOptions()
         cfg = checkpoint.config
-        if not 1 <= capacity <= cfg.max_position_embeddings:
-            raise ValueError(f'kv capacity {capacity} must be in 1..{cfg.max_position_embeddings} '
-                             "(the model's trained length)")
+        check_capacity(capacity, cfg)
         if (cfg.head_dim % 4 or cfg.head_dim > 256 or cfg.num_heads % cfg.num_kv_heads
                 or cfg.num_heads > 64):
             raise BackendError(f'the CUDA kernels need head_dim a multiple of 4, <= 256, '
@@ -182,37 +188,44 @@ class CudaBackend:
         self.config = cfg
         self.capacity = int(capacity)
         self.weight_dtype = dtypes.pop()
-        self.device = cp.cuda.Device(device_id)
+        self.device = cp.cuda.Device(options.device_id)
         self.n_sm = self.device.attributes['MultiProcessorCount']
-        self.flag_barrier = bool(flag_barrier)
-        self.ring_profile = None   # decode_ring's clock64 accounting ([n_sm, 8] int64), or None
         with self.device:
             self._allocate(checkpoint)
-            self.kernels = KernelSet(self.weight_dtype, device_id)
+            self.kernels = KernelSet(self.weight_dtype, options.device_id)
             self.stream = cp.cuda.Stream(non_blocking=True)
             self._resident = {}
-            self._grid_stride = self._check_grid_stride(grid_stride)
-            self._choose_launch(dependent_launch)
-            tune = isinstance(persistent_decode, str) and persistent_decode == 'auto'
-            self._choose_persistent(False if tune else persistent_decode)
-            self._prefill_mma = self._check_prefill_mma(prefill_mma)
-            self._staged = self._check_staged(staged_decode)
+            self._choose_launch(options.dependent_launch)
+            self._staged = self._check_staged(options.staged_decode)
+            self._pd_args = None
+            if options.decode_step == 'persistent':
+                self._prepare_persistent()
             self._warm_up_and_capture()
-            self.decode_tuning = self._tune_decode() if tune else None
+            self.decode_tuning = self._tune_decode() if options.decode_step == 'auto' else None
 
     def _tune_decode(self):
-        """persistent_decode='auto': the decode graph's GPU time (median us of TUNE_REPEATS
-        replays at TUNE_CONTEXT cached slots, CUDA events) as a kernel a phase and as
+        """decode_step 'auto': the decode graph's GPU time (median us of TUNE_REPEATS replays
+        at TUNE_CONTEXT cached slots, CUDA events) as a kernel a phase and as
         decode_persistent, where it can run; keeps the faster, decode_persistent only by
         TUNE_MARGIN. Returns {'kernels': us, 'persistent': us or None, 'chosen': name}."""
         times = {'kernels': self._time_decode_graph(), 'persistent': None}
         if self.persistent_decode_problem() is None:
-            self.set_persistent_decode('barrier')
+            self._prepare_persistent()
+            self._recapture_decode()
             times['persistent'] = self._time_decode_graph()
             if times['persistent'] > (1 - TUNE_MARGIN) * times['kernels']:
-                self.set_persistent_decode(False)
-        times['chosen'] = 'persistent' if self.persistent_decode else 'kernels'
+                self.stream.synchronize()
+                self._pd_args = None
+                self._recapture_decode()
+        times['chosen'] = self.decode_step
         return times
+
+    def _recapture_decode(self):
+        """Capture the decode graph again (construction only: the step was just chosen)."""
+        self._write_state(token=0, start=0, n=1, mass_acc=0)
+        self._enqueue_forward(1)
+        self.stream.synchronize()
+        self.graphs[1] = self._capture(1)
 
     def _time_decode_graph(self):
         """Median GPU us of a decode-graph replay at min(TUNE_CONTEXT, capacity - 1) cached
@@ -263,37 +276,6 @@ class CudaBackend:
                 self.kernels.functions[name].ptr, threads, shared)
         return self._resident[key]
 
-    def _check_prefill_mma(self, wanted):
-        if not wanted:
-            return False
-        cfg = self.config
-        ks = (cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
-        if self.weight_dtype != 'BF16' or any(k % 8 for k in ks):
-            raise BackendError('prefill_mma needs bf16 weights and K a multiple of 8 '
-                               f'(weights {self.weight_dtype}, K {ks})')
-        return True
-
-    @staticmethod
-    def _check_grid_stride(value):
-        if isinstance(value, (bool, np.bool_)):
-            return bool(value)
-        if isinstance(value, (int, np.integer)) and value >= 1:
-            return int(value)
-        raise ValueError(f'grid_stride must be True, False or a block count >= 1, got {value!r}')
-
-    @property
-    def grid_stride(self):
-        """True, False or the block cap of the one-token matmuls (see the constructor)."""
-        return self._grid_stride
-
-    @reports_device_errors
-    def set_grid_stride(self, value):
-        """Switch the one-token matmuls' grid layout and recapture the graphs (clears the
-        cache)."""
-        self._grid_stride = self._check_grid_stride(value)
-        with self.device:
-            self._warm_up_and_capture()
-
     def _check_staged(self, wanted):
         if wanted is None:
             wanted = self._dependent is not None and all(self.staged_matmuls().values())
@@ -329,30 +311,8 @@ class CudaBackend:
                 'o': ((hid + 1) // 2, cfg.q_size), 'gate_up': (inter, hid),
                 'down': ((hid + 1) // 2, inter)}
 
-    @reports_device_errors
-    def set_staged_decode(self, enabled):
-        """Switch the staged one-token matmuls (None: where they measured faster, see the
-        constructor) and recapture the graphs (clears the cache)."""
-        self._staged = self._check_staged(enabled)
-        with self.device:
-            self._warm_up_and_capture()
-
-    @property
-    def prefill_mma(self):
-        """Whether the prefill's matmuls run on tensor cores (the ``*_mma`` kernels)."""
-        return self._prefill_mma
-
-    @reports_device_errors
-    def set_prefill_mma(self, enabled):
-        """Switch the prefill's matmuls between tensor cores and the 16-token CUDA-core
-        tiles and recapture the graphs (clears the cache)."""
-        self._prefill_mma = self._check_prefill_mma(enabled)
-        with self.device:
-            self._warm_up_and_capture()
-
-    def persistent_decode_problem(self, kind='barrier'):
-        """Why a persistent decode step of ``kind`` ('barrier': decode_persistent, 'ring':
-        decode_ring) cannot run this model here, or None when it can."""
+    def persistent_decode_problem(self):
+        """Why decode_persistent cannot run this model here, or None when it can."""
         cfg = self.config
         if cfg.head_dim not in (32, 64, 128):
             return f'head_dim {cfg.head_dim} is not 32, 64 or 128'
@@ -364,74 +324,24 @@ class CudaBackend:
                     'shared memory')
         if not self.device.attributes.get('CooperativeLaunch', 1):
             return 'the device has no cooperative launch'
-        if kind == 'ring':
-            if self.kernels.arch < 90:
-                return ('decode_ring needs compute capability 9.0 (bulk copies), this device '
-                        f'has {self.kernels.arch / 10:.1f}')
-            ring = self._rg_layout[1]
-            unit = 2 * max(widths) * (4 if self.weight_dtype == 'F32' else 2)
-            if unit > ring:
-                return f'a {unit}-byte row pair does not fit the {ring}-byte ring'
-            if (cfg.vocab_size + 1) // 2 * self.n_sm >= 2 ** 31:
-                return f'a vocabulary of {cfg.vocab_size} overflows the shares of the LM head'
-            name, shared, threads = 'decode_ring', self._rg_layout[0], RG_THREADS
-            from cupy_backends.cuda.api import driver   # the occupancy query needs the limit
-            driver.funcSetAttribute(self.kernels.functions[name].ptr, MAX_DYNAMIC_SHARED,
-                                    shared)
-        else:
-            name, shared, threads = 'decode_persistent', self._pd_shared(), PD_THREADS
-        if self._resident_blocks(name, threads, shared) < 1:
-            return f'{name} does not fit on a multiprocessor'
+        if self._resident_blocks('decode_persistent', PD_THREADS, self._pd_shared()) < 1:
+            return 'decode_persistent does not fit on a multiprocessor'
         return None
 
     def _pd_shared(self):
         cfg = self.config
         return 4 * max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
 
-    @functools.cached_property
-    def _rg_layout(self):
-        """decode_ring's dynamic shared memory: (its bytes in all, the weight ring's): the
-        input vector in 16-byte lines, then what the block's shared memory leaves, at most
-        RG_MAX_RING bytes, in 128-byte lines (the kernel finds the ring the same way)."""
-        from cupy_backends.cuda.api import driver
-        function = self.kernels.functions['decode_ring']
-        static = driver.funcGetAttribute(SHARED_SIZE_BYTES, function.ptr)
-        optin = self.cp.cuda.runtime.deviceGetAttribute(SHARED_OPTIN, self.device.id)
-        xs = -(-self._pd_shared() // 16) * 16
-        ring = max(0, min(RG_MAX_RING, optin - static - xs - 1024) // 128 * 128)
-        return xs + ring, ring
-
     @property
-    def persistent_decode(self):
-        """Whether a decode step is one persistent launch."""
-        return self._pd_args is not None
+    def decode_step(self):
+        """The decode step in use: 'persistent' (one cooperative launch) or 'kernels'."""
+        return 'persistent' if self._pd_args is not None else 'kernels'
 
-    @property
-    def persistent_kind(self):
-        """'barrier' (decode_persistent), 'ring' (decode_ring) or None (a kernel a phase)."""
-        return self._pd_kind if self._pd_args is not None else None
-
-    def _choose_persistent(self, enabled):
-        """enabled: False, True or 'barrier' (decode_persistent), 'ring' (decode_ring),
-        None (decode_persistent where the model allows it)."""
-        # the last step may still run and read the buffers replaced here, and the pool may
-        # hand their memory to the new ones at once (written on another stream)
-        self.stream.synchronize()
-        self._pd_args = None
-        self._pd_kind = None
-        if enabled is False:
-            return
-        # None never picks decode_ring: it measured slower than both others (BENCHMARKS.md)
-        kind = 'barrier' if enabled is None or enabled is True else enabled
-        if kind not in ('barrier', 'ring'):
-            raise ValueError(f"persistent_decode must be False, True, None, 'barrier' or "
-                             f"'ring', got {enabled!r}")
-        problem = self.persistent_decode_problem(kind)
+    def _prepare_persistent(self):
+        """Pack decode_persistent's arguments (the step then runs as one launch)."""
+        problem = self.persistent_decode_problem()
         if problem:
-            if enabled is not None:
-                raise BackendError(f'persistent decode not possible: {problem}')
-            return
-        self._pd_kind = kind
+            raise BackendError(f'persistent decode not possible: {problem}')
         import struct
         cp, cfg, cap = self.cp, self.config, self.capacity
         ptr = lambda a: 0 if a is None else a.data.ptr   # noqa: E731
@@ -456,24 +366,6 @@ class CudaBackend:
             cfg.rms_norm_eps, 1.0 / np.sqrt(cfg.head_dim))
         self._pd_args = cp.asarray(np.frombuffer(packed, np.uint8))
         self._cooperative = CooperativeLauncher()
-        if kind == 'ring':   # (its shared-memory limit is set by persistent_decode_problem)
-            self._rg_flags = cp.zeros(self.n_sm, np.uint32)   # flag barrier: one word a block
-
-    @reports_device_errors
-    def set_persistent_decode(self, enabled):
-        """Switch the persistent decode step and recapture the graphs (clears the cache)."""
-        with self.device:
-            self._choose_persistent(enabled)
-            self._warm_up_and_capture()
-
-    @reports_device_errors
-    def set_dependent_launch(self, enabled):
-        """Switch programmatic dependent launch and recapture the graphs (clears the cache)."""
-        self._choose_launch(enabled)
-        if self._dependent is None:
-            self._staged = False   # the staged kernels need it
-        with self.device:
-            self._warm_up_and_capture()
 
     # -- set-up (configure time) ---------------------------------------------------
     def _allocate(self, checkpoint):
@@ -497,13 +389,12 @@ class CudaBackend:
         d = cfg.head_dim
         self.chunk = 64 if d <= 64 else 32 if d <= 128 else 16
         self.att_smem = (2 * self.chunk * d + self.chunk + d) * 4
-        self.att_prefill_blocks = ATT_PREFILL_BLOCKS   # (tools/profile_cuda.py varies it)
         self.n_splits = (cap + self.chunk - 1) // self.chunk
         if self.n_splits > ATT_MAX_SPLITS:   # the merge keeps a weight per split in shared memory
             raise BackendError(f'kv capacity {cap} needs {self.n_splits} attention splits '
                                f'of {self.chunk}; the kernels take at most {ATT_MAX_SPLITS}')
         self.counters = cp.zeros(cfg.num_heads, np.int32)   # attn_decode: splits done per head
-        self.state = cp.zeros(8, np.int32)
+        self.state = cp.zeros(STATE_WORDS, np.int32)
         self.ids = cp.zeros(n_max, np.int32)                                  # [n_max]
         self.x = cp.zeros((n_max, cfg.hidden_size), f32)                      # residual stream
         self.q = cp.zeros((n_max, cfg.q_size), f32)
@@ -522,7 +413,7 @@ class CudaBackend:
         self.part_v = cp.zeros(ARGMAX_BLOCKS, f32)
         self.part_i = cp.zeros(ARGMAX_BLOCKS, np.int32)
         # pinned host buffers: uploads from a ring of slots, one stream sync per wrap
-        self.state_ring = self._pinned((STATE_RING, 8), np.int32)
+        self.state_ring = self._pinned((STATE_RING, STATE_WORDS), np.int32)
         self.ids_ring = self._pinned((IDS_RING, n_max), np.int32)
         self.rings = [0, 0]
         self.host_allowed = self._pinned(cfg.vocab_size, np.int32)
@@ -575,10 +466,8 @@ class CudaBackend:
         """Every kernel of one forward over up to n_max tokens (state says how many)."""
         cfg, cap = self.config, self.capacity
         decode = n_max == 1
-        tt = 1 if decode else 16
-        tiles = (n_max + tt - 1) // tt
-        mma = not decode and self._prefill_mma
-        sfx = '_t1' if decode else ('_mma' if mma else '_t16')
+        tiles = (n_max + T16_TOKENS - 1) // T16_TOKENS
+        sfx = '_t1' if decode else '_t16'
         hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         eps = np.float32(cfg.rms_norm_eps)
         warps = MATMUL_WARPS
@@ -587,20 +476,14 @@ class CudaBackend:
 
         def mm(units, k, kernel, one_token=decode):
             """(grid, split) of a matmul over ``units`` row pairs of length ``k``; the
-            one-token (_t1) kernels may split K, the 16-token tiles never do; with
-            grid_stride a one-token grid is at most what is resident."""
-            if not one_token and mma:
-                return (((units + MMA_UNITS - 1) // MMA_UNITS,
-                         (n_max + MMA_TN - 1) // MMA_TN), _i32(1))
-            if not one_token:   # tile16_body: two units a warp
-                return ((units + 2 * warps - 1) // (2 * warps), tiles), _i32(1)
+            one-token (_t1) kernels may split K, the 16-token tiles never do; a one-token
+            grid is at most what is resident (its blocks stride over the row groups)."""
+            if not one_token:   # tile16_body: T16_UNITS units a block, two a warp
+                return ((units + T16_UNITS - 1) // T16_UNITS, tiles), _i32(1)
             split = matvec_split(units, k, mv_batch, self.n_sm)
             blocks = (units * split + warps - 1) // warps
-            if self._grid_stride is not False:
-                cap = (max(1, self._resident_blocks(kernel + '_t1')) * self.n_sm
-                       if self._grid_stride is True else self._grid_stride)
-                blocks = min(blocks, cap)
-            return (blocks, 1), _i32(split)
+            resident = max(1, self._resident_blocks(kernel + '_t1')) * self.n_sm
+            return (min(blocks, resident), 1), _i32(split)
 
         def launch(name, grid, block, *args, shared=0):   # every kernel after the first
             self._launch(name, grid, block, *args, shared=shared, dependent=True)
@@ -623,15 +506,6 @@ class CudaBackend:
                 grid, split = mm(units, k, kind)
                 launch(kind + sfx, grid, block, self.state, *args, _i32(units), _i32(0),
                        split)
-        if decode and self._pd_args is not None and self._pd_kind == 'ring':
-            self._cooperative(self.kernels.functions['decode_ring'], (self.n_sm,),
-                              (RG_THREADS,), (self.state, self._pd_args, self._rg_flags,
-                                              _i32(self._rg_layout[1]),
-                                              _i32(1 if self.flag_barrier else 0),
-                                              NULL if self.ring_profile is None
-                                              else self.ring_profile),
-                              self._rg_layout[0], self.stream)
-            return
         if decode and self._pd_args is not None:
             self._cooperative(self.kernels.functions['decode_persistent'], (self.n_sm,),
                               (PD_THREADS,), (self.state, self._pd_args), self._pd_shared(),
@@ -667,7 +541,7 @@ class CudaBackend:
                        _i32(self.chunk), scale)
             else:
                 rows = cfg.num_heads * n_max
-                split_blocks = min(self.n_splits, max(1, -(-self.att_prefill_blocks // rows)))
+                split_blocks = min(self.n_splits, max(1, -(-ATT_PREFILL_BLOCKS // rows)))
                 launch('attn_partial', (rows, split_blocks), (128,),
                        self.state, self.q, kc, vc, self.scores, self.part_ml,
                        self.part_o, _i32(n_max), _i32(cfg.num_heads),
@@ -736,20 +610,13 @@ class CudaBackend:
         slot[:5] = (token, start, n, mass_acc, 0)
         self._to_device(self.state, slot, 5)
 
-    def _check_ids(self, ids, n):
-        if n == 0:
-            raise BackendError('no tokens to run')
-        if self.length + n > self.capacity:
-            raise CacheOverflowError(f'{n} tokens do not fit: {self.length} of '
-                                     f'{self.capacity} cache slots in use')
-        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
-            raise BackendError(f'token id out of range 0..{self.config.vocab_size - 1}')
+    def _token_ids(self, ids):
+        return token_ids(ids, self.length, self.capacity, self.config.vocab_size)
 
     @reports_device_errors
     def prefill(self, token_ids):
         """Run token_ids: [n] at the next n positions, writing their keys and values."""
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        self._check_ids(ids, len(ids))
+        ids = self._token_ids(token_ids)
         if len(ids) == 1:
             return self.decode(int(ids[0]))
         biggest = PREFILL_BUCKETS[-1]
@@ -767,8 +634,7 @@ class CudaBackend:
     @reports_device_errors
     def decode(self, token_id):
         """Run one token at the next position (replays the decode graph)."""
-        token = int(token_id)
-        self._check_ids(np.asarray([token]), 1)
+        token = int(self._token_ids([token_id])[0])
         self._write_state(token, self.length, 1, 0)
         self.graphs[1].launch(self.stream)
         self.length += 1
@@ -815,17 +681,13 @@ class CudaBackend:
     # -- cache maintenance ---------------------------------------------------------
     def rollback(self, length):
         """Forget every token at or after ``length``."""
-        if not 0 <= length <= self.length:
-            raise BackendError(f'cannot roll back to {length} (length {self.length})')
-        self.length = int(length)
+        self.length = rollback_length(length, self.length)
 
     @reports_device_errors
     def compact(self, keep):
         """Move slots ``keep`` (ascending) to 0..m-1, re-rotating keys by (new - old) position."""
-        keep = np.asarray(keep, dtype=np.int64)
+        keep = compact_slots(keep, self.length)
         m = len(keep)
-        if m and (keep[-1] >= self.length or np.any(np.diff(keep) <= 0) or keep[0] < 0):
-            raise BackendError('compact needs ascending slots below the cache length')
         if m:
             cfg = self.config
             self.host_keep[:m] = keep

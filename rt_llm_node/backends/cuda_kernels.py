@@ -1,10 +1,12 @@
 """One loader for every CUDA kernel: find the sources, compile them with NVRTC, load them.
 
-All ``cuda/*.cu`` files (and ``common.cuh``, inlined once) become one NVRTC program per
-weight dtype, with ``#line`` directives so that compiler messages name the real file and
-line. Options are fixed here and nowhere else. Compilation needs only NVRTC (no driver,
-no GPU, no CUDA headers), so CI compiles every kernel for sm_87 and sm_90; loading the
-result needs CuPy and a device.
+The ``cuda/*.cu`` files become one NVRTC program per weight dtype (one translation unit, an
+optimisation: every file includes the headers it uses and also compiles alone), each file
+behind a ``#line 1`` directive so that compiler messages name the real file and line; the
+``.cuh`` headers are handed to NVRTC by name. Options, and every launch-geometry constant
+that Python also needs, are fixed here and nowhere else (``GEOMETRY``, passed as ``-D``).
+Compilation needs only NVRTC (no driver, no GPU, no CUDA headers), so CI compiles every
+kernel for sm_87 and sm_90; loading the result needs CuPy and a device.
 """
 
 import os
@@ -13,38 +15,46 @@ import sys
 
 WEIGHT_DTYPES = ('BF16', 'F16', 'F32')
 COMMON = 'common.cuh'
-# Most splits of the cache length one attention row merges (one weight each in shared
-# memory); passed to the kernels as -DATT_MAX_SPLITS, checked by the backend.
-ATT_MAX_SPLITS = 1024
+# Launch geometry and device-state layout shared by the kernels and the backend: each is a
+# -D option of every build and a Python constant of cuda_backend, from this one table.
+GEOMETRY = {
+    # the run state (common.cuh): token, start, n, mass_acc, flags are written by the host
+    'STATE_TOKEN': 0, 'STATE_START': 1, 'STATE_N': 2, 'STATE_MASS_ACC': 3, 'STATE_FLAGS': 4,
+    'STATE_RESULT': 5, 'STATE_COUNTER': 6,
+    # matmul.cu: 16-token prefill tiles of T16_UNITS row pairs; staged one-token blocks
+    'T16_TOKENS': 16, 'T16_UNITS': 8, 'SP_THREADS': 128,
+    # decode_persistent.cu: its block, and the cached keys of one attention work item
+    'PD_THREADS': 256, 'PD_KEYS': 32,
+    # attention.cu: most splits of the cache length one attention row merges (a weight each
+    # in shared memory); the backend checks its capacity against it
+    'ATT_MAX_SPLITS': 1024,
+}
 # Chunks of 8 weights a lane of a one-token matmul loads in one batch (-DMV_BATCH), and the
 # blocks of 128 threads such a kernel must fit on one multiprocessor (-DMV_MIN_BLOCKS, its
 # __launch_bounds__; caps its registers at 65536 / (128 * this)). Two 16-byte chunks
-# (bf16, fp16) keep a _t1 kernel at 96 registers, five blocks an SM: on the H200 that beat
-# 4 and 8 chunks at three blocks (132-152 registers) and 4-8 chunks squeezed by the launch
-# bounds, by 3-17% a decode step (tools/sweep_matvec.py, BENCHMARKS.md).
+# (bf16, fp16) keep a _t1 kernel at 96 registers and five blocks an SM, which measured
+# fastest on the H200 (docs/architecture.md, "CUDA decode step").
 MV_BATCH = {'BF16': 2, 'F16': 2, 'F32': 1}
 MV_MIN_BLOCKS = 1
-# Every kernel the backend launches; get_function on each forces the module to load.
-KERNELS = (
-    'embed_gather',
-    'matmul_residual_t1', 'matmul_residual_t16', 'matmul_store_t1',
-    'matmul_swiglu_t1', 'matmul_swiglu_t16', 'matmul_qkv_rope_t1', 'matmul_qkv_rope_t16',
-    'matmul_residual_sp', 'matmul_swiglu_sp', 'matmul_qkv_rope_sp',
-    'attn_partial', 'attn_combine', 'attn_decode', 'attn_mass',
-    'argmax_masked',
-    'compact_gather', 'compact_store',
-    'read_sum', 'read_sum_wide',
-    'grid_sync_probe', 'layer_floor_probe', 'layer_floor_step',
-    'layer_floor_splitk', 'cluster_floor_probe', 'cluster_push_probe', 'decode_persistent',
-    'decode_ring',
-)
-# Built for bf16 weights only: the prefill matmuls on tensor cores (matmul.cu, mma_body).
-KERNELS_BF16 = ('matmul_residual_mma', 'matmul_swiglu_mma', 'matmul_qkv_rope_mma')
+ATT_MAX_SPLITS = GEOMETRY['ATT_MAX_SPLITS']
+# Every kernel of the runtime's program, by file; get_function on each forces the module
+# to load. A file added to cuda/ must be listed here (test_cuda_compile checks both ways).
+KERNELS = {
+    'embedding.cu': ('embed_gather',),
+    'matmul.cu': ('matmul_residual_t1', 'matmul_residual_t16', 'matmul_store_t1',
+                  'matmul_swiglu_t1', 'matmul_swiglu_t16', 'matmul_qkv_rope_t1',
+                  'matmul_qkv_rope_t16', 'matmul_residual_sp', 'matmul_swiglu_sp',
+                  'matmul_qkv_rope_sp'),
+    'attention.cu': ('attn_partial', 'attn_combine', 'attn_decode', 'attn_mass'),
+    'argmax.cu': ('argmax_masked',),
+    'compact.cu': ('compact_gather', 'compact_store'),
+    'decode_persistent.cu': ('decode_persistent',),
+}
 
 
-def kernel_names(weight_dtype):
-    """Every kernel the program for ``weight_dtype`` holds."""
-    return KERNELS + (KERNELS_BF16 if weight_dtype == 'BF16' else ())
+def kernel_names():
+    """Every kernel of the runtime's program."""
+    return tuple(name for names in KERNELS.values() for name in names)
 
 
 class KernelBuildError(RuntimeError):
@@ -70,16 +80,24 @@ def source_dir():
                            + ', '.join(str(c) for c in candidates))
 
 
-def program_source(folder=None):
-    """All kernels as one translation unit, each file behind a ``#line 1`` directive."""
+def runtime_sources(folder=None):
+    """The .cu files of the runtime's program, in KERNELS' order."""
     folder = Path(folder) if folder else source_dir()
+    return [folder / name for name in KERNELS]
+
+
+def headers(folder=None):
+    """{name: text} of every .cuh header, handed to NVRTC for its #include lines."""
+    folder = Path(folder) if folder else source_dir()
+    return {path.name: path.read_text() for path in sorted(folder.glob('*.cuh'))}
+
+
+def program_source(files):
+    """The .cu ``files`` as one translation unit, each behind a ``#line 1`` directive."""
     parts = []
-    for path in [folder / COMMON] + sorted(folder.glob('*.cu')):
-        lines = path.read_text().splitlines()
-        body = [('' if line.strip() in ('#include "common.cuh"', '#pragma once') else line)
-                for line in lines]
+    for path in map(Path, files):
         parts.append(f'#line 1 "{path.name}"')
-        parts.extend(body)
+        parts.append(path.read_text())
     return '\n'.join(parts) + '\n'
 
 
@@ -87,16 +105,22 @@ def compile_options(arch, weight_dtype):
     """NVRTC options for compute capability ``arch`` (e.g. 90) and a weight dtype."""
     if weight_dtype not in WEIGHT_DTYPES:
         raise KernelBuildError(f'no kernels for weight dtype {weight_dtype!r}')
+    defines = [f'-D{name}={value}' for name, value in GEOMETRY.items()]
     return [f'--gpu-architecture=sm_{arch}', '--std=c++17', f'-DRT_WEIGHT_{weight_dtype}',
-            f'-DATT_MAX_SPLITS={ATT_MAX_SPLITS}', f'-DMV_BATCH={MV_BATCH[weight_dtype]}',
+            *defines, f'-DMV_BATCH={MV_BATCH[weight_dtype]}',
             f'-DMV_MIN_BLOCKS={MV_MIN_BLOCKS}', '--restrict', '-lineinfo']
 
 
-def compile_cubin(arch, weight_dtype, folder=None):
-    """Compile every kernel; return (cubin bytes, NVRTC log). Raises KernelBuildError."""
+def compile_cubin(arch, weight_dtype, files=None, folder=None):
+    """Compile ``files`` (default: the runtime's program) with the headers of ``folder``
+    (default: ``source_dir()``); return (cubin bytes, NVRTC log). Raises KernelBuildError."""
     from cupy_backends.cuda.libs import nvrtc
-    source = program_source(folder)
-    program = nvrtc.createProgram(source, 'rt_llm_kernels.cu', [], [])
+    folder = Path(folder) if folder else source_dir()
+    source = program_source(files or runtime_sources(folder))
+    included = headers(folder)
+    program = nvrtc.createProgram(source, 'rt_llm_kernels.cu',
+                                  [text.encode() for text in included.values()],
+                                  [name.encode() for name in included])
     try:
         try:
             nvrtc.compileProgram(program, compile_options(arch, weight_dtype))
@@ -119,7 +143,7 @@ def kernel_cache_dir():
     return Path(base) / 'rt_llm_node' / 'kernels'
 
 
-def cached_cubin(arch, weight_dtype, folder=None, cache_dir=False):
+def cached_cubin(arch, weight_dtype, files=None, folder=None, cache_dir=False):
     """``compile_cubin``'s (cubin, log), kept on disk under a hash of the sources, the
     options and NVRTC's version: configure compiles once per build and device (about 10-30
     s of NVRTC on one core), not on every start. ``cache_dir``: a folder, None for no cache,
@@ -131,9 +155,11 @@ def cached_cubin(arch, weight_dtype, folder=None, cache_dir=False):
     if cache_dir is False:
         cache_dir = kernel_cache_dir()
     if cache_dir is None:
-        return compile_cubin(arch, weight_dtype, folder)
+        return compile_cubin(arch, weight_dtype, files, folder)
+    folder = Path(folder) if folder else source_dir()
     key = hashlib.sha256('\0'.join([
-        program_source(folder), *compile_options(arch, weight_dtype),
+        program_source(files or runtime_sources(folder)), *headers(folder).values(),
+        *compile_options(arch, weight_dtype),
         repr(nvrtc.getVersion())]).encode()).hexdigest()
     path = Path(cache_dir) / f'{key}.cubin'
     try:
@@ -144,7 +170,7 @@ def cached_cubin(arch, weight_dtype, folder=None, cache_dir=False):
             return cubin, log
     except (OSError, ValueError, UnicodeDecodeError):
         pass
-    cubin, log = compile_cubin(arch, weight_dtype, folder)
+    cubin, log = compile_cubin(arch, weight_dtype, files, folder)
     body = len(cubin).to_bytes(8, 'little') + cubin + log.encode()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -157,17 +183,20 @@ def cached_cubin(arch, weight_dtype, folder=None, cache_dir=False):
 
 
 class KernelSet:
-    """The loaded module for one device and weight dtype; ``k.name`` is a kernel."""
+    """The loaded module for one device and weight dtype; ``k.name`` is a kernel.
 
-    def __init__(self, weight_dtype, device_id=0):
+    By default the runtime's program; benchmarks and studies pass their own ``files`` and
+    ``names`` (compiled with the same options and headers)."""
+
+    def __init__(self, weight_dtype, device_id=0, files=None, names=None):
         import cupy
         device = cupy.cuda.Device(device_id)
         self.arch = int(device.compute_capability)  # '90' on Hopper, '87' on Orin
-        self.cubin, self.log = cached_cubin(self.arch, weight_dtype)
+        self.cubin, self.log = cached_cubin(self.arch, weight_dtype, files)
         self.module = cupy.cuda.function.Module()
         self.module.load(self.cubin)
         self.functions = {name: self.module.get_function(name)
-                          for name in kernel_names(weight_dtype)}
+                          for name in (names or kernel_names())}
 
     def __getattr__(self, name):
         try:
@@ -183,8 +212,6 @@ class KernelSet:
 # kernels pair it with griddepcontrol.wait before they read what the previous one wrote
 # (pdl_wait_then_release in common.cuh). Stream capture keeps it as a programmatic edge.
 COOPERATIVE = 2                         # CUlaunchAttributeID, cuda.h
-CLUSTER_DIMENSION = 4
-NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14   # CUfunction_attribute, cuda.h: clusters of 9-16
 PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -263,14 +290,3 @@ class CooperativeLauncher(LaunchWithAttribute):
 
     def __init__(self):
         super().__init__(COOPERATIVE)
-
-
-class ClusterLauncher(LaunchWithAttribute):
-    """Launch a kernel in thread-block clusters of ``size`` blocks along x (sm_90 and
-    later); more than 8 needs the kernel's non-portable cluster size attribute set."""
-
-    def __init__(self, size):
-        import ctypes
-        super().__init__(CLUSTER_DIMENSION)
-        dims = (ctypes.c_uint * 3)(int(size), 1, 1)
-        ctypes.memmove(ctypes.addressof(self._attribute.value), dims, ctypes.sizeof(dims))

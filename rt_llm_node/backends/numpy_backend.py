@@ -8,7 +8,10 @@ The model is a Llama/Qwen2 decoder: per layer
 import numpy as np
 
 from rt_llm_node.backends import BackendError
-from rt_llm_node.backends import CacheOverflowError
+from rt_llm_node.backends import check_capacity
+from rt_llm_node.backends import compact_slots
+from rt_llm_node.backends import rollback_length
+from rt_llm_node.backends import token_ids
 
 
 def rmsnorm(x, weight, eps):
@@ -113,9 +116,7 @@ class NumpyBackend:
 
     def __init__(self, checkpoint, capacity):
         cfg = checkpoint.config
-        if not 1 <= capacity <= cfg.max_position_embeddings:
-            raise ValueError(f'kv capacity {capacity} must be in 1..{cfg.max_position_embeddings} '
-                             "(the model's trained length)")
+        check_capacity(capacity, cfg)
         self.config = cfg
         self.capacity = int(capacity)
         self.embed = checkpoint.float32('model.embed_tokens.weight')        # [vocab, hidden]
@@ -135,17 +136,10 @@ class NumpyBackend:
         self._mass = np.zeros(0, np.float32)                                # [length]
 
     # -- the forward pass ------------------------------------------------------------
-    def _forward(self, token_ids):
+    def _forward(self, token_ids_in):
         cfg = self.config
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        ids = token_ids(token_ids_in, self.length, self.capacity, cfg.vocab_size)
         n, start = len(ids), self.length
-        if n == 0:
-            raise BackendError('no tokens to run')
-        if start + n > self.capacity:
-            raise CacheOverflowError(f'{n} tokens do not fit: {start} of {self.capacity} '
-                                     'cache slots in use')
-        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-            raise BackendError(f'token id out of range 0..{cfg.vocab_size - 1}')
         end = start + n
         cos = self.cos[self.capacity + start:self.capacity + end]           # [n, d/2]
         sin = self.sin[self.capacity + start:self.capacity + end]
@@ -208,17 +202,13 @@ class NumpyBackend:
     # -- cache maintenance ----------------------------------------------------------
     def rollback(self, length):
         """Forget every token at or after ``length``."""
-        if not 0 <= length <= self.length:
-            raise BackendError(f'cannot roll back to {length} (length {self.length})')
-        self.length = int(length)
+        self.length = rollback_length(length, self.length)
         self._mass = self._mass[:length]
 
     def compact(self, keep):
         """Move slots ``keep`` (ascending) to 0..m-1, re-rotating keys by (new - old) position."""
-        keep = np.asarray(keep, dtype=np.int64)
+        keep = compact_slots(keep, self.length)
         m = len(keep)
-        if m and (keep[-1] >= self.length or np.any(np.diff(keep) <= 0) or keep[0] < 0):
-            raise BackendError('compact needs ascending slots below the cache length')
         # slots before the first gap stay where they are: nothing to move or rotate
         gap = keep != np.arange(m)
         first = int(np.argmax(gap)) if gap.any() else m

@@ -1,4 +1,4 @@
-"""Expert episodes rendered to tokens exactly as the node renders them, and the BPE tokenizer.
+"""Expert episodes rendered to tokens exactly as the node renders them.
 
 A tick's token stream is what ``TickEngine`` feeds the model: the segments of
 the inputs that changed (instruction once per goal, then /scan, /odom,
@@ -7,15 +7,8 @@ the inputs that changed (instruction once per goal, then /scan, /odom,
 
 from dataclasses import dataclass
 from dataclasses import field
-import re
 
 import numpy as np
-from tokenizers import decoders
-from tokenizers import models
-from tokenizers import pre_tokenizers
-from tokenizers import Regex
-from tokenizers import Tokenizer
-from tokenizers import trainers
 
 from rt_llm_node.codec import ObservationCodec
 from rt_llm_node.codec import scan_sectors
@@ -85,35 +78,6 @@ def episode_texts(seed, noise=0.0, inputs=INPUTS):
     return lines
 
 
-def train_tokenizer(texts, vocab_size=768, whole_words=(), repeats=3000, phrases=()):
-    """Byte-level BPE over whitespace-led words (' word'), so words tokenize independently.
-
-    ``whole_words`` (e.g. every action word) are shown ``repeats`` times more, so that each
-    becomes one token: an action then takes one decode step per field. ``phrases`` (e.g.
-    ' red box') are kept whole by the pre-tokenizer wherever they stand as words, and
-    learned as one token each the same way.
-    """
-    words = r' ?[^\s]+|\s'
-    if phrases:   # tried first at each position; a phrase must end where a word ends
-        longest_first = sorted(phrases, key=len, reverse=True)
-        alternatives = '|'.join(re.escape(p.strip()) for p in longest_first)
-        words = rf' ?(?:{alternatives})(?=[\s;,.]|$)|' + words
-        whole_words = list(whole_words) + [p if p.startswith(' ') else ' ' + p
-                                           for p in phrases]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(words), behavior='isolated'),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=['<|endoftext|>'], show_progress=False)
-    texts = list(texts) + [''.join(whole_words)] * (repeats if whole_words else 0)
-    tokenizer.train_from_iterator(texts, trainer)
-    return tokenizer
-
-
 AIM_RANDOM = 0.25   # with aim noise, the share of shown aims drawn at random
 
 
@@ -138,7 +102,7 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
     the robot executes only v and w), and a random aim on AIM_RANDOM of the ticks; 0:
     the context shows the expert's aim, which changes slowly, so a learner can copy the
     aim of the tick before instead of finding the target in the detections, and at run
-    time copies its own wrong ones (BENCHMARKS.md, stop 23). Drawn from a generator of
+    time copies its own wrong ones (docs/history.md). Drawn from a generator of
     its own: the executed commands are the same with or without it.
     ``counterfactual``: also label every tick of a goal as if the instruction had named each
     other object in its detections (``TickTokens.alternatives``, ``Episode.instructions``):
@@ -146,7 +110,7 @@ def expert_episode(seed, tokenizer, noise=(0.0, 0.0), noise_seed=None, hold_rate
     last command alone, so the same observation under another instruction has an exact
     label of its own. A learner shown those cannot do well by
     steering at whichever object is ahead or nearest: it must read the instruction
-    (BENCHMARKS.md, stop 24). Draws nothing from the generators. ``world_config``: a
+    (docs/history.md). Draws nothing from the generators. ``world_config``: a
     WorldConfig other than the default (e.g. a coarser detector bearing).
     """
     world = DemoWorld(seed, config=world_config, messages=MessageFactory(ros=False))

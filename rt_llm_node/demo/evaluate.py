@@ -9,7 +9,9 @@ the benchmarks measure time. ``--action-delay N`` makes each command reach the
 robot N ticks after the observation it answers (the live loop's actuation latency:
 0 or 1 tick with ``rt-llm-demo-world``, by the phase of the two timers).
 
-    rt-llm-eval --episodes 200 --write     # table -> BENCHMARKS.md, PNG -> docs/
+    rt-llm-eval --episodes 200 --json eval.json --plot eviction.png
+
+(``benchmarks/bench_demo.py`` runs it and records the table in the results file.)
 """
 
 import argparse
@@ -69,13 +71,13 @@ def _checkpoint(path):
 
 def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_ticks=None,
                       observe=None, expert_drives=False, action_delay=0, inputs=INPUTS,
-                      aim=False, on_engine=None):
+                      aim=False):
     """One closed-loop episode; returns dict(results, ticks, agree, refusals, executed, pose,
     collisions).
 
     ``executed``: the (v, w) the robot executed each tick (0, 0 on a refusal), which with
     ``seed`` replays the episode exactly (``episodes.expert_episode(executed=...)``, the
-    DAgger data of ``tools/train_demo_policy.py``); ``pose``: (x, y, yaw) at the end.
+    DAgger data of ``training/train.py``); ``pose``: (x, y, yaw) at the end.
     ``max_ticks`` ends the episode early. ``observe(msgs, instruction, sectors, expert,
     model, action)`` sees every tick's messages, instruction, scan sector minima, both
     commands (quantized; the model's is None on a refusal) and the model's whole Action
@@ -85,7 +87,6 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
     (``executed`` holds what the robot executed, so replays need no delay). ``inputs``: the
     input specs the engine renders, those the policy was trained on (``model_inputs``);
     ``aim``: the policy states its aim first (``model_aim``; the '_aim' plan field).
-    ``on_engine(engine)``: called with the started TickEngine (tools read its cache).
     """
     actuate = Actuation(action_delay)
     backend = backend or NumpyBackend(checkpoint, capacity)
@@ -97,8 +98,6 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
                         Admission(CostModel(), margin_ms=0.0), policy=policy,
                         system_prompt=SYSTEM_PROMPT, clock=clock)
     engine.start()
-    if on_engine is not None:
-        on_engine(engine)
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
     dt = world.config.dt
     snapshot, instruction = {}, ''
@@ -195,6 +194,24 @@ def summarize_rows(gathered):
             for row, eps in gathered.items()}
 
 
+def table_rows(table, budgets, policies):
+    """(header, rows) of the success and agreement table of an evaluation."""
+    header = ['policy', *[f'success @{b}' for b in budgets], *[f'agree @{b}' for b in budgets]]
+    rows = [['expert', *[f"{table['expert']['success']:.3f}"] * len(budgets),
+             *['-'] * len(budgets)]]
+    for p in policies:
+        rows.append([p, *[f"{table[f'{p}@{b}']['success']:.3f}" for b in budgets],
+                     *[f"{table[f'{p}@{b}']['agreement']:.3f}" for b in budgets]])
+    return header, rows
+
+
+def print_table(header, rows):
+    """Print rows aligned in columns."""
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    for row in [header, *rows]:
+        print('  '.join(str(c).rjust(w) for c, w in zip(row, widths)))
+
+
 def _write_json(path, table, complete, backend='numpy'):
     """The table, whether every episode of the run is in it, and the policy's backend."""
     full = {p: table.get(f'{p}@full', {}).get('success') for p in POLICIES}
@@ -237,17 +254,14 @@ def main(argv=None):
                         help='ticks from an observation to its command reaching the robot '
                              '(0: the next step, as in training)')
     parser.add_argument('--backend', default='numpy', choices=('numpy', 'cuda'),
-                        help="the policy's backend (default numpy, the reference the tables "
-                             'in BENCHMARKS.md use). cuda: every worker process runs its own '
-                             'CUDA backend on the one GPU, the workers started fresh (spawn), '
-                             'not forked; float sums in another order can turn a near tie '
-                             'the other way, so an episode may differ from the numpy one. '
-                             'Not faster with many workers: 16 on one H200 ran 345 '
-                             'episode-runs in 560 s, the numpy backend on 16 cores about '
-                             '128 in 97 s (BENCHMARKS.md)')
+                        help="the policy's backend (default numpy, the reference the results "
+                             'use). cuda: every worker process runs its own CUDA backend on '
+                             'the one GPU, the workers started fresh (spawn), not forked; '
+                             'float sums in another order can turn a near tie the other way, '
+                             'so an episode may differ from the numpy one. Not faster with '
+                             'many workers: one GPU serves them one launch at a time')
     parser.add_argument('--json', default=None, help='write the full table as JSON here')
     parser.add_argument('--plot', default=None, help='write the PNG here')
-    parser.add_argument('--write', action='store_true', help='record in BENCHMARKS.md')
     args = parser.parse_args(argv)
     if args.action_delay < 0:
         parser.error('--action-delay must be >= 0')
@@ -291,39 +305,15 @@ def main(argv=None):
                             backend=args.backend)
     table = summarize_rows(gathered)
     elapsed = time.time() - started
-    header = ['policy', *[f'success @{b}' for b in budgets], *[f'agree @{b}' for b in budgets]]
-    rows = [['expert', *[f"{table['expert']['success']:.3f}"] * len(budgets),
-             *['-'] * len(budgets)]]
-    for p in policies:
-        rows.append([p, *[f"{table[f'{p}@{b}']['success']:.3f}" for b in budgets],
-                     *[f"{table[f'{p}@{b}']['agreement']:.3f}" for b in budgets]])
-    from rt_llm_node.bench_report import markdown_table
-    from rt_llm_node.bench_report import print_table
+    header, rows = table_rows(table, budgets, policies)
     print_table(header, rows)
     print(f'{args.episodes} held-out episodes per row, action delay {args.action_delay} '
           f'ticks, {args.backend} backend, {elapsed:.0f} s')
     if args.json:
         _write_json(args.json, table, complete=True, backend=args.backend)
-    if args.plot or (args.write and policies):
-        root = Path(__file__).resolve().parents[2]
-        plot_path = Path(args.plot or root / 'docs' / 'eviction.png')
-        plot_path.parent.mkdir(parents=True, exist_ok=True)
-        plot(table, plot_path)
-    if args.write and not policies:
-        from rt_llm_node.bench_report import write_section
-        write_section('expert', 'Demo expert on held-out seeds (commands quantized to the '
-                      'action grammar)', markdown_table(['episodes', 'goals', 'success'], [[
-                          table['expert']['episodes'], table['expert']['goals'],
-                          f"{table['expert']['success']:.3f}"]]))
-    elif args.write:
-        from rt_llm_node.bench_report import write_section
-        body = (markdown_table(header, rows)
-                + f'\n\nSeeds {seeds[0]}..{seeds[-1]} (held out), 3 goals each; '
-                f"'full' = the model's trained length "
-                f'({_checkpoint(model).config.max_position_embeddings} tokens). '
-                'Success: goals reached / goals; agree: ticks whose action equals the '
-                "expert's on the same observation.\n\n![success by budget](docs/eviction.png)")
-        write_section('eviction', 'Demo policy: eviction policies in closed loop', body)
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot(table, args.plot)
     return 0
 
 

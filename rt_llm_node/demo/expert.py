@@ -40,7 +40,7 @@ def distractor_ahead(instruction, detections_text, off_axis_deg=30, ahead_deg=15
     """True when the instructed object is seen ``off_axis_deg`` or more off the heading
     while another object lies within ``ahead_deg`` of it: the state where a policy that
     binds the instruction's colour or shape alone, not both, steers at the wrong object
-    (tools/diagnose_policy.py; BENCHMARKS.md, why the demo policy fails)."""
+    (training/diagnose.py; docs/history.md, why the demo policy fails)."""
     seen = target_detection(instruction, detections_text)
     return seen is not None and abs(seen[2]) >= off_axis_deg and any(
         d[:2] != seen[:2] and abs(d[2]) <= ahead_deg for d in parse_detections(detections_text))
@@ -66,7 +66,7 @@ def expert_command(instruction, sectors, detections_text, last_w=0.0):
     in the context), which keeps a turn going and breaks the tie when a pillar stands
     dead ahead. It is the command, not the turn rate /odom measures: under actuation
     latency /odom shows a command two or more ticks old, and a tie-break on it dithers
-    in place (BENCHMARKS.md, actuation latency). So the command is a function of the
+    in place (docs/history.md, actuation latency). So the command is a function of the
     newest observation segments and the newest action segment alone.
     """
     n = len(sectors)

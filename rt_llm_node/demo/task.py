@@ -30,7 +30,7 @@ TWIST_FIELDS = (
     {'name': 'angular.z', 'key': 'w', 'min': -1.5, 'max': 1.5, 'step': 0.25},
 )
 
-# The plan field of an aiming policy (tools/train_demo_policy.py --aim): decoded before v and
+# The plan field of an aiming policy (training/train.py --aim): decoded before v and
 # w, never published. Its value is the instructed object's bearing, quantized to 15 deg and
 # held within +-165; +180 says "not in sight" (the expert then turns on the spot).
 AIM_FIELD = {'name': '_aim', 'key': 'a', 'min': -165.0, 'max': 180.0, 'step': 15.0}
@@ -45,7 +45,7 @@ def demo_inputs(topics=None, required=REQUIRED_TOPICS):
 
     A policy may be trained on fewer inputs than the world publishes (e.g. without /odom,
     whose measured turn rate the shipped policy copies); the ``required`` ones stay (by
-    default the expert's own inputs; tools/binding_curve.py asks only for the instruction
+    default the expert's own inputs; training/lookup_stage.py asks only for the instruction
     and the detections).
     """
     if topics is None:
@@ -64,8 +64,8 @@ def demo_inputs(topics=None, required=REQUIRED_TOPICS):
 
 def model_inputs(model_dir):
     """The demo inputs a checkpoint was trained on: the topics its ``training.json``
-    records under "inputs" (tools/train_demo_policy.py --inputs), else all of ``INPUTS``.
-    Feeding a policy inputs it was not trained on loses most goals (BENCHMARKS.md)."""
+    records under "inputs" (training/train.py --inputs), else all of ``INPUTS``.
+    Feeding a policy inputs it was not trained on loses most goals (docs/history.md)."""
     return demo_inputs(_training_record(model_dir).get('inputs'))
 
 
@@ -95,7 +95,7 @@ def action_grammar(tokenizer, aim=False):
 
 def model_aim(model_dir):
     """Whether a checkpoint was trained to state its aim first: its ``training.json``
-    records "aim" (tools/train_demo_policy.py --aim); absent, it was not."""
+    records "aim" (training/train.py --aim); absent, it was not."""
     return bool(_training_record(model_dir).get('aim', False))
 
 
@@ -106,7 +106,7 @@ def numeric_field(spec):
 
 def model_object_tokens(model_dir):
     """Whether a checkpoint's tokenizer keeps each object name one token: its
-    ``training.json`` records "object_tokens" (tools/train_demo_policy.py --object-tokens,
+    ``training.json`` records "object_tokens" (training/train.py --object-tokens,
     or an --init from such a checkpoint)."""
     return bool(_training_record(model_dir).get('object_tokens', False))
 
@@ -128,7 +128,7 @@ def object_phrases():
     A tokenizer trained with ``episodes.train_tokenizer(..., phrases=object_phrases())``
     keeps each one a single token, the same in the instruction and in every detection, so
     finding the instructed object among the detections is matching one token, not a colour
-    and a shape that other objects share (tools/train_demo_policy.py --object-tokens).
+    and a shape that other objects share (training/train.py --object-tokens).
     """
     return [f' {colour} {shape}' for colour in COLOURS for shape in SHAPES]
 

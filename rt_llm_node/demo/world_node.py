@@ -62,7 +62,7 @@ class DemoWorldNode(Node):
         # published at once, as a physics simulator does. Publishing first and stepping
         # after put the command one more period behind what the model saw (two ticks in
         # all), and the in-process evaluation, where a tick's action moves the robot
-        # before the next observation, measured another task (BENCHMARKS.md, latency).
+        # before the next observation, measured another task (docs/history.md, latency).
         # (the first period has no command yet: the robot stands still for it)
         v, w = self.cmd if time.monotonic() - self.cmd_time < self.cmd_timeout_s else (0.0, 0.0)
         event = self.world.step(v, w)

@@ -1,6 +1,7 @@
 """Offline replay speed: a 60 s demo bag through rt-llm-replay (model clock, shipped model).
 
-    python tools/bench_replay.py [--seconds 60] [--threads 1,2] [--backend numpy|cuda] [--write]
+    python benchmarks/bench_replay.py [--seconds 60] [--threads 1,2] [--backend numpy|cuda]
+        [--write]
 
 Each replay runs as its own ``rt-llm-replay`` process with ``OPENBLAS_NUM_THREADS`` set to
 each of ``--threads`` (the package defaults to one BLAS thread, right for the node beside a
@@ -20,9 +21,9 @@ import sys
 import tempfile
 import time
 
-from rt_llm_node.bench_report import markdown_table
-from rt_llm_node.bench_report import print_table
-from rt_llm_node.bench_report import write_section
+from report import markdown_table
+from report import print_table
+from report import write_section
 from rt_llm_node.demo.recorder import record_demo_bag
 from rt_llm_node.model.embedded import default_model_path
 

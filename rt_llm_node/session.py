@@ -1,7 +1,9 @@
-"""The model's running context: a backend's KV cache and its bookkeeping, kept in step.
+"""The KV session: a backend's KV cache (the tensors) and ``KVCache`` (its segments), in step.
 
-Every token that enters the backend enters through here, so the slots the
-backend holds and the segments ``KVCache`` knows about never disagree.
+Every token that enters the backend enters through here, so the slots the backend holds and
+the segments the bookkeeping knows about (system prompt, instruction, observation of a topic,
+action) never disagree: appending, decoding into a segment, evicting by the policy's plan
+(compacting the backend's slots), rolling back aborted work.
 """
 
 import numpy as np
@@ -11,7 +13,7 @@ from rt_llm_node.kvcache import KVCache
 from rt_llm_node.kvcache import OTHER
 
 
-class Context:
+class KVSession:
     """Append segments, decode into them, evict by policy, roll back aborted work.
 
     ``pending`` holds tokens already chosen but not yet run (the end of the last
@@ -111,7 +113,7 @@ class Context:
         self.cache.rollback(cache_mark)
         self.pending = pending
 
-    def tick(self):
+    def decay_scores(self):
         """Age the attention scores by one control tick."""
         self.cache.decay()
 

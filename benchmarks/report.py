@@ -1,4 +1,4 @@
-"""Write benchmark tables into BENCHMARKS.md, each in its own section with command and machine.
+"""Write benchmark tables into benchmarks/RESULTS.md, each section with command, machine, date.
 
 A section sits between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``;
 rerunning a benchmark replaces its section and leaves the others alone.
@@ -12,7 +12,7 @@ import re
 import shlex
 import sys
 
-BENCHMARKS_MD = Path(__file__).resolve().parent.parent / 'BENCHMARKS.md'
+RESULTS_MD = Path(__file__).resolve().parent / 'RESULTS.md'
 
 
 def machine_description():
@@ -43,14 +43,14 @@ def print_table(header, rows):
         print('  '.join(str(c).rjust(w) for c, w in zip(row, widths)))
 
 
-def write_section(name, title, body, machine=None, command=None, path=BENCHMARKS_MD):
-    """Replace (or add) section ``name`` of BENCHMARKS.md."""
+def write_section(name, title, body, machine=None, command=None, path=RESULTS_MD):
+    """Replace (or add) section ``name`` of the results file."""
     command = command or 'python ' + ' '.join(shlex.quote(a) for a in sys.argv)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')
     section = (f'<!-- bench:{name} -->\n## {title}\n\n'
                f'- command: `{command}`\n- machine: {machine or machine_description()}\n'
                f'- date: {stamp}\n\n{body.strip()}\n<!-- /bench:{name} -->')
-    text = path.read_text(encoding='utf-8') if path.exists() else '# Benchmarks\n'
+    text = path.read_text(encoding='utf-8') if path.exists() else '# Results\n'
     pattern = re.compile(rf'<!-- bench:{re.escape(name)} -->.*?<!-- /bench:{re.escape(name)} -->',
                          re.S)
     if pattern.search(text):

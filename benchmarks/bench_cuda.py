@@ -1,4 +1,4 @@
-"""``rt-llm-bench``: the CUDA backend against the bandwidth floor and HF transformers.
+"""The CUDA backend against the bandwidth floor and HF transformers (``make gpu-bench``).
 
 In one run on one GPU: measured read bandwidth; per model shape (random bf16 weights)
 the floor (weight bytes / bandwidth), our decode step at 256 and 1024 cached tokens
@@ -7,11 +7,17 @@ prefill, and HF transformers with a static cache and torch.compile on the same s
 then the full tick (48 observation tokens + 6 constrained action tokens, host included)
 of the SmolLM2-135M shape over many ticks.
 
-    rt-llm-bench [--write] [--shapes smollm2-135m,...] [--ticks 10000] [--no-hf]
+    PYTHONPATH=. python3 benchmarks/bench_cuda.py [--write] [--shapes smollm2-135m,...]
+        [--ticks 10000] [--no-hf]
+
+Side by side in the same run, each as its own backend (``CudaOptions``): the decode step
+the node picks ('auto'), the persistent step, the streaming one-token kernels alone
+(unstaged) and staged wherever the rows fit.
 """
 
 import argparse
 import gc
+from pathlib import Path
 import shlex
 import sys
 import tempfile
@@ -19,9 +25,9 @@ import time
 
 import numpy as np
 
-from rt_llm_node.bench_report import markdown_table
-from rt_llm_node.bench_report import print_table
-from rt_llm_node.bench_report import write_section
+from report import markdown_table
+from report import print_table
+from report import write_section
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.synthetic import write_random_checkpoint
 
@@ -80,7 +86,7 @@ def time_graph(backend, length, repeats, call):
 
 def time_decode_replay(backend, length, repeats):
     """GPU ms of the decode graph's replay alone, per repeat: the run state is written and
-    synchronized before the timed span (tools/profile_cuda.py, tools/sweep_matvec.py)."""
+    synchronized before the timed span (also used by dev/cuda's profiling scripts)."""
     import cupy as cp
     start, stop = cp.cuda.Event(), cp.cuda.Event()
     out = []
@@ -181,34 +187,54 @@ def full_ticks(backend, vocab, ticks, base=200):
     return out
 
 
+def bandwidth_kernels():
+    """read_sum from benchmarks/bandwidth.cu, built with the runtime's options and headers."""
+    from rt_llm_node.backends.cuda_kernels import KernelSet
+    return KernelSet('F32', files=[Path(__file__).resolve().parent / 'bandwidth.cu'],
+                     names=['read_sum'])
+
+
+def variant(checkpoint, capacity, vocab, repeats, **options):
+    """Decode at 256 cached tokens on a backend built with ``options`` (CudaOptions)."""
+    from rt_llm_node.backends.cuda_backend import CudaBackend
+    from rt_llm_node.backends.cuda_backend import CudaOptions
+    backend = CudaBackend(checkpoint, capacity, CudaOptions(**options))
+    try:
+        return measure_ours(backend, vocab, repeats, contexts=(256,))
+    finally:
+        del backend
+        gc.collect()
+
+
+def cell(result):
+    return '-' if result is None else f'{result[256][0]:.0f} ({result[256][1]:.0f})'
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog='rt-llm-bench', description=__doc__.split('\n')[0])
+    parser = argparse.ArgumentParser(prog='bench_cuda.py', description=__doc__.split('\n')[0])
     parser.add_argument('--shapes', default=','.join(SHAPES))
     parser.add_argument('--repeats', type=int, default=300)
     parser.add_argument('--ticks', type=int, default=10000)
     parser.add_argument('--no-hf', action='store_true', help='skip HF transformers')
-    parser.add_argument('--prefill-mma', action='store_true',
-                        help='also time the prefill with its matmuls on tensor cores (the '
-                             "backend's prefill_mma; bf16 shapes)")
-    parser.add_argument('--write', action='store_true', help='write BENCHMARKS.md sections')
+    parser.add_argument('--write', action='store_true',
+                        help='write the section into benchmarks/RESULTS.md')
     args = parser.parse_args(argv)
     from rt_llm_node.backends import cuda_available
     if not cuda_available():
-        print('rt-llm-bench: no CUDA device (CuPy sees none)', file=sys.stderr)
+        print('bench_cuda.py: no CUDA device (CuPy sees none)', file=sys.stderr)
         return 2
     from rt_llm_node.backends.cuda_backend import CudaBackend
-    from rt_llm_node.backends.cuda_kernels import KernelSet
-    bandwidth = read_bandwidth(KernelSet('F32'))
+    from rt_llm_node.backends.cuda_backend import CudaOptions
+    bandwidth = read_bandwidth(bandwidth_kernels())
     print(f'read bandwidth: {bandwidth / 1e12:.2f} TB/s')
     header = ['shape', 'weights MB', 'floor us', 'decode step (auto)', 'ours us @256 (p99)',
-              'ours us @1024 (p99)',
-              'host step us @256', 'prefill 48 ms', 'prefill 48 ms, tensor cores',
-              'persistent step us @256 (p99)',
-              'block per row group us @256 (p99)', 'unstaged us @256 (p99)',
-              'staged where it fits us @256 (p99)',
+              'ours us @1024 (p99)', 'host step us @256', 'prefill 48 ms',
+              'kernels us @256 (p99)', 'persistent step us @256 (p99)',
+              'unstaged us @256 (p99)', 'staged where it fits us @256 (p99)',
               'HF compile us @256 (p99)', 'HF / ours']
     rows = []
-    tick_ms = tick_mma_ms = tick_unstaged_ms = None
+    tick_ms = tick_unstaged_ms = None
+    capacity = max(CONTEXTS) + 64
     for shape in [s for s in args.shapes.split(',') if s]:
         with tempfile.TemporaryDirectory() as tmp:
             directory = write_random_checkpoint(tmp, shape, seed=0)
@@ -216,36 +242,28 @@ def main(argv=None):
             nbytes = weight_bytes(checkpoint)
             vocab = checkpoint.config.vocab_size
             # as make_backend (the node) builds it: the faster decode step, timed at configure
-            backend = CudaBackend(checkpoint, max(CONTEXTS) + 64, persistent_decode='auto')
+            backend = CudaBackend(checkpoint, capacity, CudaOptions(decode_step='auto'))
             chosen = backend.decode_tuning['chosen']
             ours = measure_ours(backend, vocab, args.repeats)
             if shape == 'smollm2-135m' and args.ticks:
                 tick_ms = full_ticks(backend, vocab, args.ticks)
-            # side by side: the one-token matmuls on a block per row group (the grid before
-            # stop 18), then the decode step as one persistent launch
-            persistent = prefill_mma = None
-            backend.set_persistent_decode(False)   # the side columns: a kernel a phase
-            if args.prefill_mma and backend.weight_dtype == 'BF16':   # on tensor cores
-                backend.set_prefill_mma(True)
-                prefill_mma = measure_prefill(backend, vocab, args.repeats)
-                if shape == 'smollm2-135m' and args.ticks:
-                    tick_mma_ms = full_ticks(backend, vocab, args.ticks)
-                backend.set_prefill_mma(False)
-            staged = None   # every matmul that fits staged, whether or not the default is
-            if backend.dependent_launch:
-                backend.set_staged_decode(True)
-                staged = measure_ours(backend, vocab, args.repeats, contexts=(256,))
-            backend.set_staged_decode(False)   # the streaming _t1 kernels alone
-            unstaged = measure_ours(backend, vocab, args.repeats, contexts=(256,))
-            if shape == 'smollm2-135m' and args.ticks:
-                tick_unstaged_ms = full_ticks(backend, vocab, args.ticks)
-            backend.set_grid_stride(False)
-            per_group = measure_ours(backend, vocab, args.repeats, contexts=(256,))
-            backend.set_grid_stride(True)
-            if backend.persistent_decode_problem() is None:
-                backend.set_persistent_decode(True)
-                persistent = measure_ours(backend, vocab, args.repeats, contexts=(256,))
+            can_persist = backend.persistent_decode_problem() is None
+            staged_possible = backend.dependent_launch
             del backend
+            gc.collect()
+            side = {'checkpoint': checkpoint, 'capacity': capacity, 'vocab': vocab,
+                    'repeats': args.repeats}
+            kernels = variant(**side, decode_step='kernels')
+            persistent = variant(**side, decode_step='persistent') if can_persist else None
+            unstaged = variant(**side, decode_step='kernels', staged_decode=False)
+            staged = (variant(**side, decode_step='kernels', staged_decode=True)
+                      if staged_possible else None)
+            if shape == 'smollm2-135m' and args.ticks:
+                backend = CudaBackend(checkpoint, capacity,
+                                      CudaOptions(decode_step='kernels', staged_decode=False))
+                tick_unstaged_ms = full_ticks(backend, vocab, args.ticks)
+                del backend
+                gc.collect()
             hf = None
             if not args.no_hf:
                 try:
@@ -256,12 +274,8 @@ def main(argv=None):
         row = [shape, f'{nbytes / 1e6:.0f}', f'{floor_us:.0f}', chosen,
                f'{ours[256][0]:.0f} ({ours[256][1]:.0f})',
                f'{ours[1024][0]:.0f} ({ours[1024][1]:.0f})', f'{ours[256][2]:.0f}',
-               f"{ours['prefill']:.2f}", '-' if prefill_mma is None else f'{prefill_mma:.2f}',
-               '-' if persistent is None else
-               f'{persistent[256][0]:.0f} ({persistent[256][1]:.0f})',
-               f'{per_group[256][0]:.0f} ({per_group[256][1]:.0f})',
-               f'{unstaged[256][0]:.0f} ({unstaged[256][1]:.0f})',
-               '-' if staged is None else f'{staged[256][0]:.0f} ({staged[256][1]:.0f})',
+               f"{ours['prefill']:.2f}", cell(kernels), cell(persistent), cell(unstaged),
+               cell(staged),
                '-' if hf is None else f'{hf[0] * 1e3:.0f} ({hf[1] * 1e3:.0f})',
                '-' if hf is None else f'{hf[0] * 1e3 / ours[256][0]:.2f}x']
         rows.append(row)
@@ -270,28 +284,20 @@ def main(argv=None):
     print_table(header, rows)
     body = (f'Read bandwidth measured by our read_sum kernel: {bandwidth / 1e12:.2f} TB/s. '
             'Floor = weight bytes / that bandwidth. Ours: GPU time of one decode-graph replay '
-            '(CUDA events), median (p99), the backend as make_backend (the node) builds it: '
-            "persistent_decode='auto' times both decode steps at configure and keeps one "
-            'persistent launch where it is 3% faster (column "decode step"), else five '
-            'kernels a layer under programmatic dependent launch, the one-token matmuls '
-            'staged where all four of a layer fit (staged_decode=None), else on a resident '
-            'grid that strides over the rows; '
-            'host step = decode + constrained argmax as Python calls them, wall '
-            'clock. Side by side in the same run: the persistent step (one cooperative '
-            'launch of decode_persistent, persistent.cu, the backend option persistent_decode'
-            '), a block per row group (grid_stride=False, unstaged: the streaming kernels on '
-            'the grid layout of before stop 18), unstaged (staged_decode=False: the streaming '
-            'one-token kernels on the resident grid) and staged where it fits '
+            '(CUDA events), median (p99), the backend as the node builds it: decode_step '
+            "'auto' times both decode steps at configure and keeps the persistent launch "
+            'where it is 3% faster (column "decode step"), else five kernels a layer under '
+            'programmatic dependent launch, the one-token matmuls staged where all four of a '
+            'layer fit, else on a resident grid that strides over the rows; host step = '
+            'decode + constrained argmax as Python calls them, wall clock. Side by side, each '
+            "a backend of its own: decode_step 'kernels' and 'persistent', unstaged "
+            '(staged_decode=False: the streaming one-token kernels) and staged where it fits '
             "(staged_decode=True: each one-token matmul whose rows fit a block's shared "
-            'memory copies them in before it waits for the previous kernel and releases the '
-            'next at once). '
-            "Prefill, tensor cores: the prefill's matmuls as the _mma "
-            'kernels (backend option prefill_mma: mma.sync bf16, x as a bf16 hi + lo pair). '
-            'HF: transformers, bf16, StaticCache, '
+            'memory copies them in before it waits for the previous kernel). HF: '
+            'transformers, bf16, StaticCache, '
             "torch.compile(mode='reduce-overhead'), one decode step, CUDA events.\n\n"
             + markdown_table(header, rows))
-    for label, ms in (('', tick_ms), (', prefill on tensor cores', tick_mma_ms),
-                      (', unstaged decode', tick_unstaged_ms)):
+    for label, ms in (('', tick_ms), (', unstaged decode', tick_unstaged_ms)):
         if ms is None:
             continue
         pct = np.percentile(ms, [50, 99, 99.9])
@@ -306,7 +312,8 @@ def main(argv=None):
         machine = f'{gpu_name()}, Python {platform.python_version()}'
         write_section('cuda', 'CUDA backend (decode, prefill, full tick) vs HF transformers',
                       body, machine=machine,
-                      command=' '.join(['rt-llm-bench'] + [shlex.quote(a) for a in sys.argv[1:]]))
+                      command=' '.join(['PYTHONPATH=. python3 benchmarks/bench_cuda.py']
+                                       + [shlex.quote(a) for a in sys.argv[1:]]))
     return 0
 
 

@@ -1,12 +1,12 @@
 """Numpy backend speed: ms per decode token and prefill, tiny and SmolLM2-135M shapes.
 
-    python tools/bench_numpy.py [--write]
-    python tools/bench_numpy.py --sizes [--write]
+    python benchmarks/bench_numpy.py [--write]
+    python benchmarks/bench_numpy.py --sizes [--write]
 
 ``--sizes``: the whole engine tick of demo policies of other shapes and inputs (random
 weights, the shipped tokenizer, the demo world in closed loop, `meaning` at 256 tokens),
-the speed a replay could reach at best: what a cheaper policy must be for issue #6's 10x
-offline replay (the shipped one's engine tick alone allows about 4x on these cores).
+the speed a replay could reach at best: what a policy must cost for a 10x faster-than-real-time
+offline replay.
 """
 
 import argparse
@@ -18,15 +18,15 @@ import time
 
 # one BLAS thread, as the node has (rt_llm_node/__init__.py), set before numpy loads its BLAS:
 # imported first, numpy started one a core, and the engine tick row's max went from ~8 ms to
-# 22-43 ms on these 2 cores (stop 29)
+# 22-43 ms on 2 cores
 os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
 
 import numpy as np  # noqa: E402
 
+from report import markdown_table  # noqa: E402
+from report import print_table  # noqa: E402
+from report import write_section  # noqa: E402
 from rt_llm_node.backends.numpy_backend import NumpyBackend  # noqa: E402
-from rt_llm_node.bench_report import markdown_table  # noqa: E402
-from rt_llm_node.bench_report import print_table  # noqa: E402
-from rt_llm_node.bench_report import write_section  # noqa: E402
 from rt_llm_node.model import load_checkpoint  # noqa: E402
 from rt_llm_node.model.synthetic import write_random_checkpoint  # noqa: E402
 
@@ -149,7 +149,7 @@ def main_tick():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--write', action='store_true', help='record in BENCHMARKS.md')
+    parser.add_argument('--write', action='store_true', help='record in benchmarks/RESULTS.md')
     parser.add_argument('--sizes', action='store_true',
                         help='engine ticks of other policy shapes and inputs (see above)')
     parser.add_argument('--ticks', type=int, default=900)

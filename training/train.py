@@ -2,7 +2,7 @@
 
 Offline tooling (torch + transformers), run on the GPU machine:
 
-    python tools/train_demo_policy.py --out rt_llm_node/demo/model
+    python training/train.py --out rt_llm_node/demo/model
 
 Steps: expert episodes on training seeds (DART noise and held random commands
 on three in four) -> a byte-level BPE tokenizer trained on their text -> token
@@ -43,7 +43,6 @@ from rt_llm_node.demo.episodes import episode_texts  # noqa: E402
 from rt_llm_node.demo.episodes import expert_episode  # noqa: E402
 from rt_llm_node.demo.episodes import success_rate  # noqa: E402
 from rt_llm_node.demo.episodes import system_ids  # noqa: E402
-from rt_llm_node.demo.episodes import train_tokenizer  # noqa: E402
 from rt_llm_node.demo.evaluate import HELD_OUT_SEED0  # noqa: E402
 from rt_llm_node.demo.expert import parse_detections  # noqa: E402
 from rt_llm_node.demo.expert import parse_instruction  # noqa: E402
@@ -55,6 +54,7 @@ from rt_llm_node.demo.task import model_inputs  # noqa: E402
 from rt_llm_node.demo.task import model_object_tokens  # noqa: E402
 from rt_llm_node.demo.task import object_phrases  # noqa: E402
 from rt_llm_node.demo.task import whole_words  # noqa: E402
+from tokenizer import train_tokenizer  # noqa: E402
 
 MODEL = {'vocab_size': 1280, 'hidden_size': 192, 'intermediate_size': 512,
          'num_hidden_layers': 4, 'num_attention_heads': 6, 'num_key_value_heads': 2,
@@ -74,7 +74,7 @@ def _texts(job):
 def _episode(job):
     """One expert episode, built in a worker: (seed, tokenizer json, noise, hold rate,
     executed commands or None, (topics, aim, aim noise, counterfactual)[, world config]).
-    The topics were checked by the caller (tools/binding_curve.py renders fewer than the
+    The topics were checked by the caller (training/lookup_stage.py renders fewer than the
     expert reads)."""
     seed, tokenizer_json, noise, hold_rate, executed, (topics, aim, aim_noise, cf) = job[:6]
     world_config = job[6] if len(job) > 6 else None
@@ -134,7 +134,7 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
     learning", Wen et al. 2021: up-weighting the changes fights a learner that copies its
     own last action). A supervised tick whose target is off to one side with another object
     ahead (``TickTokens.distractor``) weighs ``distractor_weight`` times more again: where
-    the shipped policy steers at the wrong object (tools/diagnose_policy.py).
+    the shipped policy steers at the wrong object (training/diagnose.py).
 
     Counterfactual: with probability ``counterfactual`` (an episode made with
     ``expert_episode(counterfactual=True)``), the context's instruction names an object of
@@ -149,15 +149,15 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
     drawn from the rest (``SparseDetections.thin``). The expert's command reads only the
     instructed object's detection, so every label stays exact. A line of two or three
     objects is where a fresh model first learns to find the instructed one (the match
-    behind the lookup, learned on 6 objects only after a long plateau: BENCHMARKS.md,
-    stop 26). No draw is made when ``sparse`` is None.
+    behind the lookup, learned on 6 objects only after a long plateau: docs/history.md).
+    No draw is made when ``sparse`` is None.
 
     Lookup (an aiming episode's contexts only): every tick shows its detections and its
     action, no other observation, and only the stated aims are supervised (the aim is a
     function of the instruction and the detections alone; v and w are not without the
     scan). With the instruction drawn (``counterfactual``) and a short budget, this is the
     lookup alone, which a fresh model learns in ~1500 steps of 256 where the same with the
-    scan and odometry rendered stays at chance (BENCHMARKS.md, stop 26).
+    scan and odometry rendered stays at chance (docs/history.md).
 
     Meaning: the context a ``meaning`` cache of about ``budget`` tokens holds once it has
     filled: the newest tick's observations alone (every older one superseded, so dropped
@@ -167,14 +167,14 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
     up only where a draw drops every older observation and few actions, ~0.5% of the
     supervised ticks,
     and retrains from scratch kept 81% and 89% of their full-cache success at 256 tokens
-    (BENCHMARKS.md, stop 28).
+    (docs/history.md).
 
     Stale (with ``meaning``): the cache's keys and values as the engine has them, not as a
     fresh prefill would. A kept action was encoded while its own tick's observations were in
     the cache; they were evicted since, but what the action's keys and values of layers 1
     and up took from them stays (the engine compacts, it does not re-encode: a retrain
     reached 8 goals of 18 on six seeds as the engine ran it, 15 with the kept tokens re-
-    encoded after every compaction; BENCHMARKS.md, stop 29). So the observations of the
+    encoded after every compaction; docs/history.md). So the observations of the
     ``stale`` newest older ticks whose action is shown are put back in the sequence, right
     before that action, where only that tick's own tokens see them; those ticks are then
     supervised too (their action sees its observations). A fourth value is returned,
@@ -387,9 +387,8 @@ MEANING_BUDGETS = (192, 256, 384)
 MEANING_WEIGHT = 4.0
 LOOKUP_BUDGET = 48  # the system prompt, the instruction and the newest tick's detections
 LOOKUP_BATCH = 256  # the least batch of --lookup-first
-# --lookup-first trains at this constant rate: the one the match emerged at in stop 26 (3e-3
-# stayed at chance, and round 0's one-cycle, 2e-3 decaying, had not found it by step 2000
-# in stop 27)
+# --lookup-first trains at this constant rate: the one the match emerged at (3e-3 stayed at
+# chance, and round 0's one-cycle, 2e-3 decaying, had not found it by step 2000)
 LOOKUP_LR = 1e-3
 LOOKUP_EVERY = 250  # --lookup-first: steps between checks of the aim on held-out contexts
 LOOKUP_DONE = 0.95  # --lookup-first ends early at this held-out aim accuracy
@@ -479,7 +478,7 @@ def main():
     # three episodes in four are noisy: DART noise on the executed command and, at
     # --hold-rate per tick, a random command held for 5-20 ticks, the labels staying the
     # expert's; the more the executed turn rate (the context's last action) differs from
-    # the label, the less a learner gains by copying it (tools/diagnose_policy.py measures
+    # the label, the less a learner gains by copying it (training/diagnose.py measures
     # the copying)
     parser.add_argument('--noise-v', type=float, default=0.2, help='std of v noise, m/s')
     parser.add_argument('--noise-w', type=float, default=0.6, help='std of w noise, rad/s')
@@ -532,14 +531,14 @@ def main():
                         help='the demo inputs the policy sees (default: all of them, '
                              f"{','.join(s.topic for s in INPUTS)}); e.g. without /odom, "
                              'whose measured turn rate the shipped policy copies into a spin '
-                             'in place (BENCHMARKS.md, stop 20). Recorded in training.json, '
+                             'in place (docs/history.md). Recorded in training.json, '
                              'which rt-llm-eval reads')
     parser.add_argument('--object-tokens', action='store_true',
                         help="a from-scratch tokenizer that keeps each object name (' red "
                              "box') one token, in the instruction and in the detections: the "
                              'shipped policy, with a colour and a shape token each, turns '
                              'toward objects that share one of the two with the target '
-                             '(BENCHMARKS.md, stop 20), with or without its action history')
+                             '(docs/history.md), with or without its action history')
     parser.add_argument('--aim', action='store_true',
                         help="actions start with the plan field '_aim' (task.AIM_FIELD): the "
                              "policy first states the instructed object's bearing, labelled "
@@ -553,8 +552,8 @@ def main():
                              'for each tick, a random aim on a quarter of them (the label '
                              "stays the expert's). 0 shows the expert's aim, which the policy "
                              'then copies from the tick before instead of finding the target; '
-                             'at run time it copies its own wrong ones (stop 23: stated aims '
-                             'within 15 deg of the expert on 15-44%% of ticks)')
+                             'at run time it copies its own wrong ones (stated aims within 15 '
+                             'deg of the expert on 15-44%% of ticks)')
     parser.add_argument('--counterfactual', type=float, default=0.0, metavar='P',
                         help='the share of training contexts whose instruction names an '
                              'object in view drawn uniformly (the real target among them), '
@@ -562,18 +561,17 @@ def main():
                              'for that instruction (a function of the instruction, the newest '
                              'observation and the last command, so the '
                              'label is exact). Without it a policy can steer at the object '
-                             'it heads for and still fit most ticks: the stop-23 aiming policy, '
+                             'it heads for and still fit most ticks: an aiming policy, '
                              'given only its newest observation, named the target on 4%% of '
                              'closed-loop ticks with another object ahead, on 82%% with that '
-                             'object removed from the detections (tools/probe_binding.py; '
-                             'BENCHMARKS.md, stop 24)')
+                             'object removed from the detections (docs/history.md)')
     parser.add_argument('--sparse-detections', type=float, default=0.0, metavar='P',
                         help='the share of training contexts whose newest detections line '
                              'shows only the instructed object and 0-2 others (labels stay '
                              "exact: the expert reads only the instructed object's "
                              'detection). A fresh model matches the instructed object among '
                              'two or three within ~1000 steps, among six not in 6000 '
-                             '(tools/lookup_probe.py, BENCHMARKS.md stop 26)')
+                             '(docs/history.md)')
     parser.add_argument('--lookup-first', type=int, default=0, metavar='STEPS',
                         help='with --aim: before round 0, at most STEPS steps of the lookup '
                              'alone: the instruction drawn over the objects in view, only it '
@@ -582,7 +580,7 @@ def main():
                              f'ends once the aim is right on {LOOKUP_DONE} of held-out such '
                              'contexts. A fresh model learns that in ~1500 steps of 256 '
                              '(H200, 96 s), and with the scan and odometry between not in '
-                             '2500 (BENCHMARKS.md, stop 26)')
+                             '2500 (docs/history.md)')
     parser.add_argument('--lookup-share', type=float, default=0.0, metavar='P',
                         help='after --lookup-first, the share of every batch that stays '
                              'lookup contexts (keeps the skill in the mix)')
@@ -594,7 +592,7 @@ def main():
                              f'supervised at {MEANING_WEIGHT:g}x weight. The demo runs '
                              'meaning at 256 tokens; alone these contexts kept 89%% of the '
                              'full-cache success there, as retrains without them did (81%%, '
-                             '89%%); with --stale-ticks 8, 105%% (BENCHMARKS.md, stop 29)')
+                             '89%%); with --stale-ticks 8, 105%% (docs/history.md)')
     parser.add_argument('--stale-ticks', type=int, default=0, metavar='N',
                         help='with --meaning-share: in those contexts the observations of the '
                              'N newest older ticks whose action is shown stay in the '
@@ -607,7 +605,7 @@ def main():
                              f"{MODEL['num_key_value_heads']}, grouped-query attention; the "
                              'head count for one key per query head). Finding the instructed '
                              "object's bearing in the newest detections line is a lookup an "
-                             'aiming policy states wrongly on most ticks (BENCHMARKS.md, stop '
+                             'aiming policy states wrongly on most ticks (docs/history.md, stop '
                              '23), and two keys a layer leave it few patterns to look up with')
     parser.add_argument('--short-first', type=int, default=0, metavar='STEPS',
                         help="round 0's first STEPS steps draw only the shortest context "
@@ -850,7 +848,7 @@ def main():
     _export(model, tokenizer, out)
     ticks = sum(len(e.ticks) for e in episodes)
     record = {
-        'command': 'python tools/train_demo_policy.py ' + ' '.join(sys.argv[1:]),
+        'command': 'python training/train.py ' + ' '.join(sys.argv[1:]),
         'seed': args.seed, 'train_seeds': [seeds[0], seeds[-1]], 'episodes': len(episodes),
         'dagger': None if not dagger_models else {
             'models': dagger_models, 'episodes_per_model': args.dagger_episodes,
@@ -1144,7 +1142,7 @@ def _lookup_stage(model, episodes, system, args, device, held):
     LOOKUP_BATCH a step) at the constant LOOKUP_LR, ended once the aim is right on
     LOOKUP_DONE of ``held`` (held-out lookup contexts, checked every LOOKUP_EVERY steps).
     A fresh model sits at a guess for ~1000-1500 steps of 256, then finds the match at once
-    (BENCHMARKS.md, stop 26). Returns its record."""
+    (docs/history.md). Returns its record."""
     import torch
     _share_with_builders(episodes, system)
     size = max(args.batch, LOOKUP_BATCH)

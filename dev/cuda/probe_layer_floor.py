@@ -1,13 +1,13 @@
 """Lower bounds for one decode step on this GPU, from what the step cannot avoid.
 
-    PYTHONPATH=. python3 tools/probe_layer_floor.py [--shapes smollm2-135m,...]
+    PYTHONPATH=. python3 dev/cuda/probe_layer_floor.py [--shapes smollm2-135m,...]
         [--phases 2,3,5] [--repeats 20] [--write]
 
 1. Read bandwidth by the number of SMs that read (read_sum_wide, one 1024-thread block an
    SM, 8 loads in flight a thread), and how long each shape's weights take at that rate:
    the floor of a design that keeps the step on a few SMs (a thread-block cluster, say) to
    make its synchronization cheap.
-2. The phase skeleton (persistent.cu layer_floor_probe / layer_floor_step): a step of
+2. The phase skeleton (probes.cu layer_floor_probe / layer_floor_step): a step of
    layers x P + 1 phases (the last one the LM head), where each phase only does what no
    multi-SM design can skip: wait for the whole activation vector, read it from L2, reduce
    it (RMSNorm) and write the block's share of the next one. With `work` = share, every
@@ -38,11 +38,14 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from rt_llm_node.bench_report import markdown_table  # noqa: E402
-from rt_llm_node.bench_report import print_table  # noqa: E402
-from rt_llm_node.bench_report import write_section  # noqa: E402
+from devkit import cluster_launcher  # noqa: E402
+from devkit import NON_PORTABLE_CLUSTER_SIZE_ALLOWED  # noqa: E402
+from devkit import probe_kernels  # noqa: E402
+from report import markdown_table  # noqa: E402
+from report import print_table  # noqa: E402
+from report import write_section  # noqa: E402
 from rt_llm_node.model.synthetic import shape_config  # noqa: E402
 
 SMEM_CAP = 200 * 1024   # dynamic shared memory a probe block may take
@@ -75,9 +78,8 @@ class Floor:
         import cupy as cp
         from rt_llm_node.backends.cuda_kernels import CooperativeLauncher
         from rt_llm_node.backends.cuda_kernels import DependentLauncher
-        from rt_llm_node.backends.cuda_kernels import KernelSet
         self.cp = cp
-        self.k = KernelSet(dtype)
+        self.k = probe_kernels(dtype)
         self.n_sm = cp.cuda.Device().attributes['MultiProcessorCount']
         self.coop, self.dependent = CooperativeLauncher(), DependentLauncher()
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -246,7 +248,6 @@ def cluster_table(floor, repeats, rng, d=576, rounds=90):
     round, by cluster size, for each exchange (cluster_floor_probe: pull,
     cluster_push_probe: push); each checked against numpy first."""
     from cupy_backends.cuda.api import driver
-    from rt_llm_node.backends.cuda_kernels import NON_PORTABLE_CLUSTER_SIZE_ALLOWED
     x0 = rng.standard_normal(d).astype(np.float32)
     rows = []
     for size in (2, 4, 8, 16):
@@ -267,10 +268,9 @@ def cluster_table(floor, repeats, rng, d=576, rounds=90):
 def cluster_rounds(floor, name, size, grid, smem, x0, repeats, rounds):
     """[us a round, 60 rounds us, 90 rounds us] of cluster kernel ``name`` (x0, out, d,
     rounds) in clusters of ``size``, or why the device refused the launch."""
-    from rt_llm_node.backends.cuda_kernels import ClusterLauncher
     cp, d, fn = floor.cp, len(x0), getattr(floor.k, name)
     x0_dev, out = cp.asarray(x0), cp.zeros(d, np.float32)
-    launch = ClusterLauncher(size)
+    launch = cluster_launcher(size)
 
     def graph(n):
         with floor.stream:
@@ -300,7 +300,7 @@ def main():
     parser.add_argument('--shapes', default='smollm2-135m,qwen2.5-0.5b,llama-3.2-1b')
     parser.add_argument('--phases', default='2,3,5', help='phases a layer to time (P)')
     parser.add_argument('--repeats', type=int, default=20)
-    parser.add_argument('--write', action='store_true', help='write the BENCHMARKS.md section')
+    parser.add_argument('--write', action='store_true', help='write the docs/history.md section')
     parser.add_argument('--cluster-only', action='store_true',
                         help='only the cluster table (printed; --write needs every table)')
     args = parser.parse_args()
@@ -362,7 +362,7 @@ def main():
                 + markdown_table(cl_header, cl_rows))
         write_section('floor', 'Decode step floor: phase skeleton and few-SM bandwidth', body,
                       machine=f'{name} ({floor.n_sm} SMs), Python {sys.version.split()[0]}',
-                      command='PYTHONPATH=. python3 tools/probe_layer_floor.py --write')
+                      command='PYTHONPATH=. python3 dev/cuda/probe_layer_floor.py --write')
 
 
 if __name__ == '__main__':

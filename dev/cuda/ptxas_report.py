@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of every kernel, with no GPU: NVRTC to PTX, then ptxas.
 
-    python tools/ptxas_report.py [--arch 90] [--dtype BF16] [--ptxas PATH] [--match NAME]
+    python dev/cuda/ptxas_report.py [--arch 90] [--dtype BF16] [--ptxas PATH] [--match NAME]
 
 NVRTC compiles the program as the backend does (same options) but to PTX for
 compute_ARCH; the CUDA toolkit's ptxas (`/usr/local/cuda*/bin/ptxas`) assembles it for
@@ -17,10 +17,12 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rt_llm_node.backends.cuda_kernels import compile_options  # noqa: E402
+from rt_llm_node.backends.cuda_kernels import headers  # noqa: E402
 from rt_llm_node.backends.cuda_kernels import program_source  # noqa: E402
+from rt_llm_node.backends.cuda_kernels import runtime_sources  # noqa: E402
 
 
 def find_ptxas():
@@ -32,7 +34,10 @@ def ptx_for(arch, dtype):
     from cupy_backends.cuda.libs import nvrtc
     options = [o for o in compile_options(arch, dtype) if not o.startswith('--gpu-architecture')]
     options.append(f'--gpu-architecture=compute_{arch}')
-    program = nvrtc.createProgram(program_source(), 'rt_llm_node.cu', [], [])
+    included = headers()
+    program = nvrtc.createProgram(program_source(runtime_sources()), 'rt_llm_node.cu',
+                                  [text.encode() for text in included.values()],
+                                  [name.encode() for name in included])
     try:
         nvrtc.compileProgram(program, options)
         ptx = nvrtc.getPTX(program)

@@ -3,7 +3,7 @@
 // Geometry: any grid, block 256. Dtypes: fp32.
 // read_sum_wide: the same with a block of 1024 threads and 8 loads in flight a thread
 // (128 KB a block), so a grid of a block an SM measures what that many SMs can read
-// (tools/probe_layer_floor.py). n % (8 * grid * 1024) == 0.
+// (dev/cuda/probe_layer_floor.py). n % (8 * grid * 1024) == 0.
 #include "common.cuh"
 
 extern "C" __global__ void __launch_bounds__(256)

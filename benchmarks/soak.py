@@ -4,7 +4,7 @@ Checks that positions never reach the capacity and that resident memory stays
 flat; prints (and with --write records) RSS after the first 10,000 tokens and
 at the end.
 
-    python tools/soak.py --tokens 1000000 [--capacity 256] [--write]
+    python benchmarks/soak.py --tokens 1000000 [--capacity 256] [--write]
 """
 
 import argparse
@@ -13,11 +13,10 @@ import time
 
 import numpy as np
 
+from report import markdown_table
+from report import print_table
+from report import write_section
 from rt_llm_node.backends.numpy_backend import NumpyBackend
-from rt_llm_node.bench_report import markdown_table
-from rt_llm_node.bench_report import print_table
-from rt_llm_node.bench_report import write_section
-from rt_llm_node.context import Context
 from rt_llm_node.kvcache import ACTION
 from rt_llm_node.kvcache import INSTRUCTION
 from rt_llm_node.kvcache import make_policy
@@ -26,6 +25,7 @@ from rt_llm_node.kvcache import POLICIES
 from rt_llm_node.kvcache import SYSTEM
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.synthetic import write_random_checkpoint
+from rt_llm_node.session import KVSession
 
 FIRST_MARK = 10_000
 ACTION_TOKENS = 6
@@ -46,7 +46,7 @@ def soak(checkpoint, policy, capacity, total_tokens, seed=0):
     rng = np.random.default_rng(seed)
     vocab = checkpoint.config.vocab_size
     backend = NumpyBackend(checkpoint, capacity)
-    context = Context(backend, make_policy(policy))
+    context = KVSession(backend, make_policy(policy))
     context.append(rng.integers(0, vocab, 16), kind=SYSTEM)
     tokens, tick, max_length, rss_first = 16, 0, 0, None
     started = time.perf_counter()
@@ -61,7 +61,7 @@ def soak(checkpoint, policy, capacity, total_tokens, seed=0):
         for _ in range(ACTION_TOKENS):
             context.decode(action, backend.argmax())
         tokens += n + ACTION_TOKENS
-        context.tick()
+        context.decay_scores()
         tick += 1
         max_length = max(max_length, backend.length)
         assert backend.length == context.length <= capacity
@@ -78,7 +78,7 @@ def main():
     parser.add_argument('--tokens', type=int, default=1_000_000)
     parser.add_argument('--capacity', type=int, default=256)
     parser.add_argument('--policies', default=','.join(POLICIES))
-    parser.add_argument('--write', action='store_true', help='record in BENCHMARKS.md')
+    parser.add_argument('--write', action='store_true', help='record in benchmarks/RESULTS.md')
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = load_checkpoint(write_random_checkpoint(tmp, 'tiny'))

@@ -1,12 +1,11 @@
 """Where a CUDA decode step spends its time: per kernel (CUDA events), graph replay, host calls.
 
-    PYTHONPATH=. python3 tools/profile_cuda.py [--shape smollm2-135m] [--context 256]
-        [--att-prefill-blocks 100000,2048]
+    PYTHONPATH=. python3 dev/cuda/profile_cuda.py [--shape smollm2-135m] [--context 256]
+        [--prefill]
 
---att-prefill-blocks: the 48-token prefill (GPU time, median of 20) with attn_partial's grid
-capped at each block count (CudaBackend.att_prefill_blocks; 100000: a block for every
-split of the capacity, as before stop 33), side by side, each prefill's logits checked
-equal to the first's.
+The decode graph's replay as the persistent step (where the shape allows it) and as a kernel
+per phase; host calls; then each kernel of the first layer and the LM head timed in a
+graph-captured chain of its own kind; the 48-token prefill.
 """
 
 import argparse
@@ -15,8 +14,9 @@ import time
 
 import numpy as np
 
+from devkit import time_decode_replay  # noqa: I100
 from rt_llm_node.backends.cuda_backend import CudaBackend
-from rt_llm_node.bench import time_decode_replay
+from rt_llm_node.backends.cuda_backend import CudaOptions
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.synthetic import write_random_checkpoint
 
@@ -27,19 +27,19 @@ def main():
     parser.add_argument('--context', type=int, default=256)
     parser.add_argument('--repeats', type=int, default=50)
     parser.add_argument('--prefill', action='store_true', help='profile a 48-token prefill')
-    parser.add_argument('--prefill-mma', action='store_true',
-                        help="the prefill's matmuls on tensor cores (the *_mma kernels)")
     parser.add_argument('--chain', type=int, default=32, help='launches per kernel graph')
-    parser.add_argument('--att-prefill-blocks', type=lambda v: [int(k) for k in v.split(',') if k],
-                        default=[], help="attn_partial's block caps to compare (N,N,..)")
-    parser.add_argument('--sweep-blocks', type=lambda v: [int(k) for k in v.split(',') if k],
-                        default=[], help='also time grid_stride caps of K blocks an SM (K,K,..)')
     args = parser.parse_args()
     import cupy as cp
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = load_checkpoint(write_random_checkpoint(tmp, args.shape))
-    backend = CudaBackend(checkpoint, 1088, persistent_decode=None,
-                          prefill_mma=args.prefill_mma)
+    if CudaBackend(checkpoint, 64, CudaOptions('kernels')).persistent_decode_problem() is None:
+        persistent = CudaBackend(checkpoint, 1088, CudaOptions('persistent'))
+        persistent.prefill(np.random.default_rng(0).integers(0, checkpoint.config.vocab_size,
+                                                             args.context))
+        replay = time_decode_replay(persistent, args.context, args.repeats)
+        print(f'  gpu: decode graph replay, persistent {np.median(replay) * 1e3:.1f} us')
+        del persistent
+    backend = CudaBackend(checkpoint, 1088, CudaOptions('kernels'))
     vocab = checkpoint.config.vocab_size
     backend.prefill(np.random.default_rng(0).integers(0, vocab, args.context))
     backend.attention_mass()
@@ -69,23 +69,8 @@ def main():
 
     def replay_us():
         return np.median(time_decode_replay(backend, args.context, args.repeats)) * 1e3
-    if backend.persistent_decode:
-        print(f'  gpu: decode graph replay, persistent {replay_us():.1f} us')
-        backend.set_persistent_decode(False)   # the kernels below are the per-phase ones
-        backend.prefill(np.random.default_rng(0).integers(0, vocab, args.context))
-    print(f'  gpu: decode graph replay, a kernel per phase {replay_us():.1f} us')
-    # side by side: the one-token matmuls' grid layouts (block caps of k blocks an SM)
-    for layout in [False] + [k * backend.n_sm for k in args.sweep_blocks] + [True]:
-        backend.set_grid_stride(layout)
-        backend.prefill(np.random.default_rng(0).integers(0, vocab, args.context))
-        print(f'  gpu: decode graph replay, grid_stride={layout} {replay_us():.1f} us')
-    if backend.dependent_launch:   # side by side: the staged one-token matmuls
-        backend.set_staged_decode(True)
-        backend.prefill(np.random.default_rng(0).integers(0, vocab, args.context))
-        print(f'  gpu: decode graph replay, staged_decode=True {replay_us():.1f} us '
-              f'(staged: {backend.staged_matmuls()})')
-        backend.set_staged_decode(False)
-        backend.prefill(np.random.default_rng(0).integers(0, vocab, args.context))
+    print(f'  gpu: decode graph replay, a kernel per phase {replay_us():.1f} us '
+          f'(staged: {backend.staged_decode})')
     print('  resident blocks an SM: '
           + ', '.join(f'{k[0]}: {v}' for k, v in sorted(backend._resident.items())))
     # per kernel: each launch of the forward's first layer (and the LM head) captured
@@ -141,18 +126,7 @@ def main():
             stop.synchronize()
             pre.append(cp.cuda.get_elapsed_time(start, stop))
         return np.median(pre), backend.logits()
-    print(f'  prefill 48: {prefill_ms()[0]:.3f} ms (att_prefill_blocks '
-          f'{backend.att_prefill_blocks})')
-    first = None
-    for blocks in args.att_prefill_blocks:
-        backend.att_prefill_blocks = blocks
-        with backend.device:
-            backend._warm_up_and_capture()
-        backend.prefill(np.random.default_rng(0).integers(0, vocab, args.context))
-        ms, logits = prefill_ms()
-        first = logits if first is None else first
-        same = 'equal' if np.array_equal(logits, first) else 'DIFFERENT'
-        print(f'  prefill 48, att_prefill_blocks {blocks}: {ms:.3f} ms, logits {same}')
+    print(f'  prefill 48: {prefill_ms()[0]:.3f} ms')
 
 
 if __name__ == '__main__':

@@ -1,6 +1,6 @@
 """Where the demo policy goes wrong: closed-loop episodes, each tick classified.
 
-    python tools/diagnose_policy.py [--model DIR] [--episodes 4] [--capacity 1024]
+    python training/diagnose.py [--model DIR] [--episodes 4] [--capacity 1024]
 
 Per episode: goals reached or timed out, ticks, collisions; by situation (target in
 the detections or not, 30 degrees or more off the heading or not, another object within

@@ -1,6 +1,6 @@
-"""Cost of one grid-wide barrier (cuda/decode_step.cu grid_sync) on this GPU.
+"""Cost of one grid-wide barrier (cuda/grid_sync.cuh grid_sync) on this GPU.
 
-    PYTHONPATH=. python3 tools/probe_grid_sync.py
+    PYTHONPATH=. python3 dev/cuda/probe_grid_sync.py
 
 For 1 and 2 blocks per SM (256 and 128 threads), launches grid_sync_probe cooperatively with
 0 and N barriers, directly and replayed from a CUDA graph, checks that no block passed a
@@ -15,8 +15,8 @@ def main():
     from cupy_backends.cuda.api import driver
 
     from rt_llm_node.backends.cuda_kernels import CooperativeLauncher
-    from rt_llm_node.backends.cuda_kernels import KernelSet
-    kernels = KernelSet('BF16')
+    from devkit import probe_kernels
+    kernels = probe_kernels('BF16')
     fn = kernels.functions['grid_sync_probe']
     n_sm = cp.cuda.Device().attributes['MultiProcessorCount']
     coop = CooperativeLauncher()

@@ -1,20 +1,20 @@
 """How fast does a fresh demo policy learn to find the instructed object? A CPU learning curve.
 
-    python tools/binding_curve.py --counterfactual 1.0 [--steps 600] [--budget 128]
+    python training/lookup_stage.py --counterfactual 1.0 [--steps 600] [--budget 128]
 
-Trains a fresh model of the demo policy's shape (tools/train_demo_policy.py's MODEL) on the
+Trains a fresh model of the demo policy's shape (training/train.py's MODEL) on the
 contexts ``build_sample`` makes from ``--episodes`` expert episodes (DART noise, aim noise,
 ``--aim``), at one ``--budget`` (128: the instruction and the newest tick, no history),
 and every 100 steps prints the stated aim's accuracy (teacher-forced arg-max) on 200
 contexts of three validation seeds built the same way. ``--counterfactual 0``: the real
 instruction, so the target can also be told from where the robot is heading (/odom, the
 bearings); ``1``: an instruction drawn uniformly over the objects in view, so only the
-instruction tells (BENCHMARKS.md, stop 24). ``--model M --steps 0``: the same accuracy of a
+instruction tells (docs/history.md). ``--model M --steps 0``: the same accuracy of a
 trained aiming checkpoint (its tokenizer), no training. ``--shape KEY=VALUE`` (repeatable):
 a fresh model of another shape (e.g. num_key_value_heads=6); ``--bearing-step N``: the
 detector's bearings rounded to N degrees (WorldConfig.bearing_step_deg), for the world the
 episodes are made in; ``--topics /instruction,/detections``: only those inputs rendered
-(BENCHMARKS.md, stop 25). Offline tooling: torch on the CPU.
+(docs/history.md). Offline tooling: torch on the CPU.
 """
 
 import argparse
@@ -23,19 +23,9 @@ import os
 import time
 
 import numpy as np
-from train_demo_policy import _episode   # tools/, beside this script
-from train_demo_policy import _export
-from train_demo_policy import _with_goal_starts
-from train_demo_policy import aim_accuracy
-from train_demo_policy import draw_contexts
-from train_demo_policy import MODEL
-from train_demo_policy import SparseDetections
-from train_demo_policy import VALIDATION_SEED0
-from train_demo_policy import weighted_loss
 
 from rt_llm_node.demo.episodes import episode_texts
 from rt_llm_node.demo.episodes import system_ids
-from rt_llm_node.demo.episodes import train_tokenizer
 from rt_llm_node.demo.task import demo_inputs
 from rt_llm_node.demo.task import INPUTS
 from rt_llm_node.demo.task import model_aim
@@ -45,6 +35,16 @@ from rt_llm_node.demo.task import object_phrases
 from rt_llm_node.demo.task import whole_words
 from rt_llm_node.demo.world import WorldConfig
 from rt_llm_node.model import load_checkpoint
+from tokenizer import train_tokenizer
+from train import _episode
+from train import _export
+from train import _with_goal_starts
+from train import aim_accuracy
+from train import draw_contexts
+from train import MODEL
+from train import SparseDetections
+from train import VALIDATION_SEED0
+from train import weighted_loss
 
 
 def with_hint(ids, labels, hint):
@@ -92,12 +92,12 @@ def main():
                              'lookup left is one token matched in the newest detections, '
                              'what a plan field naming the target before its bearing gives')
     parser.add_argument('--shape', action='append', default=[], metavar='KEY=VALUE',
-                        help="a fresh model's shape: train_demo_policy.MODEL with this key "
+                        help="a fresh model's shape: train.MODEL with this key "
                              'set to this integer (repeatable)')
     parser.add_argument('--bearing-step', type=int, default=1, metavar='DEG',
                         help="the detector's bearing resolution in the episodes' world")
     parser.add_argument('--sparse-detections', type=float, default=0.0, metavar='P',
-                        help="train_demo_policy's --sparse-detections: the share of training "
+                        help="train's --sparse-detections: the share of training "
                              'contexts whose newest detections line shows the instructed '
                              'object and 0-2 others; accuracy is then also printed on '
                              'contexts thinned so')

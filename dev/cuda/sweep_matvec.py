@@ -1,6 +1,6 @@
 """Side by side: the one-token matmuls compiled with other register budgets and load batches.
 
-    PYTHONPATH=. python3 tools/sweep_matvec.py [--shapes ...] [--variants 8:1,8:4,4:1,4:6]
+    PYTHONPATH=. python3 dev/cuda/sweep_matvec.py [--shapes ...] [--variants 8:1,8:4,4:1,4:6]
 
 A variant B:M compiles the kernels with MV_BATCH B (8-weight chunks a lane loads at once)
 and MV_MIN_BLOCKS M (launch bounds: M blocks of 128 threads an SM, so at most
@@ -14,9 +14,10 @@ import tempfile
 
 import numpy as np
 
+from devkit import time_decode_replay  # noqa: I100
 from rt_llm_node.backends import cuda_kernels
 from rt_llm_node.backends.cuda_backend import CudaBackend
-from rt_llm_node.bench import time_decode_replay
+from rt_llm_node.backends.cuda_backend import CudaOptions
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.synthetic import write_random_checkpoint
 
@@ -27,8 +28,8 @@ def main():
     parser.add_argument('--variants', default='8:1,8:4,4:1,4:6')
     parser.add_argument('--context', type=int, default=256)
     parser.add_argument('--repeats', type=int, default=100)
-    parser.add_argument('--baseline', help='a folder of older kernel sources, timed first '
-                        'as variant 8:1 on a block per row group (grid_stride=False)')
+    parser.add_argument('--baseline', help='a folder of other kernel sources, timed first '
+                        'as variant 8:1')
     args = parser.parse_args()
     import os
     from cupy_backends.cuda.api import driver
@@ -47,7 +48,7 @@ def main():
             os.environ.pop('RT_LLM_CUDA_DIR', None)
             if folder:
                 os.environ['RT_LLM_CUDA_DIR'] = folder
-            backend = CudaBackend(checkpoint, args.context + 64, grid_stride=not folder)
+            backend = CudaBackend(checkpoint, args.context + 64, CudaOptions('kernels'))
             backend.prefill(ids)
             times = time_decode_replay(backend, args.context, args.repeats) * 1e3
             med, p99 = float(np.median(times)), float(np.percentile(times, 99))

@@ -1,10 +1,9 @@
-"""The demo policy's training contexts (tools/train_demo_policy.py): what the model is taught.
+"""The demo policy's training contexts (train.py): what the model is taught; the tokenizer trainer.
 
 Built from a real expert episode with DART noise and held random commands, tokenized by the
 shipped tokenizer, the way the training run builds them.
 """
 
-import importlib.util
 from pathlib import Path
 import sys
 
@@ -17,12 +16,9 @@ from rt_llm_node.demo.task import model_aim
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.embedded import default_model_path
 
-_SPEC = importlib.util.spec_from_file_location(
-    'train_demo_policy', Path(__file__).resolve().parents[1] / 'tools' / 'train_demo_policy.py')
-train_demo_policy = importlib.util.module_from_spec(_SPEC)
-# registered under its name: the batch builders it forks are sent its functions by name
-sys.modules.setdefault('train_demo_policy', train_demo_policy)
-_SPEC.loader.exec_module(train_demo_policy)
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # training/, beside this test
+
+import train  # noqa: E402,I100
 
 
 def _find(seq, sub):
@@ -66,8 +62,8 @@ def test_contexts_keep_the_rules_the_bounded_cache_keeps(data):
     copied_differs = 0
     for _ in range(60):
         end = int(rng.integers(len(episode.ticks)))
-        budget = int(rng.choice(train_demo_policy.BUDGETS))
-        ids, labels, _ = train_demo_policy.build_sample(episode, system, end, budget, rng)
+        budget = int(rng.choice(train.BUDGETS))
+        ids, labels, _ = train.build_sample(episode, system, end, budget, rng)
         assert len(ids) == len(labels)
         assert ids[:len(system)] == system                    # the pinned system prompt
         runs = _runs(labels)
@@ -95,14 +91,14 @@ def test_contexts_keep_the_rules_the_bounded_cache_keeps(data):
 
 def test_batches_depend_on_the_round_and_step_only(data):
     episode, system = data
-    train_demo_policy._EPISODES, train_demo_policy._SYSTEM = [episode], system
+    train._EPISODES, train._SYSTEM = [episode], system
     try:
-        a = train_demo_policy._build_batch((0, 1, 5, 4))
-        b = train_demo_policy._build_batch((0, 1, 5, 4))
-        c = train_demo_policy._build_batch((0, 1, 6, 4))
-        d = train_demo_policy._build_batch((0, 2, 5, 4))
+        a = train._build_batch((0, 1, 5, 4))
+        b = train._build_batch((0, 1, 5, 4))
+        c = train._build_batch((0, 1, 6, 4))
+        d = train._build_batch((0, 2, 5, 4))
     finally:
-        train_demo_policy._EPISODES = train_demo_policy._SYSTEM = None
+        train._EPISODES = train._SYSTEM = None
     ids, labels, attention, _, layout = a
     assert layout is None   # no stale rows (--stale-ticks) in this batch
     assert ids.shape == labels.shape == attention.shape and ids.shape[0] == 4
@@ -113,13 +109,13 @@ def test_batches_depend_on_the_round_and_step_only(data):
     assert np.all(labels[attention == 0] == -100)
     assert np.all(ids[attention == 0] == 0)
     # with --keyframe-weight the same batch comes with its loss weights
-    train_demo_policy._EPISODES, train_demo_policy._SYSTEM = [episode], system
-    train_demo_policy._KEYFRAME = 2.0
+    train._EPISODES, train._SYSTEM = [episode], system
+    train._KEYFRAME = 2.0
     try:
-        weighted = train_demo_policy._build_batch((0, 1, 5, 4))
+        weighted = train._build_batch((0, 1, 5, 4))
     finally:
-        train_demo_policy._EPISODES = train_demo_policy._SYSTEM = None
-        train_demo_policy._KEYFRAME = 1.0
+        train._EPISODES = train._SYSTEM = None
+        train._KEYFRAME = 1.0
     assert all(np.array_equal(x, y) for x, y in zip(a, weighted[:3]))
     weights = weighted[3]
     assert weights.dtype == np.float32 and weights.shape == labels.shape
@@ -132,10 +128,10 @@ def _weighted_samples(episode, system, **weight):
     distractor_weight=) change no context (no extra random draws), only the weights."""
     for seed in range(40):
         end = int(np.random.default_rng(seed).integers(1, len(episode.ticks)))
-        plain = train_demo_policy.build_sample(episode, system, end, 1024,
-                                               np.random.default_rng(seed))
-        weighted = train_demo_policy.build_sample(episode, system, end, 1024,
-                                                  np.random.default_rng(seed), **weight)
+        plain = train.build_sample(episode, system, end, 1024,
+                                   np.random.default_rng(seed))
+        weighted = train.build_sample(episode, system, end, 1024,
+                                      np.random.default_rng(seed), **weight)
         assert weighted[:2] == plain[:2]
         yield end, plain, weighted
 
@@ -178,10 +174,10 @@ def test_weighted_loss_is_the_model_loss_under_unit_weights():
     weights = (labels != -100).float()
     with torch.no_grad():
         own = model(input_ids=ids, attention_mask=attention, labels=labels).loss
-        ours = train_demo_policy.weighted_loss(model, ids, attention, labels, weights)
+        ours = train.weighted_loss(model, ids, attention, labels, weights)
         assert torch.allclose(own, ours, atol=1e-6)
         # the batches are right-padded: without the mask (as the trainer runs) the same loss
-        assert torch.allclose(train_demo_policy.weighted_loss(model, ids, None, labels, weights),
+        assert torch.allclose(train.weighted_loss(model, ids, None, labels, weights),
                               ours, atol=1e-6)
         # weight 3 on the second sample's labels: the mean counts them three times
         weights[1] *= 3
@@ -190,8 +186,8 @@ def test_weighted_loss_is_the_model_loss_under_unit_weights():
                                                ignore_index=-100, reduction='none').reshape(3, 11)
         mask = labels[:, 1:] != -100
         expected = (ce[mask] * weights[:, 1:][mask]).sum() / weights[:, 1:][mask].sum()
-        assert torch.allclose(train_demo_policy.weighted_loss(model, ids, attention, labels,
-                                                              weights), expected, atol=1e-6)
+        assert torch.allclose(train.weighted_loss(model, ids, attention, labels,
+                                                  weights), expected, atol=1e-6)
 
 
 def test_further_training_from_the_shipped_model_exports_a_loadable_checkpoint(tmp_path):
@@ -205,7 +201,7 @@ def test_further_training_from_the_shipped_model_exports_a_loadable_checkpoint(t
     shipped = Path(default_model_path())
     out = tmp_path / 'model'
     run = subprocess.run(
-        [sys.executable, str(Path(train_demo_policy.__file__)), '--init', str(shipped),
+        [sys.executable, str(Path(train.__file__)), '--init', str(shipped),
          '--out', str(out), '--episodes', '4', '--steps', '3', '--batch', '2', '--workers',
          '1', '--keyframe-weight', '2', '--lr', '1e-5'],
         capture_output=True, text=True, timeout=600)
@@ -228,7 +224,7 @@ def test_size_sets_the_shape_of_a_from_scratch_model_and_rejects_bad_shapes(tmp_
     pytest.importorskip('transformers')
     import json
     import subprocess
-    tool = str(Path(train_demo_policy.__file__))
+    tool = str(Path(train.__file__))
     for bad in (['--size', '100,2,2,128'], ['--size', '96,2,3,128'], ['--size', '64,2,2'],
                 ['--size', '64,2,2,128', '--init', str(default_model_path())],
                 ['--size', '128,2,4,128', '--kv-heads', '3'], ['--kv-heads', '0'],
@@ -260,18 +256,18 @@ def test_short_first_steps_draw_the_shortest_budgets(data):
     (a context at most that wide, but where the newest tick alone is wider), later steps
     and later rounds from all of them."""
     episode, system = data
-    train_demo_policy._EPISODES, train_demo_policy._SYSTEM = [episode], system
-    train_demo_policy._SHORT_FIRST = 30
+    train._EPISODES, train._SYSTEM = [episode], system
+    train._SHORT_FIRST = 30
     try:
-        short = [train_demo_policy._build_batch((0, 0, step, 4))[0].shape[1]
+        short = [train._build_batch((0, 0, step, 4))[0].shape[1]
                  for step in range(30)]
-        later = [train_demo_policy._build_batch((0, 0, step, 4))[0].shape[1]
+        later = [train._build_batch((0, 0, step, 4))[0].shape[1]
                  for step in range(30, 60)]
-        round1 = [train_demo_policy._build_batch((0, 1, step, 4))[0].shape[1]
+        round1 = [train._build_batch((0, 1, step, 4))[0].shape[1]
                   for step in range(30)]
     finally:
-        train_demo_policy._EPISODES = train_demo_policy._SYSTEM = None
-        train_demo_policy._SHORT_FIRST = 0
+        train._EPISODES = train._SYSTEM = None
+        train._SHORT_FIRST = 0
     assert max(short) <= 192, short
     assert max(later) > 192 and max(round1) > 192, (later, round1)
 
@@ -313,7 +309,7 @@ def test_online_dagger_adds_the_rollouts_of_the_newest_weights_while_training(tm
     pytest.importorskip('transformers')
     import json
     import subprocess
-    tool = str(Path(train_demo_policy.__file__))
+    tool = str(Path(train.__file__))
     run = subprocess.run([sys.executable, tool, '--out', str(tmp_path / 'x'), '--online-dagger',
                           '0.1', '--dagger-rounds', '1', '--max-minutes', '1'],
                          capture_output=True, text=True, timeout=120)
@@ -333,7 +329,7 @@ def test_online_dagger_adds_the_rollouts_of_the_newest_weights_while_training(tm
     seeds = [it['seeds'] for it in iterations]
     # fresh seeds each time, never an iteration twice (past the cap on iterations, none)
     assert seeds[0] == [4, 4] and all(b[0] == a[1] + 1 for a, b in zip(seeds, seeds[1:]))
-    assert len(iterations) <= train_demo_policy.ONLINE_DAGGER_MAX_ITERATIONS
+    assert len(iterations) <= train.ONLINE_DAGGER_MAX_ITERATIONS
     assert all(it['ticks'] == 8 for it in iterations)
     from rt_llm_node.backends.numpy_backend import NumpyBackend
     backend = NumpyBackend(load_checkpoint(out), 32)
@@ -383,8 +379,8 @@ def test_counterfactual_contexts_name_another_object_and_teach_its_expert_comman
     changed = reals = 0
     for _ in range(60):
         end = int(rng.integers(episode.goal_starts[0] + 1, len(episode.ticks)))
-        ids, labels, _ = train_demo_policy.build_sample(episode, system, end, 1024, rng,
-                                                        counterfactual=1.0)
+        ids, labels, _ = train.build_sample(episode, system, end, 1024, rng,
+                                            counterfactual=1.0)
         shown = [name for key, name in instructions.items() if _find(ids, list(key))]
         assert len(shown) == 1
         name = shown[0]
@@ -405,21 +401,21 @@ def test_counterfactual_contexts_name_another_object_and_teach_its_expert_comman
         changed += tick.action_ids != tick.alternatives[name]
     assert changed >= 20 and 3 <= reals <= 25, (changed, reals)
     # without the option the same call draws nothing more: the contexts of old runs stay
-    a = train_demo_policy.build_sample(episode, system, 300, 512, np.random.default_rng(1))
-    b = train_demo_policy.build_sample(plain, system, 300, 512, np.random.default_rng(1))
+    a = train.build_sample(episode, system, 300, 512, np.random.default_rng(1))
+    b = train.build_sample(plain, system, 300, 512, np.random.default_rng(1))
     assert a == b
 
 
 @pytest.fixture(scope='module')
 def aiming():
     """An aiming episode with counterfactual labels and a tokenizer that keeps each object
-    name, bearing and action word one token (train_demo_policy --aim --object-tokens)."""
+    name, bearing and action word one token (train --aim --object-tokens)."""
     from rt_llm_node.demo.episodes import episode_texts
-    from rt_llm_node.demo.episodes import train_tokenizer
     from rt_llm_node.demo.task import object_phrases
     from rt_llm_node.demo.task import whole_words
+    from tokenizer import train_tokenizer
     texts = [line for seed in range(3) for line in episode_texts(seed)]
-    tokenizer = train_tokenizer(texts, train_demo_policy.MODEL['vocab_size'],
+    tokenizer = train_tokenizer(texts, train.MODEL['vocab_size'],
                                 whole_words=whole_words(True), phrases=object_phrases())
     episode = expert_episode(7, tokenizer, noise=(0.2, 0.6), hold_rate=0.05, aim=True,
                              aim_noise=45.0, counterfactual=True)
@@ -446,7 +442,7 @@ def test_sparse_detections_keep_the_instructed_object_and_its_expert_command(aim
     from rt_llm_node.demo.task import INPUTS
     episode, system, tokenizer = aiming
     aim = action_grammar(tokenizer, aim=True).field('_aim')
-    sparse = train_demo_policy.SparseDetections(tokenizer)
+    sparse = train.SparseDetections(tokenizer)
     codec = ObservationCodec(tokenizer, INPUTS)
     shown = {_lines(tokenizer, segment, 'det')[0] for tick in episode.ticks
              for _, topic, segment in tick.segments if topic == '/detections'}
@@ -455,7 +451,7 @@ def test_sparse_detections_keep_the_instructed_object_and_its_expert_command(aim
     thinned = 0
     for _ in range(80):
         end = int(rng.integers(episode.goal_starts[0] + 1, len(episode.ticks)))
-        ids, labels, _ = train_demo_policy.build_sample(
+        ids, labels, _ = train.build_sample(
             episode, system, end, 256, rng, counterfactual=1.0, sparse=(1.0, sparse))
         instruction = _lines(tokenizer, ids, 'task')[-1]
         newest = _lines(tokenizer, ids, 'det')[-1]
@@ -499,8 +495,8 @@ def test_lookup_contexts_show_the_detections_and_teach_the_aim_alone(aiming):
     names = set()
     for _ in range(40):
         end = int(rng.integers(episode.goal_starts[0] + 1, len(episode.ticks)))
-        ids, labels, weights = train_demo_policy.build_sample(
-            episode, system, end, train_demo_policy.LOOKUP_BUDGET, rng, counterfactual=1.0,
+        ids, labels, weights = train.build_sample(
+            episode, system, end, train.LOOKUP_BUDGET, rng, counterfactual=1.0,
             lookup=True)
         lines = tokenizer.decode(ids).split('\n')[1:-1]
         assert lines[0].startswith('task ') and all(
@@ -514,16 +510,16 @@ def test_lookup_contexts_show_the_detections_and_teach_the_aim_alone(aiming):
     assert len(names) >= 4   # the instruction is drawn, not always the real one
 
     def lookup_rows(round_, step, share=0.0):
-        train_demo_policy._EPISODES, train_demo_policy._SYSTEM = [episode], system
-        train_demo_policy._LOOKUP_SHARE = share
+        train._EPISODES, train._SYSTEM = [episode], system
+        train._LOOKUP_SHARE = share
         try:
-            ids, labels = train_demo_policy._build_batch((0, round_, step, 16))[:2]
+            ids, labels = train._build_batch((0, round_, step, 16))[:2]
         finally:
-            train_demo_policy._EPISODES = train_demo_policy._SYSTEM = None
-            train_demo_policy._LOOKUP_SHARE = 0.0
+            train._EPISODES = train._SYSTEM = None
+            train._LOOKUP_SHARE = 0.0
         return sum(int((row != -100).sum() == 1 and not _lines(tokenizer, i.tolist(), 'scan'))
                    for i, row in zip(ids, labels))
-    stage = train_demo_policy.LOOKUP_STREAM
+    stage = train.LOOKUP_STREAM
     assert lookup_rows(stage, 3) == 16 and lookup_rows(stage, 3, share=0.5) == 16
     assert lookup_rows(0, 3) == 0 and lookup_rows(1, 3) == 0
     assert 2 <= lookup_rows(0, 3, share=0.5) <= 14
@@ -537,33 +533,33 @@ def test_lookup_stage_stops_at_its_accuracy_or_its_steps(aiming, monkeypatch):
     transformers = pytest.importorskip('transformers')
     from types import SimpleNamespace
     episode, system, tokenizer = aiming
-    held = train_demo_policy.draw_contexts(np.random.default_rng(1), [episode], system, 256, 8)
-    lookup_held = train_demo_policy.draw_contexts(np.random.default_rng(1), [episode], system,
-                                                  train_demo_policy.LOOKUP_BUDGET, 8,
-                                                  lookup=True)
+    held = train.draw_contexts(np.random.default_rng(1), [episode], system, 256, 8)
+    lookup_held = train.draw_contexts(np.random.default_rng(1), [episode], system,
+                                      train.LOOKUP_BUDGET, 8,
+                                      lookup=True)
     assert all(int((row != -100).sum()) == 1 for row in lookup_held[1])
     assert all(int((row != -100).sum()) >= 4 for row in held[1])   # whole actions taught
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=train_demo_policy.MODEL['vocab_size'], hidden_size=32, num_hidden_layers=1,
+        vocab_size=train.MODEL['vocab_size'], hidden_size=32, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
         bos_token_id=None, eos_token_id=None))
-    accuracy = train_demo_policy.aim_accuracy(model, *lookup_held)
+    accuracy = train.aim_accuracy(model, *lookup_held)
     assert 0.0 <= accuracy <= 1.0
-    monkeypatch.setattr(train_demo_policy, 'LOOKUP_EVERY', 2)
-    monkeypatch.setattr(train_demo_policy, 'LOOKUP_BATCH', 4)
+    monkeypatch.setattr(train, 'LOOKUP_EVERY', 2)
+    monkeypatch.setattr(train, 'LOOKUP_BATCH', 4)
     args = SimpleNamespace(lookup_first=5, batch=2, workers=1, seed=0)
-    monkeypatch.setattr(train_demo_policy, 'LOOKUP_DONE', 1.01)   # never reached
+    monkeypatch.setattr(train, 'LOOKUP_DONE', 1.01)   # never reached
     before = [p.detach().clone() for p in model.parameters()]
-    record = train_demo_policy._lookup_stage(model, [episode], system, args, 'cpu',
-                                             lookup_held)
+    record = train._lookup_stage(model, [episode], system, args, 'cpu',
+                                 lookup_held)
     assert record['steps'] == 5 and record['batch'] == 4
-    assert record['lr'] == train_demo_policy.LOOKUP_LR
+    assert record['lr'] == train.LOOKUP_LR
     assert [step for step, _ in record['accuracy']] == [2, 4, 5]
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    monkeypatch.setattr(train_demo_policy, 'LOOKUP_DONE', 0.0)    # reached at the first check
-    record = train_demo_policy._lookup_stage(model, [episode], system, args, 'cpu',
-                                             lookup_held)
+    monkeypatch.setattr(train, 'LOOKUP_DONE', 0.0)    # reached at the first check
+    record = train._lookup_stage(model, [episode], system, args, 'cpu',
+                                 lookup_held)
     assert record['steps'] == 2 and len(record['accuracy']) == 1
 
 
@@ -577,8 +573,8 @@ def test_meaning_contexts_hold_what_a_full_meaning_cache_holds(aiming):
     older_actions = 0
     for _ in range(40):
         end = int(rng.integers(episode.goal_starts[0] + 1, len(episode.ticks)))
-        budget = int(rng.choice(train_demo_policy.MEANING_BUDGETS))
-        ids, labels, weights = train_demo_policy.build_sample(
+        budget = int(rng.choice(train.MEANING_BUDGETS))
+        ids, labels, weights = train.build_sample(
             episode, system, end, budget, rng, meaning=True)
         if max(labels) == -100:   # the newest tick alone outgrew the budget
             continue
@@ -595,18 +591,18 @@ def test_meaning_contexts_hold_what_a_full_meaning_cache_holds(aiming):
     assert older_actions > 100   # the action history reaches back
 
     def weighted_rows(share):
-        train_demo_policy._EPISODES, train_demo_policy._SYSTEM = [episode], system
-        train_demo_policy._MEANING_SHARE = share
+        train._EPISODES, train._SYSTEM = [episode], system
+        train._MEANING_SHARE = share
         try:
-            ids, labels, _, weights, _ = train_demo_policy._build_batch((0, 0, 3, 32))
+            ids, labels, _, weights, _ = train._build_batch((0, 0, 3, 32))
         finally:
-            train_demo_policy._EPISODES = train_demo_policy._SYSTEM = None
-            train_demo_policy._MEANING_SHARE = 0.0
+            train._EPISODES = train._SYSTEM = None
+            train._MEANING_SHARE = 0.0
         heavy = 0
         for i, lab, w in zip(ids, labels, weights):
             taught = set(np.unique(w[lab != -100]).tolist())
-            assert taught in ({1.0}, {train_demo_policy.MEANING_WEIGHT}, set())
-            if taught == {train_demo_policy.MEANING_WEIGHT}:
+            assert taught in ({1.0}, {train.MEANING_WEIGHT}, set())
+            if taught == {train.MEANING_WEIGHT}:
                 heavy += 1
                 assert len(_lines(tokenizer, i.tolist(), 'scan ')) == 1
         return heavy
@@ -626,7 +622,7 @@ def test_stale_contexts_hide_old_observations_from_later_ticks(aiming):
     checked = 0
     for _ in range(30):
         end = int(rng.integers(episode.goal_starts[0] + 40, len(episode.ticks)))
-        ids, labels, weights, (positions, owner, tick) = train_demo_policy.build_sample(
+        ids, labels, weights, (positions, owner, tick) = train.build_sample(
             episode, system, end, 256, rng, meaning=True, stale=3)
         if max(labels) == -100:
             continue
@@ -649,8 +645,8 @@ def test_stale_contexts_hide_old_observations_from_later_ticks(aiming):
         # the newest tick and each hidden one are taught: one run of labels each
         assert len(_runs(labels)) == len(hidden_ticks) + 1
         att = torch.ones(1, len(ids), dtype=torch.long)
-        mask = train_demo_policy.stale_mask(torch.tensor([owner]), torch.tensor([tick]),
-                                            att)[0, 0]
+        mask = train.stale_mask(torch.tensor([owner]), torch.tensor([tick]),
+                                att)[0, 0]
         for i in range(len(ids)):
             for j in (0, i // 2, i):
                 want = j <= i and (owner[j] < 0 or owner[j] == tick[i])
@@ -660,15 +656,56 @@ def test_stale_contexts_hide_old_observations_from_later_ticks(aiming):
         checked += 1
     assert checked >= 10
     # the batch builder carries the layout of stale rows, in order for the others
-    train_demo_policy._EPISODES, train_demo_policy._SYSTEM = [episode], system
-    train_demo_policy._MEANING_SHARE, train_demo_policy._STALE = 0.5, 3
+    train._EPISODES, train._SYSTEM = [episode], system
+    train._MEANING_SHARE, train._STALE = 0.5, 3
     try:
-        ids, labels, attention, weights, layout = train_demo_policy._build_batch((0, 0, 3, 16))
+        ids, labels, attention, weights, layout = train._build_batch((0, 0, 3, 16))
     finally:
-        train_demo_policy._EPISODES = train_demo_policy._SYSTEM = None
-        train_demo_policy._MEANING_SHARE, train_demo_policy._STALE = 0.0, 0
+        train._EPISODES = train._SYSTEM = None
+        train._MEANING_SHARE, train._STALE = 0.0, 0
     assert layout is not None and layout.shape == (3,) + ids.shape
     stale_rows = [b for b in range(16) if (layout[1, b] >= 0).any()]
     assert stale_rows and len(stale_rows) < 16
     for b in set(range(16)) - set(stale_rows):
         assert np.array_equal(layout[0, b], np.arange(ids.shape[1]))
+
+
+def test_the_trained_tokenizer_keeps_every_action_word_and_bearing_one_token():
+    from rt_llm_node.demo.episodes import episode_texts
+    from rt_llm_node.demo.task import action_grammar
+    from rt_llm_node.demo.task import action_words
+    from rt_llm_node.demo.task import whole_words
+    from tokenizer import train_tokenizer
+    texts = [line for seed in range(2) for line in episode_texts(seed)]
+    tokenizer = train_tokenizer(texts, 1280, whole_words=whole_words())
+    assert all(len(tokenizer.encode(word).ids) == 1 for word in whole_words())
+    assert set(action_words()) <= set(whole_words())
+    assert ' -180deg' in whole_words() and ' 180deg' in whole_words()
+    grammar = action_grammar(tokenizer)
+    text = grammar.render({'linear.x': -0.2, 'angular.z': 1.25})
+    assert len(tokenizer.encode(text).ids) == 4      # prefix, v, w, newline
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def test_object_phrases_train_to_single_tokens_alike_in_instruction_and_detections():
+    from rt_llm_node.demo.episodes import episode_texts
+    from rt_llm_node.demo.task import action_grammar
+    from rt_llm_node.demo.task import object_phrases
+    from rt_llm_node.demo.task import whole_words
+    from tokenizer import train_tokenizer
+    texts = [line for seed in range(2) for line in episode_texts(seed)]
+    tokenizer = train_tokenizer(texts, 1280, whole_words=whole_words(), phrases=object_phrases())
+    assert len(object_phrases()) == 9
+    assert all(len(tokenizer.encode(word).ids) == 1 for word in whole_words() + object_phrases())
+    red_box = tokenizer.encode(' red box').ids[0]
+    for text in ('task go to the red box',
+                 'det red ball 23deg 4.0m; blue box 37deg 2.5m; red box -16deg 4.5m'):
+        ids = tokenizer.encode(text).ids
+        assert ids.count(red_box) == 1 and tokenizer.decode(ids) == text
+    # a phrase is whole only where it stands as words: 'red boxes' is no object
+    assert red_box not in tokenizer.encode('det red boxes 3deg 1.0m').ids
+    grammar = action_grammar(tokenizer)
+    assert len(tokenizer.encode(grammar.render({'linear.x': 0.5, 'angular.z': -0.75})).ids) == 4
+    # without phrases, colour and shape stay two tokens
+    plain = train_tokenizer(texts, 1280, whole_words=whole_words())
+    assert len(plain.encode(' red box').ids) == 2
