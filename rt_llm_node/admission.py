@@ -34,6 +34,7 @@ from collections import defaultdict
 from collections import deque
 from dataclasses import dataclass
 import json
+import math
 import time
 
 import numpy as np
@@ -51,6 +52,22 @@ class CostModel:
         """The coefficients as JSON text (what rt-llm-replay --cost-model reads)."""
         return json.dumps({'prefill': list(self.prefill), 'decode': list(self.decode),
                            'compact': list(self.compact)}, indent=2) + '\n'
+
+    @classmethod
+    def from_json(cls, text):
+        """The CostModel that ``to_json`` wrote; ValueError naming what is wrong."""
+        try:
+            data = json.loads(text)
+            model = cls(prefill=tuple(float(v) for v in data['prefill']),
+                        decode=tuple(float(v) for v in data['decode']),
+                        compact=tuple(float(v) for v in data['compact']))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f'not a cost model ({type(exc).__name__}: {exc})') from None
+        if (len(model.prefill), len(model.decode), len(model.compact)) != (3, 2, 2) or not all(
+                math.isfinite(v) for v in model.prefill + model.decode + model.compact):
+            raise ValueError('not a cost model (prefill needs 3 finite coefficients, decode '
+                             'and compact 2)')
+        return model
 
     def prefill_ms(self, n, cache_length):
         if n <= 0:
@@ -182,7 +199,7 @@ class Admission:
         self.min_scale = float(min_scale)
         self.quantile = float(quantile)
         self.floor = 1.0               # lowered only by what probe ticks measure
-        self.tick = 0
+        self.ticks_seen = 0
         self.ratios = deque()          # (tick, measured / model) of admitted ticks
         self.scale = 1.0               # max(floor, quantile of ratios): kept current
         self.refused_in_a_row = 0      # deadline refusals since the last admitted tick
@@ -200,9 +217,9 @@ class Admission:
 
     def new_tick(self):
         """Advance the window by one tick, admitted or not, so old spikes expire."""
-        self.tick += 1
-        if self.ratios and self.ratios[0][0] <= self.tick - self.window:
-            while self.ratios and self.ratios[0][0] <= self.tick - self.window:
+        self.ticks_seen += 1
+        if self.ratios and self.ratios[0][0] <= self.ticks_seen - self.window:
+            while self.ratios and self.ratios[0][0] <= self.ticks_seen - self.window:
                 self.ratios.popleft()
             self._rescale()
 
@@ -245,7 +262,7 @@ class Admission:
         ratio = measured_ms / raw if raw > 0 and np.isfinite(measured_ms) else None
         self.refused_in_a_row = 0
         if ratio is not None:
-            self.ratios.append((self.tick, ratio))
+            self.ratios.append((self.ticks_seen, ratio))
             if probe and in_time:
                 self.floor = min(1.0, max(self.min_scale, ratio))
             elif not in_time:   # late: a floor a probe lowered was too low

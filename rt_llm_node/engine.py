@@ -136,10 +136,13 @@ class TickEngine:
         self.codec = ObservationCodec(tokenizer, self.inputs)
         self.grammar = grammar
         self.admission = admission
-        self.session = KVSession(backend, make_policy(policy) if isinstance(policy, str)
+        self.clock = clock or WallClock()
+        # under the model clock the backend's work is what advances time
+        timed = (ModelTimedBackend(backend, self.clock, admission)
+                 if isinstance(self.clock, ModelClock) else backend)
+        self.session = KVSession(timed, make_policy(policy) if isinstance(policy, str)
                                  else policy, decay)
         self.system_ids = tokenizer.encode(system_prompt + '\n').ids if system_prompt else []
-        self.clock = clock or WallClock()
         self.index = 0
         self.rendered = {}            # topic -> receive stamp of the last message in the cache
         # decode calls per action: the worst over the last DECODE_WINDOW ticks, admitted or
@@ -193,121 +196,233 @@ class TickEngine:
 
     # -- the tick -----------------------------------------------------------------------
     def tick(self, snapshot, stamp, deadline):
-        """Run one tick started at ``stamp`` that must finish by ``deadline`` (engine clock)."""
-        index = self.index
-        self.index += 1
-        self.admission.new_tick()
-        record = TickRecord(index, stamp, deadline, capacity=self.backend.capacity)
-        clock = self.clock
-        t0 = clock.now()
+        """Run one tick started at ``stamp`` that must finish by ``deadline`` (engine clock).
 
-        def refuse(reason, predicted=0.0, detail='', available=None):
-            record.decision, record.reason = 'refusal', reason
-            # the time admission compared with, or what was left at the tick's start
-            record.available_ms = max(0.0, (deadline - t0) * 1e3 if available is None
-                                      else available)
-            record.predicted_ms = predicted
-            record.cache_length = self.session.length
-            record.total_ms = (clock.now() - t0) * 1e3
-            return TickResult(None, Refusal(index, reason, predicted, record.available_ms, stamp,
-                                            deadline, detail), record)
-
-        if not self.ready:
-            return refuse('not_ready', detail='the engine has not started')
-        problems = self.stale_inputs(snapshot, stamp)
-        if problems:
-            return refuse('stale_input', detail='; '.join(problems))
+        The recipe: check the inputs, render what is new, admit (or refuse) against the time
+        left, make room and prefill, decode the action under the watchdog, commit. Every step
+        that fails returns a refusal; work already done to the cache is rolled back.
+        """
+        run = _Run(self, stamp, deadline)
+        problem = self._check_inputs(snapshot, stamp)
+        if problem:
+            return run.refuse(*problem)
         try:
-            parts = self.render(snapshot)
+            parts = self._render(snapshot, stamp)
         except RenderError as exc:
-            return refuse('input_error', detail=str(exc))
-        prefix = list(self.grammar.prefix_ids)
-        parts.append((prefix, ACTION, '', stamp))
-        n_prefill = self.session.pending_tokens + sum(len(p[0]) for p in parts)
-        n_decode = self.expected_decodes(index)  # the last chosen token is deferred
-        t1 = clock.now()
-        record.render_ms = (t1 - t0) * 1e3
-        try:
-            slots = self.session.plan_room(n_prefill - self.session.pending_tokens + n_decode,
-                                           [(p[1], p[2]) for p in parts])
-        except CacheFullError as exc:
-            return refuse('backend_error', detail=f'cache cannot make room: {exc}')
-        kept = None if slots is None else len(slots)
-        length = self.session.length
-        predicted = self.admission.predict_ms(n_prefill, length, n_decode, kept)
-        available = (deadline - clock.now()) * 1e3
-        record.predicted_ms, record.available_ms = predicted, available
-        record.n_prefill = n_prefill
-        if not self.admission.admit(predicted, available):
-            if not self.admission.probe_instead(n_prefill, length, n_decode, kept, available):
-                return refuse('deadline', predicted, available=available)
-            record.probe = True
-        model = self.admission.model
-        scale = self.admission.scale
+            return run.refuse('input_error', detail=str(exc))
+        plan = self._admit(run, parts)
+        if isinstance(plan, TickResult):
+            return plan
         mark = None
         try:
-            record.evicted = self.session.apply_plan(slots)
-            if kept is not None:
-                clock.charge(model.compact_ms(kept) * scale)
-            t2 = clock.now()
-            record.evict_ms = (t2 - t1) * 1e3
-            mark = self.session.mark()
-            segments = self.session.append_segments(list(parts))
-            clock.charge(model.prefill_ms(n_prefill, self.session.length - n_prefill) * scale)
-            t3 = clock.now()
-            record.prefill_ms = (t3 - t2) * 1e3
-            action_segment = segments[-1]
-            state = self.grammar.start()
-            chosen = []
-            while True:
-                allowed = self.grammar.allowed(state)
-                token = int(allowed[0]) if len(allowed) == 1 else self.backend.argmax(allowed)
-                state = self.grammar.advance(state, token)
-                chosen.append(token)
-                if self.grammar.done(state):
-                    break
-                # the fastest completion from here: decode this token, then choose
-                # min_remaining more of which the last is deferred
-                # (the admission margin stays a guard band to the end of the tick)
-                remaining = self.grammar.min_remaining(state)
-                step = self.admission.step_ms(self.session.length, self.admission.probe_scale(
-                    n_prefill, length, record.n_decode, kept, (clock.now() - t1) * 1e3)
-                    if record.probe else None)
-                if clock.now() + (remaining * step + self.admission.margin_ms) / 1e3 > deadline:
-                    self.session.rollback(mark)
-                    t4 = clock.now()
-                    record.decode_ms = (t4 - t3) * 1e3
-                    # what ran so far is evidence too: a slow prefill raises the scale
-                    self.admission.observe(n_prefill, length, record.n_decode, kept,
-                                           (t4 - t1) * 1e3, record.probe, in_time=False)
-                    return refuse('overrun_abort', predicted,
-                                  f'{remaining} decode steps left would pass the deadline')
-                self.session.decode(action_segment, token)
-                clock.charge(model.decode_ms(self.session.length) * scale)
-                record.n_decode += 1
-            t4 = clock.now()
-            record.decode_ms = (t4 - t3) * 1e3
+            mark, segment = self._prefill(run, plan, parts)
+            decoded = self._decode_action(run, plan, segment, mark)
+            if isinstance(decoded, TickResult):
+                return decoded
         except (BackendError, CacheFullError, FloatingPointError) as exc:
             if mark is not None:
                 try:
                     self.session.rollback(mark)
                 except Exception:  # the backend is broken; the node will clean up
                     pass
-            return refuse('backend_error', predicted, str(exc))
-        # every admitted tick that ran teaches admission, above all one that ran late
-        self.admission.observe(n_prefill, length, record.n_decode, kept, (t4 - t1) * 1e3,
-                               record.probe, in_time=t4 <= deadline)
-        if t4 > deadline:
+            return run.refuse('backend_error', plan.predicted, str(exc))
+        return self._commit(run, plan, parts, segment, mark, *decoded)
+
+    def _check_inputs(self, snapshot, stamp):
+        """(reason, detail) when the tick cannot start: not started, or inputs stale."""
+        if not self.ready:
+            return 'not_ready', 0.0, 'the engine has not started'
+        problems = self.stale_inputs(snapshot, stamp)
+        if problems:
+            return 'stale_input', 0.0, '; '.join(problems)
+        return None
+
+    def _render(self, snapshot, stamp):
+        """The tick's new segments, ending with the action prefix the decode continues."""
+        parts = self.render(snapshot)
+        parts.append((list(self.grammar.prefix_ids), ACTION, '', stamp))
+        return parts
+
+    def _admit(self, run, parts):
+        """Plan the eviction, predict the tick's cost and admit it (a ``_Plan``), or refuse."""
+        session, admission = self.session, self.admission
+        n_new = sum(len(p[0]) for p in parts)
+        plan = _Plan(n_prefill=session.pending_tokens + n_new,
+                     n_decode=self.expected_decodes(run.record.tick), length=session.length)
+        run.mark_rendered()
+        try:   # the last chosen token is deferred: n_decode steps, n_decode + 1 tokens
+            plan.slots = session.plan_room(n_new + plan.n_decode, [(p[1], p[2]) for p in parts])
+        except CacheFullError as exc:
+            return run.refuse('backend_error', detail=f'cache cannot make room: {exc}')
+        plan.kept = None if plan.slots is None else len(plan.slots)
+        plan.predicted = admission.predict_ms(plan.n_prefill, plan.length, plan.n_decode,
+                                              plan.kept)
+        available = run.ms_left()
+        run.record.predicted_ms, run.record.available_ms = plan.predicted, available
+        run.record.n_prefill = plan.n_prefill
+        if not admission.admit(plan.predicted, available):
+            if not admission.probe_instead(plan.n_prefill, plan.length, plan.n_decode,
+                                           plan.kept, available):
+                return run.refuse('deadline', plan.predicted, available=available)
+            run.record.probe = True
+        return plan
+
+    def _prefill(self, run, plan, parts):
+        """Evict as planned, then prefill the deferred tokens and the new segments; returns
+        (the mark to roll back to, the action segment)."""
+        run.record.evicted = self.session.apply_plan(plan.slots)
+        run.lap('evict_ms')
+        mark = self.session.mark()
+        segments = self.session.append_segments(list(parts))
+        run.lap('prefill_ms')
+        return mark, segments[-1]
+
+    def _decode_action(self, run, plan, segment, mark):
+        """Greedy decode under the grammar; returns (grammar state, chosen tokens), or an
+        ``overrun_abort`` refusal, rolled back, when the watchdog sees the deadline pass."""
+        grammar, record = self.grammar, run.record
+        state, chosen = grammar.start(), []
+        while True:
+            allowed = grammar.allowed(state)
+            token = int(allowed[0]) if len(allowed) == 1 else self.backend.argmax(allowed)
+            state = grammar.advance(state, token)
+            chosen.append(token)
+            if grammar.done(state):
+                return state, chosen
+            remaining = grammar.min_remaining(state)
+            if not self._can_finish(run, plan, remaining):
+                self.session.rollback(mark)
+                run.lap('decode_ms')
+                # what ran so far is evidence too: a slow prefill raises the scale
+                self.admission.observe(plan.n_prefill, plan.length, record.n_decode,
+                                       plan.kept, run.ms_since_admit(), record.probe,
+                                       in_time=False)
+                return run.refuse('overrun_abort', plan.predicted,
+                                  f'{remaining} decode steps left would pass the deadline')
+            self.session.decode(segment, token)
+            record.n_decode += 1
+
+    def _can_finish(self, run, plan, remaining):
+        """The watchdog: can decoding this token and choosing ``remaining`` more (the last of
+        them deferred) still end by the deadline, with the admission margin kept as a guard
+        band? A probe tick judges by what it has measured, not by the learned scale."""
+        admission = self.admission
+        scale = (admission.probe_scale(plan.n_prefill, plan.length, run.record.n_decode,
+                                       plan.kept, run.ms_since_admit())
+                 if run.record.probe else None)
+        step = admission.step_ms(self.session.length, scale)
+        return run.now() + (remaining * step + admission.margin_ms) / 1e3 <= run.deadline
+
+    def _commit(self, run, plan, parts, segment, mark, state, chosen):
+        """Teach admission what the tick cost; keep the tokens and return the action, or roll
+        back and refuse an action that finished after the deadline (never published)."""
+        record = run.record
+        run.lap('decode_ms')
+        in_time = run.now() <= run.deadline
+        self.admission.observe(plan.n_prefill, plan.length, record.n_decode, plan.kept,
+                               run.ms_since_admit(), record.probe, in_time=in_time)
+        if not in_time:
             record.late = True
             self.session.rollback(mark)
-            return refuse('overrun_abort', predicted, 'finished after the deadline')
-        self.session.defer(action_segment, [chosen[-1], *self.grammar.end_ids])
+            return run.refuse('overrun_abort', plan.predicted, 'finished after the deadline')
+        self.session.defer(segment, [chosen[-1], *self.grammar.end_ids])
         for ids, kind, topic, part_stamp in parts[:-1]:
             self.rendered[topic] = part_stamp
-        self.recent_decodes.append((index, record.n_decode))
+        self.recent_decodes.append((record.tick, record.n_decode))
         self.session.decay_scores()
         record.decision = 'action'
         record.cache_length = self.session.length
-        record.total_ms = (t4 - t0) * 1e3
+        record.total_ms = run.ms_since_start()
+        prefix = list(self.grammar.prefix_ids)
         action = self.grammar.action(state, prefix + chosen + list(self.grammar.end_ids))
         return TickResult(action, None, record)
+
+
+@dataclass
+class _Plan:
+    """What admission decided a tick would run: tokens to prefill (deferred ones included)
+    and decode steps over a cache of ``length``, and the eviction (``slots`` kept, or None)."""
+
+    n_prefill: int
+    n_decode: int
+    length: int
+    slots: Optional[object] = None
+    kept: Optional[int] = None
+    predicted: float = 0.0
+
+
+class _Run:
+    """One tick in progress: its record, clock readings and the way it refuses."""
+
+    def __init__(self, engine, stamp, deadline):
+        self.engine = engine
+        self.index = engine.index
+        engine.index += 1
+        engine.admission.new_tick()
+        self.record = TickRecord(self.index, stamp, deadline, capacity=engine.backend.capacity)
+        self.stamp, self.deadline = stamp, deadline
+        self.now = engine.clock.now
+        self.t0 = self.last = self.admitted = self.now()
+
+    def ms_left(self):
+        return (self.deadline - self.now()) * 1e3
+
+    def ms_since_start(self):
+        return (self.now() - self.t0) * 1e3
+
+    def ms_since_admit(self):
+        return (self.now() - self.admitted) * 1e3
+
+    def mark_rendered(self):
+        """Rendering is done: admission starts here, and so does the tick's model time."""
+        self.lap('render_ms')
+        self.admitted = self.last
+
+    def lap(self, field):
+        """Record the time since the last lap as ``field`` of the record."""
+        now = self.now()
+        setattr(self.record, field, (now - self.last) * 1e3)
+        self.last = now
+
+    def refuse(self, reason, predicted=0.0, detail='', available=None):
+        record = self.record
+        record.decision, record.reason = 'refusal', reason
+        # the time admission compared with, or what was left at the tick's start
+        record.available_ms = max(0.0, (self.deadline - self.t0) * 1e3 if available is None
+                                  else available)
+        record.predicted_ms = predicted
+        record.cache_length = self.engine.session.length
+        record.total_ms = self.ms_since_start()
+        return TickResult(None, Refusal(self.index, reason, predicted, record.available_ms,
+                                        self.stamp, self.deadline, detail), record)
+
+
+class ModelTimedBackend:
+    """A backend whose work advances a ``ModelClock`` by the cost model's prediction of it.
+
+    Under the model clock (replay, evaluation) time is what admission predicts: compaction,
+    prefill and decode each charge their scaled cost as they run, so the tick itself never
+    charges time. Everything else passes through to the wrapped backend.
+    """
+
+    def __init__(self, backend, clock, admission):
+        self._backend, self._clock, self._admission = backend, clock, admission
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def _charge(self, ms):
+        self._clock.charge(ms * self._admission.scale)
+
+    def compact(self, keep):
+        self._backend.compact(keep)
+        self._charge(self._admission.model.compact_ms(len(keep)))
+
+    def prefill(self, token_ids):
+        start = self._backend.length
+        self._backend.prefill(token_ids)
+        self._charge(self._admission.model.prefill_ms(self._backend.length - start, start))
+
+    def decode(self, token_id):
+        self._backend.decode(token_id)
+        self._charge(self._admission.model.decode_ms(self._backend.length))

@@ -72,10 +72,7 @@ class KVSession:
         ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
         if len(ids) == 0:
             return owners[len(owners) - len(parts):]
-        if len(ids) == 1:
-            self.backend.decode(int(ids[0]))
-        else:
-            self.backend.prefill(ids)
+        self.backend.prefill(ids)   # (a backend runs one token as a decode step)
         for segment, chunk in zip(owners, chunks):
             self.cache.extend(segment, chunk)
         self.cache.add_attention(self.backend.attention_mass())
