@@ -22,7 +22,7 @@ def model_files():
 
 setup(
     name=PACKAGE,
-    version='0.1.0',
+    version='0.2.0',
     packages=find_packages(include=[PACKAGE, PACKAGE + '.*']),
     package_data={PACKAGE: model_files()},
     data_files=[

@@ -30,7 +30,6 @@ from rcl_interfaces.msg import SetParametersResult
 from rclpy.duration import Duration
 from rclpy.lifecycle import LifecycleNode
 from rclpy.lifecycle import TransitionCallbackReturn
-from rclpy.qos import DurabilityPolicy
 from rclpy.qos import qos_profile_sensor_data
 from rclpy.qos import QoSProfile
 from rclpy.qos import ReliabilityPolicy
@@ -48,10 +47,12 @@ except ImportError:  # Humble
 
 from rt_llm_node.codec import action_message
 from rt_llm_node.codec import fallback_values
+from rt_llm_node.codec import refusal_values
 from rt_llm_node.configure import configure_engine
 from rt_llm_node.engine import InputBuffer
 from rt_llm_node.params import PARAMETERS
 from rt_llm_node.params import validate
+from rt_llm_node.qos import INSTRUCTION_QOS
 from rt_llm_node.spin import spin_until_shutdown
 
 MESSAGE_CLASSES = {
@@ -63,8 +64,6 @@ MESSAGE_CLASSES = {
     'std_msgs/msg/String': String,
     'trajectory_msgs/msg/JointTrajectory': JointTrajectory,
 }
-INSTRUCTION_QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE,
-                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
 
 
 def _descriptor(p):
@@ -355,17 +354,11 @@ class RtLlmNode(LifecycleNode):
         status = DiagnosticStatus(level=DiagnosticStatus.WARN,
                                   name=self.get_fully_qualified_name(), message=r.reason,
                                   hardware_id='rt_llm_node')
-        status.values = [KeyValue(key='tick', value=str(r.tick)),
-                         KeyValue(key='reason', value=r.reason),
-                         KeyValue(key='predicted_ms', value=f'{r.predicted_ms:.3f}'),
-                         KeyValue(key='available_ms', value=f'{r.available_ms:.3f}'),
-                         KeyValue(key='deadline_stamp',
-                                  value=str(deadline_ros.nanoseconds)),
-                         KeyValue(key='detail', value=r.detail[:200])]
+        published = self.get_clock().now().nanoseconds
+        status.values = [KeyValue(key=key, value=value) for key, value in
+                         refusal_values(r, deadline_ros.nanoseconds, published)]
         array = DiagnosticArray(status=[status])
         array.header.stamp = stamp
-        status.values.append(KeyValue(key='published_stamp',
-                                      value=str(self.get_clock().now().nanoseconds)))
         self._refusal_pub.publish(array)
         self._publish_fallback()
 

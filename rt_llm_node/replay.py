@@ -33,12 +33,19 @@ from types import SimpleNamespace
 import numpy as np
 
 from rt_llm_node.admission import CostModel
+from rt_llm_node.bags import _stamp
+from rt_llm_node.bags import BagError
+from rt_llm_node.bags import input_connections
+from rt_llm_node.bags import open_bag
+from rt_llm_node.bags import to_store_message
 from rt_llm_node.codec import action_message
 from rt_llm_node.codec import fallback_values
-from rt_llm_node.codec import normalize_type
+from rt_llm_node.codec import refusal_values
 from rt_llm_node.engine import ModelClock
 from rt_llm_node.engine import WallClock
 from rt_llm_node.params import PARAMETERS
+from rt_llm_node.player import live
+from rt_llm_node.timeline import TimelinePlotter
 
 EXIT_DIFFERENT = 1
 EXIT_ERROR = 2
@@ -46,7 +53,7 @@ REFUSAL_TOPIC = '/rt_llm_node/refusal'
 RECORD_TOPIC = '/rt_llm_node/tick_record'
 
 
-class ReplayError(RuntimeError):
+class ReplayError(BagError):
     """A bag, parameter file or golden output that cannot be replayed (the message says why)."""
 
 
@@ -86,127 +93,10 @@ def parse_remaps(items):
     return remaps
 
 
-# -- rosbags message conversion ----------------------------------------------------------
-def _base_value(value, kind):
-    if kind == 'string':
-        return '' if value is None else str(value)
-    if kind == 'bool':
-        return bool(value)
-    if kind in ('float32', 'float64'):
-        return 0.0 if value is None else float(value)
-    return 0 if value is None else int(value)
-
-
-def to_store_message(obj, msgtype, store):
-    """A rosbags message of ``msgtype`` with the fields of ``obj`` (any object, by name)."""
-    from rosbags.typesys.base import Nodetype
-    _, fields = store.fielddefs[msgtype]
-    kwargs = {}
-    for name, (node, spec) in fields:
-        value = getattr(obj, name, None)
-        if node == Nodetype.BASE:
-            kwargs[name] = _base_value(value, spec[0])
-        elif node == Nodetype.NAME:
-            kwargs[name] = to_store_message(value if value is not None else SimpleNamespace(),
-                                            spec, store)
-        else:  # ARRAY (fixed length) or SEQUENCE: ((node, spec), length)
-            (inner, inner_spec), length = spec
-            items = list(value) if value is not None else []
-            if node == Nodetype.ARRAY and not items:
-                items = [0] * length if inner == Nodetype.BASE else [SimpleNamespace()] * length
-            if inner == Nodetype.BASE and inner_spec[0] != 'string':
-                dtype = {'float32': np.float32, 'float64': np.float64, 'bool': np.bool_,
-                         'int8': np.int8, 'uint8': np.uint8, 'int16': np.int16,
-                         'uint16': np.uint16, 'int32': np.int32, 'uint32': np.uint32,
-                         'int64': np.int64, 'uint64': np.uint64}.get(inner_spec[0], np.float64)
-                kwargs[name] = np.asarray(items, dtype=dtype)
-            elif inner == Nodetype.BASE:
-                kwargs[name] = [str(v) for v in items]
-            else:
-                kwargs[name] = [to_store_message(v, inner_spec, store) for v in items]
-    return store.types[msgtype](**kwargs)
-
-
-def _stamp(ns):
-    return SimpleNamespace(sec=int(ns // 1_000_000_000), nanosec=int(ns % 1_000_000_000))
-
-
 def action_namespace(action, action_type, period_s):
     """The action message as plain fields (the node builds the same with rclpy classes)."""
     return action_message(action, action_type, period_s,
                           lambda name, **fields: SimpleNamespace(**fields))
-
-
-# -- reading the bag ---------------------------------------------------------------------
-def open_bag(path):
-    """An opened rosbags Reader (MCAP or sqlite3 storage); ReplayError when unreadable."""
-    from rosbags.rosbag2 import Reader
-    path = Path(path)
-    if not path.exists():
-        raise ReplayError(f'{path}: no such bag')
-    try:
-        reader = Reader(path)
-        reader.open()
-    except Exception as exc:  # rosbags raises ReaderError and storage-specific errors
-        raise ReplayError(f'{path}: not a readable rosbag2 ({type(exc).__name__}: {exc})'
-                          ) from None
-    return reader
-
-
-def input_connections(reader, values, remaps, store, warn):
-    """{node topic: connection} for the configured inputs; errors for missing required ones."""
-    by_topic = {}
-    for connection in reader.connections:
-        by_topic.setdefault(connection.topic, connection)
-    chosen, problems = {}, []
-    for i, topic in enumerate(values['input_topics']):
-        bag_topic = remaps.get(topic, topic)
-        want = normalize_type(values['input_types'][i])
-        connection = by_topic.get(bag_topic)
-        if connection is None:
-            problems.append(f'{bag_topic} (for input {topic}) is not in the bag')
-            continue
-        if connection.msgtype != want:
-            problems.append(f'{bag_topic} has type {connection.msgtype}, the parameters '
-                            f'expect {want}')
-            continue
-        if connection.msgtype not in store.types and not register_definition(
-                connection, store, warn):
-            problems.append(f'{bag_topic}: message type {connection.msgtype} is unknown '
-                            'and the bag carries no usable definition')
-            continue
-        chosen[topic] = connection
-    if problems:
-        raise ReplayError('the bag does not provide the configured inputs: '
-                          + '; '.join(problems))
-    inputs = {c.topic for c in chosen.values()}
-    for connection in reader.connections:
-        if connection.topic not in inputs and connection.msgtype not in store.types and \
-                not register_definition(connection, store, warn):
-            warn(f'skipping {connection.topic}: unknown message type '
-                 f'{connection.msgtype} and no definition in the bag')
-    return chosen
-
-
-def register_definition(connection, store, warn):
-    """Teach ``store`` a type from the definition the bag carries (MCAP does); True if done."""
-    from rosbags.typesys import get_types_from_idl
-    from rosbags.typesys import get_types_from_msg
-    msgdef = getattr(connection, 'msgdef', None)
-    text = getattr(msgdef, 'data', msgdef) if msgdef is not None else None
-    if not text:
-        return False
-    fmt = str(getattr(msgdef, 'format', 'msg')).lower()
-    try:
-        types = (get_types_from_idl(text) if 'idl' in fmt
-                 else get_types_from_msg(text, connection.msgtype))
-        store.register(types)
-    except Exception as exc:  # a definition rosbags cannot parse
-        warn(f'{connection.topic}: cannot use the definition of {connection.msgtype} in the '
-             f'bag ({exc})')
-        return False
-    warn(f'{connection.topic}: {connection.msgtype} registered from the bag (its definition)')
-    return True
 
 
 # -- the replay ----------------------------------------------------------------------------
@@ -358,11 +248,7 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
 def refusal_message(refusal, tick_ns, done_ns, period, store):
     """The ~/refusal DiagnosticArray the node publishes, as a rosbags message."""
     deadline_ns = tick_ns + int(round(period * 1e9))   # the end of the tick's period
-    keys = [('tick', str(refusal.tick)), ('reason', refusal.reason),
-            ('predicted_ms', f'{refusal.predicted_ms:.3f}'),
-            ('available_ms', f'{refusal.available_ms:.3f}'),
-            ('deadline_stamp', str(deadline_ns)), ('detail', refusal.detail[:200]),
-            ('published_stamp', str(done_ns))]
+    keys = refusal_values(refusal, deadline_ns, done_ns)
     status = SimpleNamespace(level=1, name='/rt_llm_node', message=refusal.reason,
                              hardware_id='rt_llm_node',
                              values=[SimpleNamespace(key=k, value=v) for k, v in keys])
@@ -390,92 +276,6 @@ def summarize(records, bag_seconds, wall_s, clock_mode):
         'wall_seconds': round(wall_s, 3),
         'speed_x_realtime': round(bag_seconds / max(wall_s, 1e-9), 2),
     }
-
-
-class TimelinePlotter:
-    """Draws timeline.png in a child process started before the replay's first tick.
-
-    Importing matplotlib and drawing take about 1 s, a fifth of a 60 s bag's whole replay on
-    2 cores with the shipped policy; in a child process started first they run on another
-    core while the engine ticks, and the child then only waits for the records. Tick
-    latency against the deadline, refusals by reason, cache occupancy.
-    """
-
-    NO_MATPLOTLIB = 3   # the child's exit status when matplotlib cannot be imported
-
-    def __init__(self):
-        import os
-        import subprocess
-        # this package where the parent found it, installed or not
-        package_root = str(Path(__file__).resolve().parents[1])
-        path = os.environ.get('PYTHONPATH')
-        env = dict(os.environ, PYTHONPATH=package_root + (os.pathsep + path if path else ''))
-        self._proc = subprocess.Popen(
-            [sys.executable, '-c', 'from rt_llm_node.replay import TimelinePlotter; '
-             'TimelinePlotter.child()'],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-
-    def draw(self, records, period_ms, margin_ms, path, warn):
-        """Send the records, wait for the PNG; a failure is a warning, never an error."""
-        job = {'path': str(path), 'period_ms': period_ms, 'margin_ms': margin_ms,
-               'stamp': [r.stamp for r in records], 'total_ms': [r.total_ms for r in records],
-               'predicted_ms': [r.predicted_ms for r in records],
-               'refusal': [r.reason if r.decision == 'refusal' else None for r in records],
-               'cache_length': [r.cache_length for r in records]}
-        try:
-            _, err = self._proc.communicate(json.dumps(job).encode(), timeout=120)
-        except Exception as exc:   # a child that hangs or died: the replay's outputs stand
-            self.close()
-            warn(f'timeline.png not drawn ({exc})')
-            return
-        if self._proc.returncode == self.NO_MATPLOTLIB:
-            warn('matplotlib is not installed: no timeline.png')
-        elif self._proc.returncode:
-            tail = err.decode(errors='replace').strip().splitlines()[-1:] or ['no message']
-            warn(f'timeline.png not drawn: {tail[0]}')
-
-    def close(self):
-        """Stop a child that has not finished (never given records, or hung) and reap it."""
-        if self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-
-    @classmethod
-    def child(cls):
-        """The child process: import matplotlib now, then draw what stdin brings."""
-        try:
-            from matplotlib.figure import Figure
-        except ImportError:
-            sys.stdin.read()
-            sys.exit(cls.NO_MATPLOTLIB)
-        text = sys.stdin.read()
-        if not text:          # the parent closed without a job
-            return
-        job = json.loads(text)
-        if not job['stamp']:
-            return
-        t = np.array(job['stamp'])
-        t = t - t[0]
-        period_ms = job['period_ms']
-        fig = Figure(figsize=(11, 6))
-        ax, ax2 = fig.subplots(2, 1, sharex=True, gridspec_kw={'height_ratios': [3, 1]})
-        ax.plot(t, job['total_ms'], lw=0.8, label='tick latency (ms)')
-        ax.plot(t, job['predicted_ms'], lw=0.6, alpha=0.7, label='predicted (ms)')
-        ax.axhline(period_ms, color='red', ls='--', lw=1, label='tick deadline')
-        ax.axhline(period_ms - job['margin_ms'], color='orange', ls=':', lw=1,
-                   label='engine budget (deadline - margin)')
-        reasons = sorted({r for r in job['refusal'] if r is not None})
-        for i, reason in enumerate(reasons):
-            xs = [tt for tt, r in zip(t, job['refusal']) if r == reason]
-            ax.scatter(xs, [period_ms * (1.05 + 0.05 * i)] * len(xs), s=8, marker='|',
-                       label=f'refusal: {reason}')
-        ax.set_ylabel('ms')
-        ax.legend(loc='upper right', fontsize=7)
-        ax2.plot(t, job['cache_length'], lw=0.8, color='tab:green')
-        ax2.set_ylabel('cache tokens')
-        ax2.set_xlabel('bag time (s)')
-        fig.tight_layout()
-        fig.savefig(job['path'], dpi=90)
 
 
 # -- comparing with a golden output ------------------------------------------------------------
@@ -551,116 +351,14 @@ def choose_cost_model(args, values):
 
 
 def read_cost_model(path):
-    """A CostModel from a cost_model.json (as replay writes it)."""
+    """A CostModel from a cost_model.json (as replay and the node write it)."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding='utf-8'))
-        return CostModel(prefill=tuple(data['prefill']), decode=tuple(data['decode']),
-                         compact=tuple(data['compact']))
+        return CostModel.from_json(path.read_text(encoding='utf-8'))
     except OSError as exc:
         raise ReplayError(f'cannot read {path}: {exc}') from None
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ReplayError(f'{path}: not a cost model ({exc})') from None
-
-
-# -- live mode ---------------------------------------------------------------------------------
-def recorded_qos(connection):
-    """{'reliable', 'transient_local', 'depth'} a player should offer for ``connection``,
-    from the QoS its publishers offered when the bag was recorded; None if none recorded.
-
-    As ``ros2 bag play`` does: reliable only if every recorded publisher was, transient
-    local only if every one was (a best-effort or volatile publisher among them could not
-    have served a subscriber that needs more), the deepest history of them.
-    """
-    from rosbags.rosbag2.metadata import QosDurability
-    from rosbags.rosbag2.metadata import QosHistory
-    from rosbags.rosbag2.metadata import QosReliability
-    ext = getattr(connection, 'ext', None)
-    profiles = list(getattr(ext, 'offered_qos_profiles', None) or ())
-    if not profiles:
-        return None
-    # a keep-all publisher recorded depth 0: give the player a deep queue instead
-    keep_all = any(p.history == QosHistory.KEEP_ALL for p in profiles)
-    return {'reliable': all(p.reliability == QosReliability.RELIABLE for p in profiles),
-            'transient_local': all(p.durability == QosDurability.TRANSIENT_LOCAL
-                                   for p in profiles),
-            'depth': 1000 if keep_all else max(1, max(int(p.depth) for p in profiles))}
-
-
-def live(bag, remaps=None, publish_clock=False, rate=1.0, delay=1.0, log=print, warn=None):
-    """Publish the bag's messages on their topics with the bag's timing (real rclpy)."""
-    import importlib
-    import rclpy
-    from rclpy.qos import DurabilityPolicy
-    from rclpy.qos import qos_profile_sensor_data
-    from rclpy.qos import QoSProfile
-    from rclpy.qos import ReliabilityPolicy
-    from rclpy.serialization import deserialize_message
-    from rt_llm_node.node import INSTRUCTION_QOS
-    warn = warn or (lambda text: print(f'rt-llm-replay: warning: {text}', file=sys.stderr))
-    reader = open_bag(bag)
-    inverse = {bag_topic: node_topic for node_topic, bag_topic in (remaps or {}).items()}
-    rclpy.init()
-    node = rclpy.create_node('rt_llm_replay')
-    try:
-        publishers, classes = {}, {}
-        for connection in reader.connections:
-            package, _, name = connection.msgtype.split('/')
-            try:
-                cls = getattr(importlib.import_module(f'{package}.msg'), name)
-            except (ImportError, AttributeError):
-                warn(f'skipping {connection.topic}: {connection.msgtype} is not importable here')
-                continue
-            recorded = recorded_qos(connection)
-            if recorded is not None:   # what the robot's publishers offered
-                qos = QoSProfile(
-                    depth=recorded['depth'],
-                    reliability=(ReliabilityPolicy.RELIABLE if recorded['reliable']
-                                 else ReliabilityPolicy.BEST_EFFORT),
-                    durability=(DurabilityPolicy.TRANSIENT_LOCAL if recorded['transient_local']
-                                else DurabilityPolicy.VOLATILE))
-            else:
-                # a bag without recorded QoS: sensor QoS for sensor data, the rest (an
-                # instruction) reliable and transient local, as the node subscribes it (a
-                # volatile publisher would not match that subscription)
-                sensor = (package == 'sensor_msgs'
-                          or connection.topic in ('/odom', '/detections'))
-                qos = qos_profile_sensor_data if sensor else INSTRUCTION_QOS
-                warn(f'{connection.topic}: no QoS recorded in the bag; publishing '
-                     f"{'best effort (sensor data)' if sensor else 'reliable, transient local'}")
-            topic = inverse.get(connection.topic, connection.topic)
-            publishers[connection.id] = node.create_publisher(cls, topic, qos)
-            classes[connection.id] = cls
-        clock_pub = None
-        if publish_clock:
-            from rosgraph_msgs.msg import Clock
-            clock_pub = node.create_publisher(Clock, '/clock', 10)
-        ready = time.monotonic() + delay   # let DDS discovery match the subscribers first
-        while time.monotonic() < ready:
-            rclpy.spin_once(node, timeout_sec=0.05)
-        t0_bag, t0_wall = reader.start_time, time.monotonic()
-        count = 0
-        for connection, stamp_ns, raw in reader.messages():
-            if connection.id not in publishers:
-                continue
-            due = t0_wall + (stamp_ns - t0_bag) / 1e9 / rate
-            while True:
-                left = due - time.monotonic()
-                if left <= 0:
-                    break
-                rclpy.spin_once(node, timeout_sec=min(left, 0.01))
-            if clock_pub is not None:
-                clock_msg = Clock()
-                clock_msg.clock.sec, clock_msg.clock.nanosec = divmod(stamp_ns, 1_000_000_000)
-                clock_pub.publish(clock_msg)
-            publishers[connection.id].publish(deserialize_message(raw, classes[connection.id]))
-            count += 1
-        log(f'published {count} messages over {(reader.end_time - t0_bag) / 1e9 / rate:.1f} s')
-        return count
-    finally:
-        reader.close()
-        node.destroy_node()
-        rclpy.try_shutdown()
+    except ValueError as exc:
+        raise ReplayError(f'{path}: {exc}') from None
 
 
 # -- the command line ----------------------------------------------------------------------------
@@ -708,7 +406,7 @@ def main(argv=None):
                 return EXIT_DIFFERENT
             print(f'same decisions as {args.expect}')
         return 0
-    except ReplayError as exc:
+    except BagError as exc:   # ReplayError included
         print(f'rt-llm-replay: error: {exc}', file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:

@@ -138,8 +138,8 @@ def test_publishes_actions_at_the_rate(rig, tmp_path):
     cost_file = tmp_path / 'robot_cost_model.json'
     node = make(rate_hz=10.0, deadline_margin_ms=5.0, cost_model_path=str(cost_file))
     start(node)
-    from rt_llm_node.replay import read_cost_model
-    cost = read_cost_model(cost_file)   # the node's calibration, as replay reads it
+    from rt_llm_node.admission import CostModel
+    cost = CostModel.from_json(cost_file.read_text())   # the node's calibration
     assert cost.decode[0] > 0 and cost.prefill_ms(48, 100) > cost.decode_ms(100)
     time.sleep(4.0)
     transition(node, 'deactivate')

@@ -18,8 +18,8 @@ from rosbags.typesys import get_typestore  # noqa: E402
 from rosbags.typesys import Stores  # noqa: E402
 
 from rt_llm_node.demo.recorder import record_demo_bag  # noqa: E402
+from rt_llm_node.player import recorded_qos  # noqa: E402
 from rt_llm_node.replay import main  # noqa: E402
-from rt_llm_node.replay import recorded_qos  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_PARAMS = str(ROOT / 'config' / 'demo.yaml')
@@ -250,7 +250,7 @@ def test_live_mode_publishes_to_a_real_subscriber(bags, qos, tmp_path):
                              lambda m: got.__setitem__('scan', got['scan'] + 1), scan_qos)
     # the node's own QoS for an instruction (reliable, transient local): a volatile
     # publisher would not match it
-    from rt_llm_node.node import INSTRUCTION_QOS
+    from rt_llm_node.qos import INSTRUCTION_QOS
     node.create_subscription(String, '/instruction',
                              lambda m: got['instruction'].append(m.data), INSTRUCTION_QOS)
     executor = rclpy.executors.SingleThreadedExecutor(context=context)
@@ -301,7 +301,7 @@ def test_wall_clock_replay_draws_its_timeline_too(bags, tmp_path, capsys):
 def test_a_timeline_that_cannot_be_written_is_a_warning_not_a_failure(tmp_path):
     """The plotter child fails for real (its folder is gone); the parent warns and goes on."""
     from types import SimpleNamespace
-    from rt_llm_node.replay import TimelinePlotter
+    from rt_llm_node.timeline import TimelinePlotter
     records = [SimpleNamespace(stamp=i / 30, total_ms=2.0, predicted_ms=3.0,
                                decision='refusal' if i == 3 else 'action',
                                reason='deadline' if i == 3 else '', cache_length=10 + i)

@@ -59,7 +59,7 @@ def record_demo_bag(path, seconds=10.0, seed=1_000_000, storage='mcap'):
     from rosbags.rosbag2 import Writer
     from rosbags.typesys import get_typestore
     from rosbags.typesys import Stores
-    from rt_llm_node.replay import to_store_message
+    from rt_llm_node.bags import to_store_message
     path = Path(path)
     if path.exists():
         shutil.rmtree(path)

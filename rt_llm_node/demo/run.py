@@ -24,8 +24,8 @@ from rclpy.parameter import Parameter
 from std_msgs.msg import String
 import yaml
 
-from rt_llm_node.node import INSTRUCTION_QOS
 from rt_llm_node.node import RtLlmNode
+from rt_llm_node.qos import INSTRUCTION_QOS
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,7 +19,7 @@ from std_msgs.msg import String
 
 from rt_llm_node.demo.messages import MessageFactory
 from rt_llm_node.demo.world import DemoWorld
-from rt_llm_node.node import INSTRUCTION_QOS
+from rt_llm_node.qos import INSTRUCTION_QOS
 from rt_llm_node.spin import spin_until_shutdown
 
 
