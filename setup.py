@@ -15,7 +15,7 @@ ROS_WHEELS = [
 
 
 def model_files():
-    """The embedded demo model, shipped as package data when present."""
+    """Return the embedded demo model, shipped as package data when present."""
     root = os.path.join(PACKAGE, 'demo', 'model')
     return [os.path.relpath(p, PACKAGE) for p in glob(os.path.join(root, '*'))]
 
@@ -41,6 +41,7 @@ setup(
         'demo': ['matplotlib'],
         'replay': ['rosbags>=0.10'],
         'test': ['pytest', 'transformers', 'rosbags>=0.10', 'matplotlib', 'flake8>=6', 'pyyaml',
+                 'flake8-docstrings', 'hypothesis',
                  'flake8-quotes', 'flake8-import-order', 'flake8-builtins',
                  'flake8-comprehensions', 'cupy-cuda13x', 'nvidia-cuda-nvrtc'],
     },

@@ -85,8 +85,11 @@ def time_graph(backend, length, repeats, call):
 
 
 def time_decode_replay(backend, length, repeats):
-    """GPU ms of the decode graph's replay alone, per repeat: the run state is written and
-    synchronized before the timed span (also used by dev/cuda's profiling scripts)."""
+    """GPU ms of the decode graph's replay alone, per repeat.
+
+    The run state is written and synchronized before the timed span (also used by dev/cuda's
+    profiling scripts).
+    """
     import cupy as cp
     start, stop = cp.cuda.Event(), cp.cuda.Event()
     out = []

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def option(argv, name, default):
-    """The value of ``--name`` in argv (rt-llm-eval's flags), or ``default``."""
+    """Return the value of ``--name`` in argv (rt-llm-eval's flags), or ``default``."""
     if name in argv:
         return argv[argv.index(name) + 1]
     return default

@@ -60,9 +60,12 @@ def measure(shape, decode_steps):
 
 
 def engine_ticks(checkpoint, inputs, ticks=900, capacity=256, aim=False):
-    """Wall-clock ms of each engine tick (numpy, always admitted) of ``checkpoint`` driving
-    the demo world with ``inputs`` (``aim``: its actions state the '_aim' plan field
-    first), the first 30 dropped; and the mean prefill tokens a tick."""
+    """Time the engine ticks of a checkpoint driving the demo world.
+
+    Wall-clock ms of each engine tick (numpy, always admitted) of ``checkpoint`` driving the demo
+    world with ``inputs`` (``aim``: its actions state the '_aim' plan field first), the first 30
+    dropped; and the mean prefill tokens a tick.
+    """
     from rt_llm_node.admission import Admission
     from rt_llm_node.admission import CostModel
     from rt_llm_node.demo.messages import MessageFactory

@@ -31,8 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def demo_params(backend, folder):
-    """config/demo.yaml with ``backend`` pinned (its own ``auto`` picks CUDA on a GPU host,
-    and this benchmark measures the backend it names)."""
+    """Return config/demo.yaml with ``backend`` pinned.
+
+    config/demo.yaml with ``backend`` pinned (its own ``auto`` picks CUDA on a GPU host, and this
+    benchmark measures the backend it names).
+    """
     text = (ROOT / 'config' / 'demo.yaml').read_text()
     pinned = re.sub(r'^(\s*backend:\s*)\S+', rf'\g<1>{backend}', text, count=1, flags=re.M)
     if pinned == text and f'backend: {backend}' not in text:
@@ -43,8 +46,11 @@ def demo_params(backend, folder):
 
 
 def replay_process(bag, out, threads, params):
-    """Replay ``bag`` in a fresh process with ``threads`` BLAS threads; its summary and the
-    process's whole wall time (start, imports, model load and configure included)."""
+    """Replay ``bag`` in a fresh process with ``threads`` BLAS threads.
+
+    Its summary and the process's whole wall time (start, imports, model load and configure
+    included).
+    """
     env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
     command = [sys.executable, '-c', 'import sys; from rt_llm_node.replay import main; '
                'sys.exit(main())', str(bag), '--params', str(params),

@@ -1,6 +1,6 @@
 """The demo: the demo world and rt_llm_node (demo profile), autostarted.
 
-    ros2 launch rt_llm_node demo.launch.py
+Usage: ``ros2 launch rt_llm_node demo.launch.py``.
 """
 
 import os

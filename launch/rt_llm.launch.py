@@ -1,6 +1,7 @@
 """Launch rt_llm_node as a managed lifecycle node, optionally configured and activated.
 
-    ros2 launch rt_llm_node rt_llm.launch.py params_file:=/path/params.yaml autostart:=true
+Usage: ``ros2 launch rt_llm_node rt_llm.launch.py params_file:=/path/params.yaml
+autostart:=true``.
 """
 
 import os

@@ -1,4 +1,4 @@
-"""Admission control: will prefill plus decode finish before the tick's deadline?
+"""Admission control: predict whether prefill plus decode finish before the tick's deadline.
 
 A linear cost model is calibrated on the real backend at configure, over a grid
 of prefill lengths, cache lengths and decode steps:
@@ -49,13 +49,13 @@ class CostModel:
     compact: tuple = (0.0, 0.0)        # c0, c1 (per kept token)
 
     def to_json(self):
-        """The coefficients as JSON text (what rt-llm-replay --cost-model reads)."""
+        """Return the coefficients as JSON text (what rt-llm-replay --cost-model reads)."""
         return json.dumps({'prefill': list(self.prefill), 'decode': list(self.decode),
                            'compact': list(self.compact)}, indent=2) + '\n'
 
     @classmethod
     def from_json(cls, text):
-        """The CostModel that ``to_json`` wrote; ValueError naming what is wrong."""
+        """Return the CostModel that ``to_json`` wrote; ValueError naming what is wrong."""
         try:
             data = json.loads(text)
             model = cls(prefill=tuple(float(v) for v in data['prefill']),
@@ -206,8 +206,11 @@ class Admission:
         self.backoff = 1               # the next probe waits probe_ticks * backoff refusals
 
     def _rescale(self):
-        """The ``quantile`` of the last ``window`` ticks' measured/model ratios (the nearest
-        ratio at or above it: with few ratios, the worst), at least the floor."""
+        """Recompute the scale from the window's ratios.
+
+        The ``quantile`` of the last ``window`` ticks' measured/model ratios (the nearest ratio at
+        or above it: with few ratios, the worst), at least the floor.
+        """
         if not self.ratios:
             self.scale = self.floor
             return
@@ -229,17 +232,21 @@ class Admission:
         return raw * self.scale + self.margin_ms
 
     def step_ms(self, cache_length, scale=None):
-        """Pessimistic prediction of one decode step (for the watchdog), margin excluded;
-        ``scale``: instead of the learned one (``probe_scale`` in a probe tick)."""
+        """Pessimistic prediction of one decode step (for the watchdog), margin excluded.
+
+        ``scale``: instead of the learned one (``probe_scale`` in a probe tick).
+        """
         return self.model.decode_ms(cache_length) * (self.scale if scale is None else scale)
 
     def admit(self, predicted_ms, available_ms):
         return predicted_ms <= available_ms
 
     def probe_instead(self, n_prefill, cache_length, n_decode, kept, available_ms):
-        """For a tick ``admit`` refused: True when it should run as a probe instead (enough
-        deadline refusals in a row, and it would fit were the model 1 / min_scale times
-        too pessimistic); else it counts as one more deadline refusal."""
+        """Whether a tick ``admit`` refused should run as a probe instead.
+
+        True after enough deadline refusals in a row, if it would fit were the model
+        1 / min_scale times too pessimistic; else it counts as one more deadline refusal.
+        """
         if self.probe_ticks and self.refused_in_a_row >= self.probe_ticks * self.backoff:
             raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept)
             if raw * self.min_scale + self.margin_ms <= available_ms:
@@ -248,16 +255,21 @@ class Admission:
         return False
 
     def probe_scale(self, n_prefill, cache_length, n_decode, kept, elapsed_ms):
-        """The watchdog's scale in a probe tick: what the tick has measured so far against
-        the model (the learned scale is what the probe doubts), min_scale at the least."""
+        """Return the watchdog's scale in a probe tick.
+
+        What the tick has measured so far against the model (the learned scale is what the probe
+        doubts), min_scale at the least.
+        """
         raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept)
         return max(self.min_scale, elapsed_ms / raw if raw > 0 else 1.0)
 
     def observe(self, n_prefill, cache_length, n_decode, kept, measured_ms, probe=False,
                 in_time=True):
-        """Learn from one admitted tick's measured model time; a ``probe`` that finished
-        ``in_time`` lowers the floor to what it measured (min_scale at the least), one
-        that did not doubles the wait for the next."""
+        """Learn from one admitted tick's measured model time.
+
+        A ``probe`` that finished ``in_time`` lowers the floor to what it measured (min_scale at
+        the least), one that did not doubles the wait for the next.
+        """
         raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept)
         ratio = measured_ms / raw if raw > 0 and np.isfinite(measured_ms) else None
         self.refused_in_a_row = 0

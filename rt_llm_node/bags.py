@@ -1,6 +1,9 @@
-"""rosbag2 files through ``rosbags`` (no ROS install): open a bag, pick the node's input
-connections, register message definitions a bag carries, and build rosbags messages from
-any object with the right field names (what replay and the demo recorder write)."""
+"""rosbag2 files through ``rosbags`` (no ROS install).
+
+Open a bag, pick the node's input connections, register message definitions a bag carries, and
+build rosbags messages from any object with the right field names (what replay and the demo
+recorder write).
+"""
 
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,7 +28,7 @@ def _base_value(value, kind):
 
 
 def to_store_message(obj, msgtype, store):
-    """A rosbags message of ``msgtype`` with the fields of ``obj`` (any object, by name)."""
+    """Return a rosbags message of ``msgtype`` with the fields of ``obj`` (any object, by name)."""
     from rosbags.typesys.base import Nodetype
     _, fields = store.fielddefs[msgtype]
     kwargs = {}
@@ -59,7 +62,7 @@ def _stamp(ns):
 
 
 def open_bag(path):
-    """An opened rosbags Reader (MCAP or sqlite3 storage); BagError when unreadable."""
+    """Return an opened rosbags Reader (MCAP or sqlite3 storage); BagError when unreadable."""
     from rosbags.rosbag2 import Reader
     path = Path(path)
     if not path.exists():

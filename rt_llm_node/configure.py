@@ -24,7 +24,7 @@ class ConfigurationError(ValueError):
 
 
 def input_specs(values):
-    """InputSpec per configured input topic."""
+    """Build an InputSpec per configured input topic."""
     specs = []
     for i, topic in enumerate(values['input_topics']):
         options = {'sectors': values['scan_sectors']} if values['input_types'][i].endswith(
@@ -38,7 +38,7 @@ def input_specs(values):
 
 
 def action_grammar(values, tokenizer):
-    """The action grammar the parameters describe."""
+    """Return the action grammar the parameters describe."""
     kind = values['action_type']
     if kind == 'geometry_msgs/msg/Twist':
         fields = [{'name': n, 'key': k, 'min': lo, 'max': hi, 'step': st}

@@ -116,7 +116,7 @@ class InputBuffer:
             self._latest[topic] = (msg, float(received))
 
     def snapshot(self):
-        """A copy of {topic: (msg, received)} taken at one instant."""
+        """Return a copy of {topic: (msg, received)} taken at one instant."""
         with self._lock:
             return dict(self._latest)
 
@@ -126,7 +126,7 @@ class InputBuffer:
 
 
 class TickEngine:
-    """Runs ticks against one backend, tokenizer, set of inputs and action grammar."""
+    """Run ticks against one backend, tokenizer, set of inputs and action grammar."""
 
     def __init__(self, backend, tokenizer, inputs, grammar, admission, policy='meaning',
                  system_prompt='', decay=0.9, clock=None):
@@ -238,7 +238,7 @@ class TickEngine:
         return None
 
     def _render(self, snapshot, stamp):
-        """The tick's new segments, ending with the action prefix the decode continues."""
+        """Return the tick's new segments, ending with the action prefix the decode continues."""
         parts = self.render(snapshot)
         parts.append((list(self.grammar.prefix_ids), ACTION, '', stamp))
         return parts
@@ -268,8 +268,10 @@ class TickEngine:
         return plan
 
     def _prefill(self, run, plan, parts):
-        """Evict as planned, then prefill the deferred tokens and the new segments; returns
-        (the mark to roll back to, the action segment)."""
+        """Evict as planned, then prefill the deferred tokens and the new segments.
+
+        Returns (the mark to roll back to, the action segment).
+        """
         run.record.evicted = self.session.apply_plan(plan.slots)
         run.lap('evict_ms')
         mark = self.session.mark()
@@ -278,8 +280,11 @@ class TickEngine:
         return mark, segments[-1]
 
     def _decode_action(self, run, plan, segment, mark):
-        """Greedy decode under the grammar; returns (grammar state, chosen tokens), or an
-        ``overrun_abort`` refusal, rolled back, when the watchdog sees the deadline pass."""
+        """Greedy decode under the grammar.
+
+        Returns (grammar state, chosen tokens), or an ``overrun_abort`` refusal, rolled back, when
+        the watchdog sees the deadline pass.
+        """
         grammar, record = self.grammar, run.record
         state, chosen = grammar.start(), []
         while True:
@@ -303,9 +308,12 @@ class TickEngine:
             record.n_decode += 1
 
     def _can_finish(self, run, plan, remaining):
-        """The watchdog: can decoding this token and choosing ``remaining`` more (the last of
-        them deferred) still end by the deadline, with the admission margin kept as a guard
-        band? A probe tick judges by what it has measured, not by the learned scale."""
+        """Tell whether the action can still finish by the deadline (the watchdog).
+
+        The watchdog: can decoding this token and choosing ``remaining`` more (the last of them
+        deferred) still end by the deadline, with the admission margin kept as a guard band? A
+        probe tick judges by what it has measured, not by the learned scale.
+        """
         admission = self.admission
         scale = (admission.probe_scale(plan.n_prefill, plan.length, run.record.n_decode,
                                        plan.kept, run.ms_since_admit())
@@ -314,8 +322,11 @@ class TickEngine:
         return run.now() + (remaining * step + admission.margin_ms) / 1e3 <= run.deadline
 
     def _commit(self, run, plan, parts, segment, mark, state, chosen):
-        """Teach admission what the tick cost; keep the tokens and return the action, or roll
-        back and refuse an action that finished after the deadline (never published)."""
+        """Teach admission what the tick cost.
+
+        Keep the tokens and return the action, or roll back and refuse an action that finished
+        after the deadline (never published).
+        """
         record = run.record
         run.lap('decode_ms')
         in_time = run.now() <= run.deadline
@@ -340,8 +351,11 @@ class TickEngine:
 
 @dataclass
 class _Plan:
-    """What admission decided a tick would run: tokens to prefill (deferred ones included)
-    and decode steps over a cache of ``length``, and the eviction (``slots`` kept, or None)."""
+    """What admission decided a tick would run.
+
+    Tokens to prefill (deferred ones included) and decode steps over a cache of ``length``, and the
+    eviction (``slots`` kept, or None).
+    """
 
     n_prefill: int
     n_decode: int
@@ -374,7 +388,7 @@ class _Run:
         return (self.now() - self.admitted) * 1e3
 
     def mark_rendered(self):
-        """Rendering is done: admission starts here, and so does the tick's model time."""
+        """Mark the end of rendering: admission, and the tick's model time, start here."""
         self.lap('render_ms')
         self.admitted = self.last
 

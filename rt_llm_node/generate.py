@@ -1,4 +1,4 @@
-"""``rt-llm-generate``: check on the robot that a checkpoint loads and decodes.
+r"""``rt-llm-generate``: check on the robot that a checkpoint loads and decodes.
 
 Examples::
 

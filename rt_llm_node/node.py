@@ -87,7 +87,7 @@ _ACTION_CLASSES = {
 
 
 def to_message(action, action_type, period_s):
-    """The ROS message of an Action (values already clamped by the grammar)."""
+    """Return the ROS message of an Action (values already clamped by the grammar)."""
     return action_message(action, action_type, period_s,
                           lambda name, **fields: _ACTION_CLASSES[name](**fields))
 
@@ -329,11 +329,14 @@ class RtLlmNode(LifecycleNode):
         gc.enable()
 
     def _request_deactivate(self):
-        """Deactivate (then, failed, ErrorProcessing) from outside the control thread, which
-        the transition joins: on the node's executor, where it runs as transitions requested
-        over the lifecycle services do; a subscription destroyed by another thread while the
-        executor builds its wait set raises InvalidHandle in the executor and stops it
-        (ros2/rclpy#1284). A node on no executor gets a thread of its own."""
+        """Request deactivate from outside the control thread.
+
+        Deactivate (then, failed, ErrorProcessing) from outside the control thread, which the
+        transition joins: on the node's executor, where it runs as transitions requested over the
+        lifecycle services do; a subscription destroyed by another thread while the executor builds
+        its wait set raises InvalidHandle in the executor and stops it (ros2/rclpy#1284). A node on
+        no executor gets a thread of its own.
+        """
         executor = self.executor
         if executor is not None:
             executor.create_task(self.trigger_deactivate)
@@ -409,7 +412,7 @@ class RtLlmNode(LifecycleNode):
         self._diagnostics_pub.publish(array)
 
     def stats(self):
-        """A copy of the counters (for tests and the demo)."""
+        """Return a copy of the counters (for tests and the demo)."""
         with self._stats_lock:
             return dict(self._stats), dict(self._refusals), list(self._latencies)
 

@@ -1,5 +1,8 @@
-"""``rt-llm-replay --live``: publish a bag's messages on their topics with their timing, for a
-running node, each topic with the QoS its publishers offered when the bag was recorded."""
+"""Publish a bag's messages for a running node (``rt-llm-replay --live``).
+
+``rt-llm-replay --live``: publish a bag's messages on their topics with their timing, for a running
+node, each topic with the QoS its publishers offered when the bag was recorded.
+"""
 
 import sys
 import time
@@ -8,12 +11,15 @@ from rt_llm_node.bags import open_bag
 
 
 def recorded_qos(connection):
-    """{'reliable', 'transient_local', 'depth'} a player should offer for ``connection``,
-    from the QoS its publishers offered when the bag was recorded; None if none recorded.
+    """Return the QoS a player should offer for a recorded connection.
+
+    {'reliable', 'transient_local', 'depth'} a player should offer for ``connection``, from the QoS
+    its publishers offered when the bag was recorded; None if none recorded.
 
     As ``ros2 bag play`` does: reliable only if every recorded publisher was, transient
     local only if every one was (a best-effort or volatile publisher among them could not
     have served a subscriber that needs more), the deepest history of them.
+
     """
     from rosbags.rosbag2.metadata import QosDurability
     from rosbags.rosbag2.metadata import QosHistory

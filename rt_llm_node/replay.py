@@ -94,7 +94,7 @@ def parse_remaps(items):
 
 
 def action_namespace(action, action_type, period_s):
-    """The action message as plain fields (the node builds the same with rclpy classes)."""
+    """Return the action message as plain fields (the node builds the same with rclpy classes)."""
     return action_message(action, action_type, period_s,
                           lambda name, **fields: SimpleNamespace(**fields))
 
@@ -246,7 +246,7 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
 
 
 def refusal_message(refusal, tick_ns, done_ns, period, store):
-    """The ~/refusal DiagnosticArray the node publishes, as a rosbags message."""
+    """Return the ~/refusal DiagnosticArray the node publishes, as a rosbags message."""
     deadline_ns = tick_ns + int(round(period * 1e9))   # the end of the tick's period
     keys = refusal_values(refusal, deadline_ns, done_ns)
     status = SimpleNamespace(level=1, name='/rt_llm_node', message=refusal.reason,
@@ -258,7 +258,7 @@ def refusal_message(refusal, tick_ns, done_ns, period, store):
 
 
 def summarize(records, bag_seconds, wall_s, clock_mode):
-    """Counts and latency percentiles of a replay."""
+    """Count and latency percentiles of a replay."""
     latencies = np.array([r.total_ms for r in records]) if records else np.zeros(1)
     reasons = Counter(r.reason for r in records if r.decision == 'refusal')
     return {
@@ -351,7 +351,7 @@ def choose_cost_model(args, values):
 
 
 def read_cost_model(path):
-    """A CostModel from a cost_model.json (as replay and the node write it)."""
+    """Return a CostModel from a cost_model.json (as replay and the node write it)."""
     path = Path(path)
     try:
         return CostModel.from_json(path.read_text(encoding='utf-8'))

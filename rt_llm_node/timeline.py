@@ -8,7 +8,7 @@ import numpy as np
 
 
 class TimelinePlotter:
-    """Draws timeline.png in a child process started before the replay's first tick.
+    """Draw timeline.png in a child process started before the replay's first tick.
 
     Importing matplotlib and drawing take about 1 s, a fifth of a 60 s bag's whole replay on
     2 cores with the shipped policy; in a child process started first they run on another
@@ -57,7 +57,7 @@ class TimelinePlotter:
 
     @classmethod
     def child(cls):
-        """The child process: import matplotlib now, then draw what stdin brings."""
+        """Return the child process: import matplotlib now, then draw what stdin brings."""
         try:
             from matplotlib.figure import Figure
         except ImportError:

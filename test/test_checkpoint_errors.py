@@ -13,7 +13,7 @@ from rt_llm_node.model.synthetic import write_safetensors
 
 @pytest.fixture
 def ckpt(tiny_checkpoint, tmp_path):
-    """A fresh writable copy of the tiny checkpoint."""
+    """Return a fresh writable copy of the tiny checkpoint."""
     return shutil.copytree(tiny_checkpoint, tmp_path / 'ckpt')
 
 

@@ -26,8 +26,11 @@ def test_defaults_file_lists_every_parameter_with_its_default():
 
 
 def test_demo_profile_matches_the_demo_task():
-    """Every input line of the demo profile is the demo task's spec of the inputs the shipped
-    policy reads (the world publishes more: /odom, which this policy does not see)."""
+    """The demo profile's inputs are those the shipped policy reads.
+
+    Every input line of the demo profile is the demo task's spec of the inputs the shipped policy
+    reads (the world publishes more: /odom, which this policy does not see).
+    """
     from rt_llm_node.model.embedded import default_model_path
     values = {p: BY_NAME[p].default for p in BY_NAME}
     values.update(load('demo.yaml'))
@@ -53,8 +56,10 @@ def test_demo_profile_matches_the_demo_task():
 
 
 def test_demo_profile_feeds_the_shipped_model_what_it_was_trained_on():
-    """A policy fed inputs it was not trained on loses most goals (docs/history.md):
-    the shipped checkpoint's recorded inputs (training.json) are the demo profile's."""
+    """A policy fed inputs it was not trained on loses most goals (docs/history.md).
+
+    The shipped checkpoint's recorded inputs (training.json) are the demo profile's.
+    """
     from rt_llm_node.model.embedded import default_model_path
     values = load('demo.yaml')
     assert values['input_topics'] == [s.topic for s in task.model_inputs(default_model_path())]
@@ -70,9 +75,12 @@ def test_inconsistent_lists_are_reported():
 
 
 def test_cuda_decode_step_is_checked_and_numpy_ignores_it(tiny_checkpoint):
-    """cuda_decode_step takes auto, kernels or persistent (a typo is a parameter error, not a
-    silent default); make_backend refuses anything else and the numpy backend, which has
-    one decode step, builds the same with any of them."""
+    """Only the known decode steps are accepted.
+
+    cuda_decode_step takes auto, kernels or persistent (a typo is a parameter error, not a silent
+    default); make_backend refuses anything else and the numpy backend, which has one decode step,
+    builds the same with any of them.
+    """
     from rt_llm_node.backends import DECODE_STEPS
     from rt_llm_node.backends import make_backend
     from rt_llm_node.model import load_checkpoint

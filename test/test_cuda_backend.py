@@ -28,7 +28,7 @@ def rel_err(a, b):
 
 
 def cuda_backend(checkpoint, capacity, **options):
-    """A CudaBackend with CudaOptions(**options); the kernel decode step unless named."""
+    """Return a CudaBackend with CudaOptions(**options); the kernel decode step unless named."""
     from rt_llm_node.backends.cuda_backend import CudaBackend
     from rt_llm_node.backends.cuda_backend import CudaOptions
     options.setdefault('decode_step', 'kernels')
@@ -36,8 +36,10 @@ def cuda_backend(checkpoint, capacity, **options):
 
 
 def assert_repeatable(backend, checkpoint, steps=24):
-    """The same 100-token prompt and greedy steps twice: tokens, logits and attention mass
-    equal bit for bit."""
+    """Return the same 100-token prompt and greedy steps twice.
+
+    Tokens, logits and attention mass equal bit for bit.
+    """
     prompt = np.random.default_rng(8).integers(0, checkpoint.config.vocab_size, 100)
     first = run_steps(backend, prompt, steps)
     backend.rollback(0)
@@ -49,7 +51,7 @@ def assert_repeatable(backend, checkpoint, steps=24):
 
 
 def fp32_tiny_checkpoint(directory):
-    """The tiny shape with fp32 weights of std 0.2 (varied greedy tokens), loaded."""
+    """Return the tiny shape with fp32 weights of std 0.2 (varied greedy tokens), loaded."""
     config = shape_config('tiny')
     weights = {name: w if name.endswith('norm.weight') else 10 * w
                for name, w in random_weights(config, seed=9).items()}
@@ -120,9 +122,11 @@ def test_fp32_weights_give_identical_greedy_tokens(tmp_path):
 
 
 def test_dependent_launch_changes_timing_not_results(shape_dirs):
-    """Programmatic dependent launch lets a kernel start before the previous one ends; any
-    read that runs ahead of griddepcontrol.wait would show up as logits that differ from
-    the serial launch's, which does the same arithmetic in the same order (bit for bit)."""
+    """Programmatic dependent launch lets a kernel start before the previous one ends.
+
+    Any read that runs ahead of griddepcontrol.wait would show up as logits that differ from the
+    serial launch's, which does the same arithmetic in the same order (bit for bit).
+    """
     checkpoint = load_checkpoint(shape_dirs['smollm2-135m'])
     # unstaged: the same kernels both ways
     dependent = cuda_backend(checkpoint, 320, staged_decode=False)
@@ -154,8 +158,11 @@ def staged_backend(checkpoint, capacity):
 
 @pytest.mark.parametrize('shape', SHAPES)
 def test_staged_decode_matches_numpy_backend(shape, shape_dirs):
-    """The staged one-token matmuls (weights in shared memory before the wait, the next
-    kernel released at once) against the numpy backend, over a 150-token prompt."""
+    """The staged matmuls match the numpy backend.
+
+    The staged one-token matmuls (weights in shared memory before the wait, the next kernel
+    released at once) against the numpy backend, over a 150-token prompt.
+    """
     checkpoint = load_checkpoint(shape_dirs[shape])
     backend = staged_backend(checkpoint, 256)
     plans = backend.staged_matmuls()
@@ -178,8 +185,10 @@ def test_staged_decode_matches_numpy_backend(shape, shape_dirs):
 
 
 def test_staged_decode_is_repeatable_bit_for_bit(shape_dirs):
-    """Each staged output has one writer and a fixed order of sums: two runs agree bit for
-    bit, however early the next kernels' blocks started."""
+    """Each staged output has one writer and a fixed order of sums.
+
+    Two runs agree bit for bit, however early the next kernels' blocks started.
+    """
     checkpoint = load_checkpoint(shape_dirs['smollm2-135m'])
     assert_repeatable(staged_backend(checkpoint, 320), checkpoint)
 
@@ -210,10 +219,13 @@ def test_staged_decode_needs_dependent_launch(shape_dirs):
 
 
 def test_auto_decode_keeps_the_faster_step(shape_dirs, tiny_checkpoint):
-    """make_backend's CUDA backend (decode_step 'auto') times both decode steps at
-    configure and keeps decode_persistent only where it was 3% faster; it is left with an
-    empty cache and gives the numpy backend's logits. Where decode_persistent cannot run
-    (tiny: head_dim 16) the kernel step stays."""
+    """The auto decode step keeps the faster of the two.
+
+    make_backend's CUDA backend (decode_step 'auto') times both decode steps at configure and keeps
+    decode_persistent only where it was 3% faster; it is left with an empty cache and gives the
+    numpy backend's logits. Where decode_persistent cannot run (tiny: head_dim 16) the kernel step
+    stays.
+    """
     from rt_llm_node.backends import make_backend
     checkpoint = load_checkpoint(shape_dirs['llama-3.2-1b'])
     backend = make_backend('cuda', checkpoint, 256)
@@ -246,8 +258,10 @@ PERSISTENT_CONFIG = {'family': 'llama', 'vocab_size': 512, 'hidden_size': 128,
 
 @pytest.mark.parametrize('shape', SHAPES)
 def test_persistent_decode_matches_a_kernel_per_phase(shape, shape_dirs):
-    """One cooperative launch per step against the five-kernels-a-layer forward: same
-    tokens, logits and attention mass, over steps that cross a 32-key attention split."""
+    """One cooperative launch per step against the five-kernels-a-layer forward.
+
+    Same tokens, logits and attention mass, over steps that cross a 32-key attention split.
+    """
     checkpoint = load_checkpoint(shape_dirs[shape])
     prompt = np.random.default_rng(7).integers(0, checkpoint.config.vocab_size, 60)
     runs = []
@@ -265,8 +279,11 @@ def test_persistent_decode_matches_a_kernel_per_phase(shape, shape_dirs):
 
 
 def test_persistent_decode_is_repeatable_bit_for_bit(shape_dirs):
-    """Every output of a persistent step has one writer and a fixed order of sums, so two
-    runs of the same tokens agree bit for bit, however the blocks were scheduled."""
+    """A persistent step is repeatable bit for bit.
+
+    Every output of a persistent step has one writer and a fixed order of sums, so two runs of the
+    same tokens agree bit for bit, however the blocks were scheduled.
+    """
     checkpoint = load_checkpoint(shape_dirs['smollm2-135m'])
     backend = cuda_backend(checkpoint, 320, decode_step='persistent')
     assert_repeatable(backend, checkpoint)

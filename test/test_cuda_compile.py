@@ -29,8 +29,11 @@ def test_kernels_compile_without_warnings(arch, dtype):
 
 @pytest.mark.parametrize('name', sorted(KERNELS))
 def test_every_file_compiles_on_its_own(name):
-    """Each .cu includes the headers it uses: the one translation unit is an optimisation,
-    and no file depends on the order in which the loader joins them."""
+    """Each .cu includes the headers it uses.
+
+    The one translation unit is an optimisation, and no file depends on the order in which the
+    loader joins them.
+    """
     cubin, log = compile_cubin(90, 'BF16', files=[source_dir() / name])
     assert log == ''
     for kernel in KERNELS[name]:
@@ -100,8 +103,10 @@ def test_matvec_split(units, k, mv_batch, expected):
     (24, 36, 2, None),       # K not a multiple of 8: no 16-byte copies
 ])
 def test_staged_plan(units, k, wbytes, expected):
-    """Blocks, units a block and the shared memory that matmul.cu's staged_body lays out:
-    2 rows a unit and the norm weights in the weight dtype, xhat in fp32."""
+    """Blocks, units a block and the shared memory that matmul.cu's staged_body lays out.
+
+    2 rows a unit and the norm weights in the weight dtype, xhat in fp32.
+    """
     from rt_llm_node.backends.cuda_backend import staged_plan
     assert staged_plan(units, k, wbytes, n_sm=132) == expected
 
@@ -115,9 +120,11 @@ def test_cuda_options_refuse_nonsense(bad):
 
 
 def test_compiled_kernels_are_kept_by_source_and_options(tmp_path, monkeypatch):
-    """cached_cubin compiles once per sources, options and NVRTC; a damaged entry is
-    compiled again; an unwritable cache only costs the compile. Real NVRTC throughout, on a
-    one-kernel program so that it stays quick."""
+    """cached_cubin compiles once per sources, options and NVRTC.
+
+    A damaged entry is compiled again; an unwritable cache only costs the compile. Real NVRTC
+    throughout, on a one-kernel program so that it stays quick.
+    """
     from rt_llm_node.backends import cuda_kernels
     src = tmp_path / 'src'
     src.mkdir()

@@ -74,7 +74,7 @@ def matmul_kernel(k, family, tt):
 
 
 def matmul_grid(units, split, tt, n_rows=32):
-    """The grid the backend gives each matmul kernel over ``n_rows`` tokens of x."""
+    """Return the grid the backend gives each matmul kernel over ``n_rows`` tokens of x."""
     if tt == 16:      # 8 units (2 a warp) x 16 tokens a block
         return ((units + 7) // 8, (n_rows + 15) // 16)
     return ((units * split + 3) // 4, n_rows)
@@ -175,8 +175,11 @@ def test_matmul_swiglu(kit, n, tt, split):
 
 
 def qkv_case(cp, dtype, n_rows, rng):
-    """Weights, input and poisoned outputs of a Q/K/V + RoPE case (4 heads, 2 KV heads of 32,
-    K 512, a 128-slot cache written from slot 7), on the host and the device."""
+    """Make a Q/K/V + RoPE case on the host and the device.
+
+    Weights, input and poisoned outputs of a Q/K/V + RoPE case (4 heads, 2 KV heads of 32, K 512, a
+    128-slot cache written from slot 7), on the host and the device.
+    """
     c = SimpleNamespace(heads=4, kv=2, d=32, K=512, cap=128, start=7)
     c.rows = (c.heads + 2 * c.kv) * c.d
     c.units = c.rows // 2
@@ -192,7 +195,7 @@ def qkv_case(cp, dtype, n_rows, rng):
 
 
 def qkv_args(cp, c, n, bias, last):
-    """The kernel's arguments for ``n`` tokens; ``last``: split (tiles) or per_block (_sp)."""
+    """Return the kernel's arguments for ``n`` tokens; ``last``: split or per_block (_sp)."""
     return (state(cp, c.start, n), c.w, i32(c.rows), i32(c.K), cp.asarray(c.x), c.nw,
             np.float32(1e-5), i32(c.units), c.b if bias else NULL, c.q, c.kc, c.vc,
             cp.asarray(c.cos), cp.asarray(c.sin), i32(c.heads), i32(c.kv), i32(c.d), i32(c.cap),
@@ -200,8 +203,11 @@ def qkv_args(cp, c, n, bias, last):
 
 
 def check_qkv(c, n, bias, atol=ATOL):
-    """q of the n tokens, and their K (rotated) and V in the cache slots from c.start, against
-    numpy; every other cache slot untouched."""
+    """Check q and the cache slots against numpy.
+
+    q of the n tokens, and their K (rotated) and V in the cache slots from c.start, against numpy;
+    every other cache slot untouched.
+    """
     h, kv, d = c.heads, c.kv, c.d
     qkv = rmsnorm(c.x[:n], c.nwf, 1e-5) @ c.wf.T + (c.bf if bias else 0)
     cos = c.cos[c.cap + c.start:c.cap + c.start + n]
@@ -227,8 +233,11 @@ def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias, split):
 
 
 def staged(k, family, dtype, units, K, per_block, args):
-    """Launch ``family``_sp as the backend does (staged_plan): a block per ``per_block``
-    units, their rows, the norm and xhat in dynamic shared memory (past 48 KB allowed)."""
+    """Launch ``family``_sp as the backend does (staged_plan).
+
+    A block per ``per_block`` units, their rows, the norm and xhat in dynamic shared memory (past
+    48 KB allowed).
+    """
     from cupy_backends.cuda.api import driver
     shared = (2 * per_block + 1) * K * (4 if dtype == 'F32' else 2) + 4 * K
     function = k.functions[family + '_sp']

@@ -19,7 +19,7 @@ from rt_llm_node.model.embedded import default_model_path
 
 
 def rollout(seed, ticks, command):
-    """Rendered observations of ``ticks`` ticks driven by ``command(tick)``."""
+    """Render the observations of ``ticks`` ticks driven by ``command(tick)``."""
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
     codec = ObservationCodec(None, INPUTS)
     lines = []
@@ -127,7 +127,7 @@ def test_the_shipped_policy_drives_to_the_goal_of_a_short_fixed_scenario():
 
 
 def test_a_dagger_episode_replays_the_policy_rollout_with_expert_labels():
-    """DAgger data: the states the policy reached, rebuilt from its commands, expert-labelled."""
+    """Rebuild the states a policy reached from its commands, expert-labelled (DAgger)."""
     from rt_llm_node.demo.episodes import expert_episode
     from rt_llm_node.demo.evaluate import run_model_episode
     path = default_model_path()
@@ -180,9 +180,12 @@ def test_eval_reports_each_episode_as_it_finishes_and_writes_the_table(tmp_path,
 
 
 def test_action_delay_holds_each_command_back_and_the_replay_still_matches():
-    """--action-delay: the robot executes a command N ticks after the observation it answers
-    (the live loop's latency); ``executed`` holds what it executed, so a DAgger replay of a
-    delayed rollout reaches the very same state."""
+    """Delayed actions replay to the same state.
+
+    --action-delay: the robot executes a command N ticks after the observation it answers (the live
+    loop's latency); ``executed`` holds what it executed, so a DAgger replay of a delayed rollout
+    reaches the very same state.
+    """
     import pytest
     from rt_llm_node.demo.episodes import expert_episode
     from rt_llm_node.demo.evaluate import Actuation
@@ -239,9 +242,12 @@ def test_demo_inputs_subsets_keep_what_the_expert_reads(tmp_path):
 
 
 def test_an_aiming_policy_states_the_expert_aim_first_and_publishes_only_v_and_w(tmp_path):
-    """The '_aim' plan field (training/train.py --aim): one token before v and w,
-    labelled with the instructed object's bearing (180: not in sight), shown in the executed
-    actions of the context too, recorded in training.json, and never part of the Twist."""
+    """The '_aim' plan field (training/train.py --aim).
+
+    One token before v and w, labelled with the instructed object's bearing (180: not in sight),
+    shown in the executed actions of the context too, recorded in training.json, and never part of
+    the Twist.
+    """
     import json
 
     import pytest

@@ -111,9 +111,11 @@ def test_a_late_tick_raises_the_scale_so_the_next_is_refused_in_time(checkpoint)
 
 
 def test_one_stall_in_the_window_does_not_refuse_the_ticks_after_it():
-    """The scale is a high quantile of the window's ratios, not the worst: one stall of the
-    host (5x) leaves the next ticks admitted, where the worst refused them for a window;
-    a host that stays slower moves the quantile within a tenth of the window."""
+    """The scale is a high quantile of the window's ratios, not the worst.
+
+    One stall of the host (5x) leaves the next ticks admitted, where the worst refused them for a
+    window; a host that stays slower moves the quantile within a tenth of the window.
+    """
     model = CostModel(prefill=(10.0, 0.0, 0.0))   # a tick of one token: 10 ms
     worst = Admission(model, margin_ms=0.0, window=60, quantile=1.0)
     robust = Admission(model, margin_ms=0.0, window=60)
@@ -271,10 +273,12 @@ def test_joint_trajectory_actions_are_parsed_and_clamped():
 
 
 def test_calibration_shrugs_off_a_host_stall(tmp_path):
-    """A stall of the host during some calibration samples must not set the cost model:
-    the grid is timed in rounds and each point takes the median over them. The clock is
-    synthetic (every timed call takes 0.5 ms, and 0.3 s while the stall lasts) so that
-    the figures are exact; the backend is the real numpy one."""
+    """A stall of the host during some calibration samples must not set the cost model.
+
+    The grid is timed in rounds and each point takes the median over them. The clock is synthetic
+    (every timed call takes 0.5 ms, and 0.3 s while the stall lasts) so that the figures are exact;
+    the backend is the real numpy one.
+    """
     from rt_llm_node.admission import calibrate
     from rt_llm_node.model.synthetic import write_random_checkpoint
     tiny = load_checkpoint(write_random_checkpoint(tmp_path, 'tiny'))

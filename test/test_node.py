@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 @pytest.fixture
 def executor():
-    """A fresh rclpy context and executor per test, so one test's DDS state cannot leak.
+    """Return a fresh rclpy context and executor per test, so one test's DDS state cannot leak.
 
     Single-threaded, as ``rclpy.spin`` runs the node, and lifecycle transitions run on it
     (``transition``), as they do when they come over the node's services: a subscription
@@ -104,8 +104,10 @@ def rig(executor):
 
 
 def wait_for_peers(node, inputs=None, timeout=30.0):
-    """Block until the inputs arrive (``inputs`` of them; None: every demo input) and the
-    outputs have subscribers (DDS discovery)."""
+    """Block until the inputs arrive and the outputs have subscribers (DDS discovery).
+
+    ``inputs``: how many inputs to wait for (None: every demo input).
+    """
     if inputs is None:
         inputs = len(demo_parameters()['input_topics'])
     end = time.monotonic() + timeout

@@ -77,8 +77,10 @@ def test_output_bag_holds_inputs_actions_refusals_and_records(bags, tmp_path, ca
 
 @pytest.mark.parametrize('storage', ['mcap', 'sqlite3'])
 def test_bags_carry_the_offered_qos_and_replays_keep_it(bags, storage, tmp_path, capsys):
-    """The recorder writes the QoS the demo world offers, as ros2 bag record does; --live
-    publishes with it, and the replay's output bag keeps it for its copies of the inputs."""
+    """The recorder writes the QoS the demo world offers, as ros2 bag record does.
+
+    --live publishes with it, and the replay's output bag keeps it for its copies of the inputs.
+    """
     sensor = {'reliable': False, 'transient_local': False, 'depth': 5}
     expected = {'/scan': sensor, '/odom': sensor, '/detections': sensor,
                 '/instruction': {'reliable': True, 'transient_local': True, 'depth': 10}}

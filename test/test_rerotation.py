@@ -26,7 +26,7 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope='module', params=['llama3_rope_scaling', 'qwen2_bias_untied'])
 def checkpoint(request, tmp_path_factory):
-    """A one-layer model: its cache is a function of each token and its position alone."""
+    """Return a one-layer model: its cache is a function of each token and its position alone."""
     family, kwargs = CASES[request.param]
     kwargs = dict(kwargs, num_hidden_layers=1)
     directory = tmp_path_factory.mktemp(request.param)

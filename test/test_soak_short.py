@@ -1,5 +1,7 @@
-"""A short soak through the real backend and session under every policy: 12,000 tokens of
-tick-shaped work through a 128-slot cache (the long run is benchmarks/soak.py)."""
+"""A short soak through the real backend and session under every policy.
+
+12,000 tokens of tick-shaped work through a 128-slot cache (the long run is benchmarks/soak.py).
+"""
 
 import numpy as np
 import pytest

@@ -43,7 +43,7 @@ def target_bearing(instruction, detections):
 
 
 def situation(instruction, sectors, detections, bearing):
-    """The tick's row; ``bearing``: target_bearing of the same instruction and detections."""
+    """Return the tick's row; ``bearing``: target_bearing of the same inputs."""
     n = len(sectors)
     ahead = min(sectors[s] for s in (n - 1, 0, 1) if not math.isnan(sectors[s]))
     near = ', obstacle ahead' if ahead < 1.0 else ''
@@ -64,8 +64,11 @@ AIM_STATS = 6   # ticks, aim exact, within a step, right side, aiming off-axis, 
 
 
 def aim_scores(stated, expert, w, step=AIM_FIELD['step']):
-    """[1, exact, within one step, right side (or both out of sight), the stated aim 30 deg
-    or more off the heading, w of 0.5 rad/s or more toward it] for one tick."""
+    """Score one tick.
+
+    [1, exact, within one step, right side (or both out of sight), the stated aim 30 deg or more
+    off the heading, w of 0.5 rad/s or more toward it] for one tick.
+    """
     unseen = (stated == AIM_UNSEEN, expert == AIM_UNSEEN)
     side = unseen[0] == unseen[1] and (unseen[0] or abs(expert) < step
                                        or math.copysign(1.0, stated) == math.copysign(1.0,
@@ -76,9 +79,12 @@ def aim_scores(stated, expert, w, step=AIM_FIELD['step']):
 
 
 def episode(checkpoint, seed, capacity, policy, driver='model', inputs=INPUTS, aim=False):
-    """(result of run_model_episode, {situation: [ticks, agree, |dv|, |dw|, model repeats
+    """Run one diagnosed episode.
+
+    Returns (result of run_model_episode, {situation: [ticks, agree, |dv|, |dw|, model repeats
     the executed w, expert's label does, model turns toward the target, expert does]},
-    {situation: aim_scores summed} (empty unless ``aim``))."""
+    {situation: aim_scores summed} (empty unless ``aim``)).
+    """
     stats = defaultdict(lambda: [0] * STATS)
     aims = defaultdict(lambda: [0] * AIM_STATS)
     last = [None]   # the w executed the tick before

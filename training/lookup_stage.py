@@ -48,8 +48,11 @@ from train import weighted_loss
 
 
 def with_hint(ids, labels, hint):
-    """``hint`` = (task id, act id, object ids): the instruction's object token put before
-    every action prefix, unlabelled (what a plan field naming the target first would show)."""
+    """``hint`` = (task id, act id, object ids).
+
+    The instruction's object token put before every action prefix, unlabelled (what a plan field
+    naming the target first would show).
+    """
     task, act, objects = hint
     start = ids.index(task)
     target = next(t for t in ids[start:] if t in objects)

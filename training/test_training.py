@@ -124,8 +124,11 @@ def test_batches_depend_on_the_round_and_step_only(data):
 
 
 def _weighted_samples(episode, system, **weight):
-    """(end, plain sample, weighted sample) for 40 seeds: the loss weights (keyframe_weight=,
-    distractor_weight=) change no context (no extra random draws), only the weights."""
+    """(end, plain sample, weighted sample) for 40 seeds.
+
+    The loss weights (keyframe_weight=, distractor_weight=) change no context (no extra random
+    draws), only the weights.
+    """
     for seed in range(40):
         end = int(np.random.default_rng(seed).integers(1, len(episode.ticks)))
         plain = train.build_sample(episode, system, end, 1024,
@@ -137,9 +140,12 @@ def _weighted_samples(episode, system, **weight):
 
 
 def test_keyframe_weights_mark_the_ticks_whose_label_changes_the_command(data):
-    """--keyframe-weight: the same contexts (no extra random draws), and a loss weight per
-    position: 0 off the labels, K on the label of a tick whose expert command differs from
-    the command executed the tick before, 1 on the others."""
+    """Keyframes are weighted and nothing else changes.
+
+    --keyframe-weight: the same contexts (no extra random draws), and a loss weight per position: 0
+    off the labels, K on the label of a tick whose expert command differs from the command executed
+    the tick before, 1 on the others.
+    """
     episode, system = data
     ticks = episode.ticks
     seen = set()
@@ -191,8 +197,11 @@ def test_weighted_loss_is_the_model_loss_under_unit_weights():
 
 
 def test_further_training_from_the_shipped_model_exports_a_loadable_checkpoint(tmp_path):
-    """The tool end to end on the CPU, tiny: --init keeps the shipped tokenizer and starts from
-    its weights (a low first loss), --keyframe-weight trains, the export loads in numpy."""
+    """The tool end to end on the CPU, tiny.
+
+    --init keeps the shipped tokenizer and starts from its weights (a low first loss),
+    --keyframe-weight trains, the export loads in numpy.
+    """
     pytest.importorskip('torch')
     pytest.importorskip('transformers')
     import json
@@ -218,8 +227,10 @@ def test_further_training_from_the_shipped_model_exports_a_loadable_checkpoint(t
 
 
 def test_size_sets_the_shape_of_a_from_scratch_model_and_rejects_bad_shapes(tmp_path):
-    """--size HIDDEN,LAYERS,HEADS,INTERMEDIATE reaches config.json (tiny CPU run); shapes the
-    loader could not run, or a --size beside --init, are refused before any work starts."""
+    """--size HIDDEN,LAYERS,HEADS,INTERMEDIATE reaches config.json (tiny CPU run).
+
+    Shapes the loader could not run, or a --size beside --init, are refused before any work starts.
+    """
     pytest.importorskip('torch')
     pytest.importorskip('transformers')
     import json
@@ -252,9 +263,12 @@ def test_size_sets_the_shape_of_a_from_scratch_model_and_rejects_bad_shapes(tmp_
 
 
 def test_short_first_steps_draw_the_shortest_budgets(data):
-    """--short-first N: round 0's first N batches come from the 128 and 192-token budgets
-    (a context at most that wide, but where the newest tick alone is wider), later steps
-    and later rounds from all of them."""
+    """Short contexts come first.
+
+    --short-first N: round 0's first N batches come from the 128 and 192-token budgets (a context
+    at most that wide, but where the newest tick alone is wider), later steps and later rounds from
+    all of them.
+    """
     episode, system = data
     train._EPISODES, train._SYSTEM = [episode], system
     train._SHORT_FIRST = 30
@@ -273,9 +287,12 @@ def test_short_first_steps_draw_the_shortest_budgets(data):
 
 
 def test_distractor_ticks_are_flagged_and_weighted(data):
-    """TickTokens.distractor marks the ticks whose target is 30 deg or more off the heading
-    with another object within 15 deg of it (read back from the rendered detections), and
-    --distractor-weight multiplies the loss weight of exactly those ticks' labels."""
+    """Distractor ticks are marked and weighted.
+
+    TickTokens.distractor marks the ticks whose target is 30 deg or more off the heading with
+    another object within 15 deg of it (read back from the rendered detections), and
+    --distractor-weight multiplies the loss weight of exactly those ticks' labels.
+    """
     from rt_llm_node.demo.expert import parse_detections
     from rt_llm_node.demo.expert import parse_instruction
     episode, system = data
@@ -302,9 +319,12 @@ def test_distractor_ticks_are_flagged_and_weighted(data):
 
 
 def test_online_dagger_adds_the_rollouts_of_the_newest_weights_while_training(tmp_path):
-    """--online-dagger end to end on the CPU, tiny: rollouts of snapshots land during the one
-    training run, their expert-labelled episodes join the data (training.json counts them),
-    and the export loads in numpy; with --dagger-rounds it is refused before any work."""
+    """--online-dagger end to end on the CPU, tiny.
+
+    Rollouts of snapshots land during the one training run, their expert-labelled episodes join the
+    data (training.json counts them), and the export loads in numpy; with --dagger-rounds it is
+    refused before any work.
+    """
     pytest.importorskip('torch')
     pytest.importorskip('transformers')
     import json
@@ -338,12 +358,14 @@ def test_online_dagger_adds_the_rollouts_of_the_newest_weights_while_training(tm
 
 
 def test_counterfactual_contexts_name_another_object_and_teach_its_expert_command():
-    """--counterfactual: episodes carry, per tick, the expert's command had the instruction
-    named each other detected object (the robot drives the same, the labels and shown
-    actions are unchanged); a counterfactual context shows that object's instruction in
-    place of the real one (drawn uniformly, the real one as often as each other), and its
-    newest label is the expert's command for the instruction shown, recomputed here on the
-    world replayed to that tick."""
+    """Counterfactual labels name each object in view.
+
+    --counterfactual: episodes carry, per tick, the expert's command had the instruction named each
+    other detected object (the robot drives the same, the labels and shown actions are unchanged);
+    a counterfactual context shows that object's instruction in place of the real one (drawn
+    uniformly, the real one as often as each other), and its newest label is the expert's command
+    for the instruction shown, recomputed here on the world replayed to that tick.
+    """
     from rt_llm_node.codec import scan_sectors
     from rt_llm_node.demo.episodes import SCAN_SECTORS
     from rt_llm_node.demo.expert import expert_command
@@ -408,8 +430,11 @@ def test_counterfactual_contexts_name_another_object_and_teach_its_expert_comman
 
 @pytest.fixture(scope='module')
 def aiming():
-    """An aiming episode with counterfactual labels and a tokenizer that keeps each object
-    name, bearing and action word one token (train --aim --object-tokens)."""
+    """Build an aiming episode and its tokenizer.
+
+    An aiming episode with counterfactual labels and a tokenizer that keeps each object name,
+    bearing and action word one token (train --aim --object-tokens).
+    """
     from rt_llm_node.demo.episodes import episode_texts
     from rt_llm_node.demo.task import object_phrases
     from rt_llm_node.demo.task import whole_words
@@ -429,10 +454,13 @@ def _lines(tokenizer, ids, prefix):
 
 
 def test_sparse_detections_keep_the_instructed_object_and_its_expert_command(aiming):
-    """--sparse-detections: the newest detections line shows the instructed object's entry
-    as it was and 0-2 of the others in their order, rendered by the node's codec; the
-    expert's command read from the thinned line is the one from the full line, and the aim
-    taught is the full line's, so the label stays exact. Older lines are shown whole."""
+    """Sparse detections keep the instructed object.
+
+    --sparse-detections: the newest detections line shows the instructed object's entry as it was
+    and 0-2 of the others in their order, rendered by the node's codec; the expert's command read
+    from the thinned line is the one from the full line, and the aim taught is the full line's, so
+    the label stays exact. Older lines are shown whole.
+    """
     from rt_llm_node.codec import ObservationCodec
     from rt_llm_node.demo.expert import expert_aim
     from rt_llm_node.demo.expert import expert_command
@@ -483,10 +511,13 @@ def test_sparse_detections_keep_the_instructed_object_and_its_expert_command(aim
 
 
 def test_lookup_contexts_show_the_detections_and_teach_the_aim_alone(aiming):
-    """--lookup-first N: round 0's first N batches are lookup contexts (the instruction
-    drawn over the objects in view, only the detections and actions rendered, only the
-    stated aim taught, the label of the instruction shown); later steps and rounds are
-    not. --lookup-share P keeps about P of each later batch so."""
+    """Round 0 starts on lookup contexts.
+
+    --lookup-first N: round 0's first N batches are lookup contexts (the instruction drawn over the
+    objects in view, only the detections and actions rendered, only the stated aim taught, the
+    label of the instruction shown); later steps and rounds are not. --lookup-share P keeps about P
+    of each later batch so.
+    """
     from rt_llm_node.demo.expert import expert_aim
     from rt_llm_node.demo.task import action_grammar
     episode, system, tokenizer = aiming
@@ -526,9 +557,12 @@ def test_lookup_contexts_show_the_detections_and_teach_the_aim_alone(aiming):
 
 
 def test_lookup_stage_stops_at_its_accuracy_or_its_steps(aiming, monkeypatch):
-    """--lookup-first: the stage checks the held-out aim every LOOKUP_EVERY steps and ends
-    at the first check that reaches LOOKUP_DONE, else after its steps; at least LOOKUP_BATCH
-    contexts a step, the constant LOOKUP_LR, the curve recorded."""
+    """The lookup stage stops at its target or after its steps.
+
+    --lookup-first: the stage checks the held-out aim every LOOKUP_EVERY steps and ends at the
+    first check that reaches LOOKUP_DONE, else after its steps; at least LOOKUP_BATCH contexts a
+    step, the constant LOOKUP_LR, the curve recorded.
+    """
     torch = pytest.importorskip('torch')
     transformers = pytest.importorskip('transformers')
     from types import SimpleNamespace
@@ -564,10 +598,13 @@ def test_lookup_stage_stops_at_its_accuracy_or_its_steps(aiming, monkeypatch):
 
 
 def test_meaning_contexts_hold_what_a_full_meaning_cache_holds(aiming):
-    """--meaning-share: a context as a full ``meaning`` cache holds it: the system prompt, the
-    instruction, older ticks' actions only (every older observation is superseded), the
-    newest tick's observations whole; only the newest tick taught, within the budget; in a
-    batch such rows weigh MEANING_WEIGHT, the others 1."""
+    """Meaning contexts look like a full meaning cache.
+
+    --meaning-share: a context as a full ``meaning`` cache holds it: the system prompt, the
+    instruction, older ticks' actions only (every older observation is superseded), the newest
+    tick's observations whole; only the newest tick taught, within the budget; in a batch such rows
+    weigh MEANING_WEIGHT, the others 1.
+    """
     episode, system, tokenizer = aiming
     rng = np.random.default_rng(3)
     older_actions = 0
@@ -611,11 +648,14 @@ def test_meaning_contexts_hold_what_a_full_meaning_cache_holds(aiming):
 
 
 def test_stale_contexts_hide_old_observations_from_later_ticks(aiming):
-    """--stale-ticks N: in a meaning context the N newest older ticks with an action shown
-    carry their observations again, right before the action, seen by that tick's tokens
-    alone (what the action's cached keys and values took from them), at the positions just
-    before the action's; every other token sits at its compacted position; those ticks are
-    taught too. The mask is causal and hides them from every later tick."""
+    """Stale ticks carry their observations for their own tokens only.
+
+    --stale-ticks N: in a meaning context the N newest older ticks with an action shown carry their
+    observations again, right before the action, seen by that tick's tokens alone (what the
+    action's cached keys and values took from them), at the positions just before the action's;
+    every other token sits at its compacted position; those ticks are taught too. The mask is
+    causal and hides them from every later tick.
+    """
     torch = pytest.importorskip('torch')
     episode, system, tokenizer = aiming
     rng = np.random.default_rng(4)

@@ -72,10 +72,12 @@ def _texts(job):
 
 
 def _episode(job):
-    """One expert episode, built in a worker: (seed, tokenizer json, noise, hold rate,
-    executed commands or None, (topics, aim, aim noise, counterfactual)[, world config]).
-    The topics were checked by the caller (training/lookup_stage.py renders fewer than the
-    expert reads)."""
+    """One expert episode, built in a worker.
+
+    (seed, tokenizer json, noise, hold rate, executed commands or None, (topics, aim, aim noise,
+    counterfactual)[, world config]). The topics were checked by the caller
+    (training/lookup_stage.py renders fewer than the expert reads).
+    """
     seed, tokenizer_json, noise, hold_rate, executed, (topics, aim, aim_noise, cf) = job[:6]
     world_config = job[6] if len(job) > 6 else None
     tokenizer = Tokenizer.from_str(tokenizer_json)
@@ -90,9 +92,11 @@ def _episode(job):
 
 
 def _drive(job):
-    """One closed-loop episode of the model under meaning eviction (numpy backend): (seed,
-    what it executed, goals reached, goals). DAgger rollouts and validation both use it;
-    the model's inputs are the ones its export records (``_export``)."""
+    """One closed-loop episode of the model under meaning eviction (numpy backend).
+
+    (seed, what it executed, goals reached, goals). DAgger rollouts and validation both use it; the
+    model's inputs are the ones its export records (``_export``).
+    """
     model, seed, capacity, max_ticks = job
     from rt_llm_node.demo.evaluate import _checkpoint
     from rt_llm_node.demo.evaluate import run_model_episode
@@ -104,8 +108,10 @@ def _drive(job):
 
 
 def _one_cycle_lrs(schedule, step):
-    """The learning rates torch's OneCycleLR gives at ``step`` (its closed form; like its
-    step(), this also sets the cycled momentum of the optimizer)."""
+    """Set the learning rates torch's OneCycleLR gives at ``step``, in closed form.
+
+    Like its step(), this also sets the cycled momentum of the optimizer.
+    """
     import warnings
     saved = schedule.last_epoch
     schedule.last_epoch = step
@@ -119,8 +125,10 @@ def _one_cycle_lrs(schedule, step):
 
 def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distractor_weight=1.0,
                  counterfactual=0.0, sparse=None, lookup=False, meaning=False, stale=0):
-    """Token ids, labels (-100: no loss) and loss weights (0 off the labels) of one
-    context ending at tick ``end``.
+    """Build one training context.
+
+    Token ids, labels (-100: no loss) and loss weights (0 off the labels) of one context ending at
+    tick ``end``.
 
     Every tick of the context whose observation segments are all present is
     supervised, not only the last: its action position shows what the robot
@@ -183,6 +191,7 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
     was encoded), the tick whose tokens alone see it (-1: seen by every later token) and the
     tick it belongs to (-1: the system prompt and the instruction). ``stale_mask`` turns
     them into an attention mask.
+
     """
     ticks = episode.ticks
     observed, starts = _tick_tables(episode)
@@ -297,9 +306,12 @@ def build_sample(episode, system, end, budget, rng, keyframe_weight=1.0, distrac
 
 
 def stale_mask(owner, tick_of, attention):
-    """Boolean attention mask [batch, 1, width, width] of ``build_sample(stale=...)``
-    layouts (int tensors [batch, width]; ``attention`` 1 on real tokens): causal, and a
-    hidden observation (owner >= 0) seen only by the tokens of its own tick."""
+    """Build the attention mask of stale layouts.
+
+    Boolean attention mask [batch, 1, width, width] of ``build_sample(stale=...)`` layouts (int
+    tensors [batch, width]; ``attention`` 1 on real tokens): causal, and a hidden observation
+    (owner >= 0) seen only by the tokens of its own tick.
+    """
     import torch
     width = owner.shape[1]
     causal = torch.ones(width, width, dtype=torch.bool, device=owner.device).tril()
@@ -311,11 +323,13 @@ def stale_mask(owner, tick_of, attention):
 
 
 def _tick_tables(episode):
-    """Per tick ([the ids of each segment but the instruction], the instruction's ids or
-    None, the index of the detections segment in that list or None), and the ticks that
-    carry an instruction: made once per episode and kept on it
-    (a sample reads a dozen ticks; searching back for the instruction each time was most
-    of a batch's time)."""
+    """Build an episode's tick tables.
+
+    Per tick ([the ids of each segment but the instruction], the instruction's ids or None, the
+    index of the detections segment in that list or None), and the ticks that carry an instruction:
+    made once per episode and kept on it (a sample reads a dozen ticks; searching back for the
+    instruction each time was most of a batch's time).
+    """
     tables = getattr(episode, '_tick_tables', None)
     if tables is None or len(tables[0]) != len(episode.ticks):
         observed = []
@@ -336,11 +350,14 @@ DETECTIONS = '/detections'
 
 
 class SparseDetections:
-    """Thins a rendered detections line: the instructed object's entry stays, with 0, 1 or
-    2 of the others (in their order, nearest first), rendered again by the node's codec.
+    """Thins a rendered detections line.
+
+    The instructed object's entry stays, with 0, 1 or 2 of the others (in their order, nearest
+    first), rendered again by the node's codec.
 
     Works on the text (the tokenizer's decode is exact: byte-level BPE), so it holds for
     any tokenizer, whole object tokens or not.
+
     """
 
     def __init__(self, tokenizer, inputs=INPUTS):
@@ -350,10 +367,12 @@ class SparseDetections:
         self.factory = MessageFactory(ros=False)
 
     def thin(self, ids, instruction, rng):
-        """``ids`` (a detections segment) with the entry of the object ``instruction`` (an
-        instruction segment's ids) names kept and 0-2 of the others drawn uniformly. As is
-        when the line does not parse or does not show that object (nothing then keeps the
-        label exact)."""
+        """Thin a detections segment around the instructed object.
+
+        ``ids`` (a detections segment) with the entry of the object ``instruction`` (an instruction
+        segment's ids) names kept and 0-2 of the others drawn uniformly. As is when the line does
+        not parse or does not show that object (nothing then keeps the label exact).
+        """
         text = self.tokenizer.decode(ids)
         target = parse_instruction(self.tokenizer.decode(instruction))
         if target is None or not (text.startswith(self.prefix) and text.endswith('\n')):
@@ -396,14 +415,17 @@ LOOKUP_STREAM = 1 << 20  # the lookup stage's batches: a random stream apart fro
 
 
 def _build_batch(job):
-    """One training batch, built in a worker: (ids, labels) int16, attention int8 and the
-    loss weights float32, each [batch, width], and the layout of ``build_sample(stale=...)``
-    int16 [3, batch, width] (None when no row has hidden observations).
+    """One training batch, built in a worker.
+
+    (ids, labels) int16, attention int8 and the loss weights float32, each [batch, width], and the
+    layout of ``build_sample(stale=...)`` int16 [3, batch, width] (None when no row has hidden
+    observations).
 
     Step ``step`` of round ``round_`` of run ``seed`` draws from its own generator, so a
     run's batches do not depend on how many workers built them or in what order they
     finished. ``round_`` LOOKUP_STREAM: a batch of the --lookup-first stage, lookup
-    contexts only."""
+    contexts only.
+    """
     seed, round_, step, size = job
     rng = np.random.default_rng((seed, round_, step))
     episodes = _EPISODES
@@ -900,8 +922,10 @@ _FORK = multiprocessing.get_context('fork')
 
 
 def _alternatives(args):
-    """Whether the episodes carry counterfactual labels (``expert_episode``): for
-    --counterfactual and for the lookup contexts, which draw the instruction."""
+    """Whether the episodes carry counterfactual labels (``expert_episode``).
+
+    For --counterfactual and for the lookup contexts, which draw the instruction.
+    """
     return args.counterfactual > 0 or args.lookup_first > 0 or args.lookup_share > 0
 
 
@@ -913,8 +937,10 @@ def _with_goal_starts(episodes):
 
 
 def _dagger_episodes(pool, models, first, args, tokenizer_json):
-    """Each model drives ``--dagger-episodes`` seeds of its own from ``first`` on; the
-    expert labels every state reached. Returns (episodes, the next unused seed)."""
+    """Each model drives ``--dagger-episodes`` seeds of its own from ``first`` on.
+
+    The expert labels every state reached. Returns (episodes, the next unused seed).
+    """
     jobs = []
     for model in models:
         rollouts = [(seed, executed) for seed, executed, _, _ in pool.map(_drive, [
@@ -932,10 +958,13 @@ ONLINE_DAGGER_MAX_ITERATIONS = 64   # bounds the seeds --online-dagger may take
 
 
 class _OnlineDagger:
-    """DAgger beside the training loop: rollouts of a snapshot of the weights on
-    ``--dagger-episodes`` fresh seeds in ``--dagger-workers`` forked processes, then the
-    expert's labels of the states reached (``_episode`` with ``executed``), then the next
-    iteration from the newest weights. ``poll`` never waits."""
+    """DAgger beside the training loop.
+
+    Rollouts of a snapshot of the weights on ``--dagger-episodes`` fresh seeds in
+    ``--dagger-workers`` forked processes, then the expert's labels of the states reached
+    (``_episode`` with ``executed``), then the next iteration from the newest weights. ``poll``
+    never waits.
+    """
 
     def __init__(self, tokenizer, args, first, tokenizer_json):
         self.tokenizer, self.args, self.first = tokenizer, args, first
@@ -966,8 +995,11 @@ class _OnlineDagger:
         self.labels = None
 
     def poll(self, model):
-        """The newest iteration's labelled episodes once it is done (and the next one
-        launched from ``model``), else []."""
+        """Collect the newest labelled episodes.
+
+        The newest iteration's labelled episodes once it is done (and the next one launched from
+        ``model``), else [].
+        """
         if self.exhausted:
             return []
         if self.rollouts is None:
@@ -1021,10 +1053,12 @@ def _validation(model, tokenizer, args):
 
 
 def _export(model, tokenizer, path, inputs=None, aim=False, object_tokens=False):
-    """An HF-layout checkpoint (bf16) of ``model``, which stays as it is; ``inputs`` (topics)
-    and ``aim``: recorded in its training.json, where rollouts and rt-llm-eval read them;
-    ``object_tokens``: recorded too (its tokenizer keeps each object name one token, which
-    an --init run from it inherits)."""
+    """Return an HF-layout checkpoint (bf16) of ``model``, which stays as it is.
+
+    ``inputs`` (topics) and ``aim``: recorded in its training.json, where rollouts and rt-llm-eval
+    read them; ``object_tokens``: recorded too (its tokenizer keeps each object name one token,
+    which an --init run from it inherits).
+    """
     import torch
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -1041,9 +1075,12 @@ def _export(model, tokenizer, path, inputs=None, aim=False, object_tokens=False)
 
 
 def aim_accuracy(model, ids, labels):
-    """Share of contexts (right-padded [batch, width] tensors) whose newest stated aim is
-    the arg-max of the model, teacher-forced: the fourth-last label of a full action (aim,
-    v, w, newline) or the one label of a lookup context."""
+    """Measure how often the stated aim is right.
+
+    Share of contexts (right-padded [batch, width] tensors) whose newest stated aim is the arg-max
+    of the model, teacher-forced: the fourth-last label of a full action (aim, v, w, newline) or
+    the one label of a lookup context.
+    """
     import torch
     model.eval()
     with torch.no_grad():
@@ -1059,11 +1096,14 @@ def aim_accuracy(model, ids, labels):
 
 def draw_contexts(rng, episodes, system, budget, size, counterfactual=1.0, lookup=False,
                   sparse=None, device='cpu', transform=None):
-    """(ids, labels) int64 tensors, right-padded, of up to ``size`` contexts, each ending at a
-    random tick after the first instruction of one of ``episodes`` and kept only where its
-    newest tick fits ``budget`` (``build_sample``: ``counterfactual``, ``lookup``,
-    ``sparse``); ``transform(ids, labels)`` rewrites each kept one. Fewer than ``size`` only
-    where 50 draws a context found none to fit (a short budget); none: ValueError."""
+    """Draw held-out contexts.
+
+    (ids, labels) int64 tensors, right-padded, of up to ``size`` contexts, each ending at a random
+    tick after the first instruction of one of ``episodes`` and kept only where its newest tick
+    fits ``budget`` (``build_sample``: ``counterfactual``, ``lookup``, ``sparse``);
+    ``transform(ids, labels)`` rewrites each kept one. Fewer than ``size`` only where 50 draws a
+    context found none to fit (a short budget); none: ValueError.
+    """
     import torch
     rows = []
     for _ in range(50 * size):
@@ -1088,9 +1128,12 @@ def draw_contexts(rng, episodes, system, budget, size, counterfactual=1.0, looku
 
 
 def _share_with_builders(episodes, system, args=None):
-    """Set what ``_build_batch`` reads (the episodes, the system prompt and, for a round,
-    the batch options of ``args``; a lookup stage's contexts take none of them) and each
-    episode's tick tables, before the builders fork: every builder inherits them."""
+    """Share the episodes with the batch builders before they fork.
+
+    Set what ``_build_batch`` reads (the episodes, the system prompt and, for a round, the batch
+    options of ``args``; a lookup stage's contexts take none of them) and each episode's tick
+    tables, before the builders fork: every builder inherits them.
+    """
     global _EPISODES, _SYSTEM, _KEYFRAME, _DISTRACTOR, _SHORT_FIRST, _COUNTERFACTUAL, _SPARSE
     global _LOOKUP_SHARE, _MEANING_SHARE, _STALE
     _EPISODES, _SYSTEM = episodes, system
@@ -1108,16 +1151,19 @@ def _share_with_builders(episodes, system, args=None):
 
 
 class _Steps:
-    """Backward, clip and apply one loss; a non-finite loss or gradient is skipped, never
-    applied (one such step turned every weight into NaN: batch 128, bf16, step 3088 of a
-    GPU run), and 20 in a row end the run with nothing exported."""
+    """Backward, clip and apply one loss.
+
+    A non-finite loss or gradient is skipped, never applied (one such step turned every weight into
+    NaN: batch 128, bf16, step 3088 of a GPU run), and 20 in a row end the run with nothing
+    exported.
+    """
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
         self.in_a_row = self.skipped = 0
 
     def apply(self, loss, where):
-        """The loss's value if applied, else None."""
+        """Return the loss's value if applied, else None."""
         import torch
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -1137,12 +1183,14 @@ class _Steps:
 
 
 def _lookup_stage(model, episodes, system, args, device, held):
-    """--lookup-first: before round 0, at most ``args.lookup_first`` steps of lookup
-    contexts alone (``build_sample(lookup=True)``, the instruction drawn, at least
-    LOOKUP_BATCH a step) at the constant LOOKUP_LR, ended once the aim is right on
-    LOOKUP_DONE of ``held`` (held-out lookup contexts, checked every LOOKUP_EVERY steps).
-    A fresh model sits at a guess for ~1000-1500 steps of 256, then finds the match at once
-    (docs/history.md). Returns its record."""
+    """Train the lookup alone before round 0.
+
+    --lookup-first: before round 0, at most ``args.lookup_first`` steps of lookup contexts alone
+    (``build_sample(lookup=True)``, the instruction drawn, at least LOOKUP_BATCH a step) at the
+    constant LOOKUP_LR, ended once the aim is right on LOOKUP_DONE of ``held`` (held-out lookup
+    contexts, checked every LOOKUP_EVERY steps). A fresh model sits at a guess for ~1000-1500 steps
+    of 256, then finds the match at once (docs/history.md). Returns its record.
+    """
     import torch
     _share_with_builders(episodes, system)
     size = max(args.batch, LOOKUP_BATCH)
@@ -1181,10 +1229,12 @@ def _lookup_stage(model, episodes, system, args, device, held):
 
 
 def weighted_loss(model, ids, attention, labels, weights, positions=None):
-    """Cross-entropy of the next token at every labelled position, weighted: sum(w * ce) /
-    sum(w), with the same shift as the model's own loss (position i predicts label i + 1);
-    all weights 1 give the model's own mean. ``attention``: None, a [batch, width] padding
-    mask or a 4-D boolean one (``stale_mask``); ``positions``: the tokens' position ids."""
+    """Cross-entropy of the next token at every labelled position, weighted.
+
+    Sum(w * ce) / sum(w), with the same shift as the model's own loss (position i predicts label i
+    + 1); all weights 1 give the model's own mean. ``attention``: None, a [batch, width] padding
+    mask or a 4-D boolean one (``stale_mask``); ``positions``: the tokens' position ids.
+    """
     import torch
     logits = model(input_ids=ids, attention_mask=attention,
                    position_ids=positions).logits[:, :-1].float()
@@ -1198,13 +1248,16 @@ def weighted_loss(model, ids, attention, labels, weights, positions=None):
 
 def _train_round(model, episodes, system, args, round_, seconds, device, started,
                  online=None):
-    """One round of ``args.steps`` steps (or ``seconds``): fresh AdamW and one-cycle
-    schedule; batches built by forked workers (the episodes are inherited, not pickled),
-    kept two per worker ahead of the GPU, which otherwise waited on Python.
+    """One round of ``args.steps`` steps (or ``seconds``).
+
+    Fresh AdamW and one-cycle schedule; batches built by forked workers (the episodes are
+    inherited, not pickled), kept two per worker ahead of the GPU, which otherwise waited on
+    Python.
 
     ``online`` (an ``_OnlineDagger``): polled every step from ``--online-dagger`` of the
     round's time on; the episodes it returns join ``episodes`` and the builders are forked
-    again to inherit them (batches already queued come from the old ones)."""
+    again to inherit them (batches already queued come from the old ones).
+    """
     import torch
     _share_with_builders(episodes, system, args)
     builders = ProcessPoolExecutor(args.workers, mp_context=_FORK)

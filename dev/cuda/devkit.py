@@ -21,15 +21,17 @@ PROBES = ('grid_sync_probe', 'layer_floor_probe', 'layer_floor_step', 'layer_flo
 
 
 def probe_kernels(weight_dtype):
-    """The probe and bandwidth kernels for ``weight_dtype``, loaded (needs a GPU)."""
+    """Return the probe and bandwidth kernels for ``weight_dtype``, loaded (needs a GPU)."""
     from rt_llm_node.backends.cuda_kernels import KernelSet
     files = [HERE / 'probes.cu', ROOT / 'benchmarks' / 'bandwidth.cu']
     return KernelSet(weight_dtype, files=files, names=PROBES)
 
 
 def cluster_launcher(size):
-    """Launch a kernel in thread-block clusters of ``size`` blocks along x (sm_90 and
-    later); more than 8 needs the kernel's non-portable cluster size attribute set."""
+    """Launch a kernel in thread-block clusters of ``size`` blocks along x (sm_90 and later).
+
+    More than 8 needs the kernel's non-portable cluster size attribute set.
+    """
     import ctypes
     from rt_llm_node.backends.cuda_kernels import LaunchWithAttribute
     launcher = LaunchWithAttribute(CLUSTER_DIMENSION)

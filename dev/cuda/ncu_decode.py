@@ -1,4 +1,4 @@
-"""A steady run of decode steps for Nsight Compute to sample (nothing else on the GPU).
+r"""A steady run of decode steps for Nsight Compute to sample (nothing else on the GPU).
 
     ncu --clock-control none -k regex:'matmul_.*_t1|attn_decode' -s 400 -c 12 \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats \\

@@ -62,8 +62,11 @@ def model_bytes(config, bytes_per_weight=2):
 
 
 def floor_reference(w, x, phases):
-    """numpy twin of `phases` floor phases, x <- (W x or x) / rms(x) (w None: rows = 0);
-    test_cuda_kernels checks the kernels against it too."""
+    """Compute the numpy twin of `phases` floor phases.
+
+    Each phase is x <- (W x or x) / rms(x); ``w`` None means rows = 0. The probe tests check
+    the kernels against it.
+    """
     x = x.astype(np.float64)
     for _ in range(phases):
         inv = 1.0 / np.sqrt(np.mean(x * x) + 1e-6)
@@ -102,14 +105,17 @@ class Floor:
         return self.cp.asarray(raw), exact, x0
 
     def vector(self, x0):
-        """The ping-pong buffer [2, d] with x0 in its first half."""
+        """Return the ping-pong buffer [2, d] with x0 in its first half."""
         xs = self.cp.zeros(2 * x0.size, np.float32)
         xs[:x0.size] = self.cp.asarray(x0)
         return xs
 
     def graph(self, cooperative, xs, w, d, rows, phases, release_first=0):
-        """A CUDA graph of one cooperative launch of `phases` phases, or of `phases`
-        layer_floor_step launches (the ping-pong of xs); phase p reads half p % 2."""
+        """Capture a step of floor phases.
+
+        A CUDA graph of one cooperative launch of `phases` phases, or of `phases` layer_floor_step
+        launches (the ping-pong of xs); phase p reads half p % 2.
+        """
         with self.stream:
             self.stream.begin_capture()
             if cooperative:
@@ -125,8 +131,11 @@ class Floor:
             return self.stream.end_capture()
 
     def splitk_graph(self, xs, d, phases):
-        """A CUDA graph of `phases` layer_floor_splitk launches over the three buffers of xs
-        ([3, d]): launch p reads p % 3, adds into (p + 1) % 3 and zeroes (p + 2) % 3."""
+        """Capture a chain of split-K launches.
+
+        A CUDA graph of `phases` layer_floor_splitk launches over the three buffers of xs ([3, d]):
+        launch p reads p % 3, adds into (p + 1) % 3 and zeroes (p + 2) % 3.
+        """
         part = [xs[i * d:(i + 1) * d] for i in range(3)]
         with self.stream:
             self.stream.begin_capture()
@@ -137,8 +146,11 @@ class Floor:
             return self.stream.end_capture()
 
     def time_us(self, graph, repeats, batch=20):
-        """Median over `repeats` batches of the mean GPU time of `batch` replays back to back
-        (the GPU never waits for the host between them)."""
+        """Time graph replays back to back.
+
+        Median over `repeats` batches of the mean GPU time of `batch` replays back to back (the GPU
+        never waits for the host between them).
+        """
         cp = self.cp
         start, stop = cp.cuda.Event(), cp.cuda.Event()
         graph.launch(self.stream)
@@ -207,7 +219,7 @@ def skeleton_table(floor, shapes, phase_counts, repeats, rng):
     header = ['shape', 'phases a layer', 'work', 'rows a block', 'cooperative step us',
               'us a phase', 'kernels step us', 'us a kernel', 'kernels released first step us',
               'us a kernel (released first)', 'split-K kernels step us',
-              'us a split-K kernel', 'issue target us']
+              'us a split-K kernel', 'target us']
     targets = {'smollm2-135m': 150, 'qwen2.5-0.5b': 350, 'llama-3.2-1b': 700}
     rows = []
     for shape in shapes:
@@ -244,9 +256,11 @@ def skeleton_table(floor, shapes, phase_counts, repeats, rng):
 
 
 def cluster_table(floor, repeats, rng, d=576, rounds=90):
-    """A phase kept inside a thread-block cluster, every cluster of the grid at once: us a
-    round, by cluster size, for each exchange (cluster_floor_probe: pull,
-    cluster_push_probe: push); each checked against numpy first."""
+    """Return a phase kept inside a thread-block cluster, every cluster of the grid at once.
+
+    Us a round, by cluster size, for each exchange (cluster_floor_probe: pull, cluster_push_probe:
+    push); each checked against numpy first.
+    """
     from cupy_backends.cuda.api import driver
     x0 = rng.standard_normal(d).astype(np.float32)
     rows = []
@@ -266,8 +280,11 @@ def cluster_table(floor, repeats, rng, d=576, rounds=90):
 
 
 def cluster_rounds(floor, name, size, grid, smem, x0, repeats, rounds):
-    """[us a round, 60 rounds us, 90 rounds us] of cluster kernel ``name`` (x0, out, d,
-    rounds) in clusters of ``size``, or why the device refused the launch."""
+    """Time a cluster kernel in clusters of ``size``.
+
+    [us a round, 60 rounds us, 90 rounds us] of cluster kernel ``name`` (x0, out, d, rounds) in
+    clusters of ``size``, or why the device refused the launch.
+    """
     cp, d, fn = floor.cp, len(x0), getattr(floor.k, name)
     x0_dev, out = cp.asarray(x0), cp.zeros(d, np.float32)
     launch = cluster_launcher(size)

@@ -1,7 +1,9 @@
-"""The study kernels (probes.cu, benchmarks/bandwidth.cu) against numpy: they do the work
-they are timed for. GPU only; run from the repository root:
+"""The study kernels (probes.cu, benchmarks/bandwidth.cu) against numpy.
+
+They do the work they are timed for. GPU only; run from the repository root:
 
     PYTHONPATH=. python3 -m pytest -q dev/cuda/test_probes.py
+
 """
 
 import os
@@ -63,10 +65,13 @@ def kit(request):
 
 @pytest.mark.parametrize('per_sm,threads', [(1, 256), (2, 128)])
 def test_grid_sync_lets_no_block_pass_early(kit, per_sm, threads):
-    """decode_persistent's barrier: in each round every block writes the round number,
-    passes the barrier, then reads its neighbour's; an early pass reads an older round.
-    200 launches back to back: each must leave the counters at zero for the next (a reset
-    while a block still polls would strand it, and the launch would trap)."""
+    """decode_persistent's barrier.
+
+    In each round every block writes the round number, passes the barrier, then reads its
+    neighbour's; an early pass reads an older round. 200 launches back to back: each must leave the
+    counters at zero for the next (a reset while a block still polls would strand it, and the
+    launch would trap).
+    """
     cp, k, _ = kit
     from rt_llm_node.backends.cuda_kernels import CooperativeLauncher
     n_sm = cp.cuda.Device().attributes['MultiProcessorCount']
@@ -85,9 +90,11 @@ def test_grid_sync_lets_no_block_pass_early(kit, per_sm, threads):
 
 @pytest.mark.parametrize('rows,release_first', [(0, 0), (6, 1), (16, 0), (16, 1)])
 def test_layer_floor_kernels_compute_the_chain(kit, rows, release_first):
-    """The probe kernels of probe_layer_floor.py do the work they are timed for: each
-    phase's vector is the whole previous one normalized (and multiplied by W), in one
-    cooperative launch and in a chain of launches under programmatic dependent launch."""
+    """The probe kernels of probe_layer_floor.py do the work they are timed for.
+
+    Each phase's vector is the whole previous one normalized (and multiplied by W), in one
+    cooperative launch and in a chain of launches under programmatic dependent launch.
+    """
     cp, k, dtype = kit
     from rt_llm_node.backends.cuda_kernels import CooperativeLauncher
     from rt_llm_node.backends.cuda_kernels import DependentLauncher
@@ -127,9 +134,12 @@ def test_read_sum_wide_reads_every_value_once(kit, grid):
 
 
 def test_layer_floor_splitk_sums_the_blocks_partials(kit):
-    """layer_floor_splitk: every block adds x * inv_rms / grid into the next buffer and
-    zeroes its rows of the one after; over a chain of 7 launches on three rotating buffers
-    the vector follows x <- x / rms(x) (the blocks' partials add up to the whole)."""
+    """Check the split-K probe against numpy.
+
+    layer_floor_splitk: every block adds x * inv_rms / grid into the next buffer and zeroes its
+    rows of the one after; over a chain of 7 launches on three rotating buffers the vector follows
+    x <- x / rms(x) (the blocks' partials add up to the whole).
+    """
     cp, k, _ = kit
     from rt_llm_node.backends.cuda_kernels import DependentLauncher
     rng = np.random.default_rng(3)
@@ -151,9 +161,12 @@ def test_layer_floor_splitk_sums_the_blocks_partials(kit):
 @pytest.mark.parametrize('size', [2, 8, 16])
 @pytest.mark.parametrize('kind', ['pull', 'push'])
 def test_cluster_floor_probe_keeps_the_chain_in_a_cluster(kit, size, kind):
-    """cluster_floor_probe (pull: the vector spread over a cluster's shared memories, read
-    through DSMEM each round) and cluster_push_probe (push: each block writes its slice into
-    every block's copy) follow x <- x / rms(x) in every cluster of the grid."""
+    """Check the cluster probes against numpy.
+
+    cluster_floor_probe (pull: the vector spread over a cluster's shared memories, read through
+    DSMEM each round) and cluster_push_probe (push: each block writes its slice into every block's
+    copy) follow x <- x / rms(x) in every cluster of the grid.
+    """
     cp, k, _ = kit
     from cupy_backends.cuda.api import driver
     if int(cp.cuda.Device().compute_capability) < 90:

@@ -31,7 +31,7 @@ class CacheOverflowError(BackendError):
 
 # -- the contract's argument checks, shared by every backend ------------------------------
 def check_capacity(capacity, config):
-    """A KV capacity must be in 1 .. the model's trained length."""
+    """Return a KV capacity must be in 1 .. the model's trained length."""
     if not 1 <= capacity <= config.max_position_embeddings:
         raise ValueError(f'kv capacity {capacity} must be in 1..{config.max_position_embeddings} '
                          "(the model's trained length)")
@@ -82,7 +82,7 @@ def cuda_available():
 
 
 def cuda_backend_class():
-    """The CUDA backend class, or None where this build has none."""
+    """Return the CUDA backend class, or None where this build has none."""
     try:
         from rt_llm_node.backends.cuda_backend import CudaBackend
     except ImportError:
@@ -91,8 +91,10 @@ def cuda_backend_class():
 
 
 def make_backend(name, checkpoint, capacity, decode_step='auto'):
-    """Build backend ``name`` ('auto', 'numpy' or 'cuda') for ``checkpoint``; the CUDA one
-    with ``decode_step`` (DECODE_STEPS)."""
+    """Build backend ``name`` ('auto', 'numpy' or 'cuda') for ``checkpoint``.
+
+    The CUDA one with ``decode_step`` (DECODE_STEPS).
+    """
     if name not in BACKENDS:
         raise ValueError(f'unknown backend {name!r} (choose from {", ".join(BACKENDS)})')
     if decode_step not in DECODE_STEPS:

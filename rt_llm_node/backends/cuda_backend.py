@@ -88,9 +88,12 @@ class CudaOptions:
 
 
 def staged_plan(units, k, weight_bytes, n_sm):
-    """(blocks, units a block, dynamic shared bytes) of a staged one-token matmul over
-    ``units`` row pairs of length ``k``, or None where it does not fit (then the _t1
-    kernel streams it): the fewest blocks, n_sm or 2 n_sm, whose rows fit SP_MAX_SHARED."""
+    """Plan a staged one-token matmul, or return None where it does not fit.
+
+    (blocks, units a block, dynamic shared bytes) of a staged one-token matmul over ``units`` row
+    pairs of length ``k``, or None where it does not fit (then the _t1 kernel streams it): the
+    fewest blocks, n_sm or 2 n_sm, whose rows fit SP_MAX_SHARED.
+    """
     if k % 8:
         return None
     for per_sm in range(1, SP_MAX_BLOCKS_PER_SM + 1):
@@ -119,7 +122,7 @@ def matvec_split(units, k, mv_batch, n_sm, warps=MATMUL_WARPS):
 
 
 def _device_errors():
-    """The exception types of a failing CUDA call (driver, runtime, out of memory)."""
+    """Return the exception types of a failing CUDA call (driver, runtime, out of memory)."""
     from cupy.cuda.memory import OutOfMemoryError
     from cupy_backends.cuda.api.driver import CUDADriverError
     from cupy_backends.cuda.api.runtime import CUDARuntimeError
@@ -169,8 +172,11 @@ class CudaBackend:
     name = 'cuda'
 
     def __init__(self, checkpoint, capacity, options=None):
-        """Upload ``checkpoint``, allocate a ``capacity``-token cache, compile, capture the
-        graphs and (decode_step 'auto') pick the decode step: see ``CudaOptions``."""
+        """Build the backend: upload, allocate, compile and capture.
+
+        Upload ``checkpoint``, allocate a ``capacity``-token cache, compile, capture the graphs and
+        (decode_step 'auto') pick the decode step: see ``CudaOptions``.
+        """
         import cupy as cp
         self.cp = cp
         self.options = options = options or CudaOptions()
@@ -204,10 +210,13 @@ class CudaBackend:
             self.decode_tuning = self._tune_decode() if options.decode_step == 'auto' else None
 
     def _tune_decode(self):
-        """decode_step 'auto': the decode graph's GPU time (median us of TUNE_REPEATS replays
-        at TUNE_CONTEXT cached slots, CUDA events) as a kernel a phase and as
-        decode_persistent, where it can run; keeps the faster, decode_persistent only by
-        TUNE_MARGIN. Returns {'kernels': us, 'persistent': us or None, 'chosen': name}."""
+        """Time both decode steps and keep the faster.
+
+        decode_step 'auto': the decode graph's GPU time (median us of TUNE_REPEATS replays at
+        TUNE_CONTEXT cached slots, CUDA events) as a kernel a phase and as decode_persistent, where
+        it can run; keeps the faster, decode_persistent only by TUNE_MARGIN. Returns {'kernels':
+        us, 'persistent': us or None, 'chosen': name}.
+        """
         times = {'kernels': self._time_decode_graph(), 'persistent': None}
         if self.persistent_decode_problem() is None:
             self._prepare_persistent()
@@ -228,8 +237,11 @@ class CudaBackend:
         self.graphs[1] = self._capture(1)
 
     def _time_decode_graph(self):
-        """Median GPU us of a decode-graph replay at min(TUNE_CONTEXT, capacity - 1) cached
-        slots (their contents do not change the work); leaves the cache empty."""
+        """Time the decode graph's replay on the device.
+
+        Median GPU us of a decode-graph replay at min(TUNE_CONTEXT, capacity - 1) cached slots
+        (their contents do not change the work); leaves the cache empty.
+        """
         cp = self.cp
         length = min(TUNE_CONTEXT, self.capacity - 1)
         start, stop = cp.cuda.Event(), cp.cuda.Event()
@@ -256,9 +268,11 @@ class CudaBackend:
         return self._dependent is not None
 
     def _choose_launch(self, enabled):
-        """The one place that decides the launch mode (None: dependent where the device has
-        it); below sm_90 the kernels' griddepcontrol waits compile to nothing, so asking
-        for it there is an error, not a race."""
+        """Decide the launch mode, in this one place.
+
+        None: dependent where the device has it. Below sm_90 the kernels' griddepcontrol waits
+        compile to nothing, so asking for it there is an error, not a race.
+        """
         if enabled is None:
             enabled = self.kernels.arch >= 90
         if enabled and self.kernels.arch < 90:
@@ -267,8 +281,10 @@ class CudaBackend:
         self._dependent = DependentLauncher() if enabled else None
 
     def _resident_blocks(self, name, threads=32 * MATMUL_WARPS, shared=0):
-        """Blocks of kernel ``name`` (default: a matmul's 128 threads, no dynamic shared
-        memory) that fit on one multiprocessor at once; 0 when none does."""
+        """Blocks of kernel ``name`` that fit on one multiprocessor at once (0: none does).
+
+        Default geometry: a matmul's 128 threads, no dynamic shared memory.
+        """
         key = (name, threads, shared)
         if key not in self._resident:
             from cupy_backends.cuda.api import driver
@@ -296,15 +312,21 @@ class CudaBackend:
         return self._staged
 
     def staged_matmuls(self):
-        """{matmul: (blocks, units a block, shared bytes) or None} of a decode step: which
-        of a layer's matmuls run staged, whether or not staged_decode is on."""
+        """Return the staging plan of each matmul of a decode step.
+
+        {matmul: (blocks, units a block, shared bytes) or None} of a decode step: which of a
+        layer's matmuls run staged, whether or not staged_decode is on.
+        """
         wbytes = 4 if self.weight_dtype == 'F32' else 2
         return {name: staged_plan(units, k, wbytes, self.n_sm)
                 for name, (units, k) in self._layer_matmuls().items()}
 
     def _layer_matmuls(self):
-        """{matmul: (units, K)} of one layer: the row pairs (units) each kernel computes
-        (a SwiGLU unit is one gate row and its up row) and the length of each row."""
+        """Return the shape of each matmul of one layer.
+
+        {matmul: (units, K)} of one layer: the row pairs (units) each kernel computes (a SwiGLU
+        unit is one gate row and its up row) and the length of each row.
+        """
         cfg = self.config
         hid, inter = cfg.hidden_size, cfg.intermediate_size
         return {'qkv': ((cfg.q_size + 2 * cfg.kv_size) // 2, hid),
@@ -454,8 +476,11 @@ class CudaBackend:
         return ring[index]
 
     def _launch(self, name, grid, block, *args, shared=0, dependent=False):
-        """Launch a kernel on the stream; ``dependent``: it may start before the previous
-        kernel of the forward ends (it waits for its results with griddepcontrol.wait)."""
+        """Launch a kernel on the stream.
+
+        ``dependent``: it may start before the previous kernel of the forward ends (it waits for
+        its results with griddepcontrol.wait).
+        """
         function = self.kernels.functions[name]
         if dependent and self._dependent is not None:
             self._dependent(function, grid, block, args, shared, self.stream)
@@ -475,9 +500,11 @@ class CudaBackend:
         mv_batch = MV_BATCH[self.weight_dtype]
 
         def mm(units, k, kernel, one_token=decode):
-            """(grid, split) of a matmul over ``units`` row pairs of length ``k``; the
-            one-token (_t1) kernels may split K, the 16-token tiles never do; a one-token
-            grid is at most what is resident (its blocks stride over the row groups)."""
+            """(grid, split) of a matmul over ``units`` row pairs of length ``k``.
+
+            The one-token (_t1) kernels may split K, the 16-token tiles never do; a one-token grid
+            is at most what is resident (its blocks stride over the row groups).
+            """
             if not one_token:   # tile16_body: T16_UNITS units a block, two a warp
                 return ((units + T16_UNITS - 1) // T16_UNITS, tiles), _i32(1)
             split = matvec_split(units, k, mv_batch, self.n_sm)
@@ -495,8 +522,11 @@ class CudaBackend:
                     else None)
 
         def matmul(kind, units, k, *args):
-            """The residual or swiglu matmul: the staged kernel where it fits, else the
-            _t1 or 16-token one. args: W, rows, K, x, norm_w, eps, out."""
+            """Return the residual or swiglu matmul.
+
+            The staged kernel where it fits, else the _t1 or 16-token one. args: W, rows, K, x,
+            norm_w, eps, out.
+            """
             plan = staged(units, k)
             if plan is not None:
                 blocks, per_block, shared = plan
@@ -570,7 +600,8 @@ class CudaBackend:
     def _enqueue_mass(self, probs, n_rows, n_max, first, row_ml=None):
         """mass[t] (+)= the probabilities of ``n_rows`` rows (stride capacity) at key t.
 
-        With ``row_ml`` the rows hold raw scores and their softmax max and sum."""
+        With ``row_ml`` the rows hold raw scores and their softmax max and sum.
+        """
         self._launch('attn_mass', ((self.capacity + 31) // 32,), (256,), self.state, probs,
                      NULL if row_ml is None else row_ml, self.mass, _i32(n_max), _i32(n_rows),
                      _i32(self.capacity), _i32(1 if first else 0), dependent=True)

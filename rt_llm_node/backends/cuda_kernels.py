@@ -62,7 +62,7 @@ class KernelBuildError(RuntimeError):
 
 
 def source_dir():
-    """The folder holding the .cu files: $RT_LLM_CUDA_DIR, the source tree, or share/."""
+    """Return the folder holding the .cu files: $RT_LLM_CUDA_DIR, the source tree, or share/."""
     candidates = []
     if os.environ.get('RT_LLM_CUDA_DIR'):
         candidates.append(Path(os.environ['RT_LLM_CUDA_DIR']))
@@ -81,7 +81,7 @@ def source_dir():
 
 
 def runtime_sources(folder=None):
-    """The .cu files of the runtime's program, in KERNELS' order."""
+    """Return the .cu files of the runtime's program, in KERNELS' order."""
     folder = Path(folder) if folder else source_dir()
     return [folder / name for name in KERNELS]
 
@@ -93,7 +93,7 @@ def headers(folder=None):
 
 
 def program_source(files):
-    """The .cu ``files`` as one translation unit, each behind a ``#line 1`` directive."""
+    """Return the .cu ``files`` as one translation unit, each behind a ``#line 1`` directive."""
     parts = []
     for path in map(Path, files):
         parts.append(f'#line 1 "{path.name}"')
@@ -112,8 +112,11 @@ def compile_options(arch, weight_dtype):
 
 
 def compile_cubin(arch, weight_dtype, files=None, folder=None):
-    """Compile ``files`` (default: the runtime's program) with the headers of ``folder``
-    (default: ``source_dir()``); return (cubin bytes, NVRTC log). Raises KernelBuildError."""
+    """Compile ``files`` with NVRTC; return (cubin bytes, NVRTC log).
+
+    ``files`` default to the runtime's program, the headers come from ``folder`` (default:
+    ``source_dir()``). Raises KernelBuildError.
+    """
     from cupy_backends.cuda.libs import nvrtc
     folder = Path(folder) if folder else source_dir()
     source = program_source(files or runtime_sources(folder))
@@ -134,8 +137,11 @@ def compile_cubin(arch, weight_dtype, files=None, folder=None):
 
 
 def kernel_cache_dir():
-    """Where compiled kernels are kept: $RT_LLM_KERNEL_CACHE ('' or 'off': nowhere), else
-    $XDG_CACHE_HOME/rt_llm_node/kernels (~/.cache by default)."""
+    """Where compiled kernels are kept.
+
+    $RT_LLM_KERNEL_CACHE ('' or 'off': nowhere), else $XDG_CACHE_HOME/rt_llm_node/kernels (~/.cache
+    by default).
+    """
     value = os.environ.get('RT_LLM_KERNEL_CACHE')
     if value is not None:
         return None if value.strip() in ('', 'off') else Path(value)
@@ -144,12 +150,15 @@ def kernel_cache_dir():
 
 
 def cached_cubin(arch, weight_dtype, files=None, folder=None, cache_dir=False):
-    """``compile_cubin``'s (cubin, log), kept on disk under a hash of the sources, the
-    options and NVRTC's version: configure compiles once per build and device (about 10-30
-    s of NVRTC on one core), not on every start. ``cache_dir``: a folder, None for no cache,
-    False (default) for ``kernel_cache_dir()``. A cache that cannot be read or written is
-    passed over: the kernels are compiled as without one; a damaged entry (checked by its
-    digest) is compiled again and replaced."""
+    """Compile the kernels once per build and device, cached on disk.
+
+    ``compile_cubin``'s (cubin, log), kept on disk under a hash of the sources, the options and
+    NVRTC's version: configure compiles once per build and device (about 10-30 s of NVRTC on one
+    core), not on every start. ``cache_dir``: a folder, None for no cache, False (default) for
+    ``kernel_cache_dir()``. A cache that cannot be read or written is passed over: the kernels are
+    compiled as without one; a damaged entry (checked by its digest) is compiled again and
+    replaced.
+    """
     import hashlib
     from cupy_backends.cuda.libs import nvrtc
     if cache_dir is False:
@@ -186,7 +195,8 @@ class KernelSet:
     """The loaded module for one device and weight dtype; ``k.name`` is a kernel.
 
     By default the runtime's program; benchmarks and studies pass their own ``files`` and
-    ``names`` (compiled with the same options and headers)."""
+    ``names`` (compiled with the same options and headers).
+    """
 
     def __init__(self, weight_dtype, device_id=0, files=None, names=None):
         import cupy
@@ -232,7 +242,7 @@ def _launch_structs():
 
 
 def _kernel_argument(value):
-    """A kernel argument as the ctypes value whose address cuLaunchKernelEx reads."""
+    """Return a kernel argument as the ctypes value whose address cuLaunchKernelEx reads."""
     import ctypes
     import numpy as np
     if hasattr(value, 'data') and hasattr(value.data, 'ptr'):   # a CuPy array
@@ -285,8 +295,11 @@ class DependentLauncher(LaunchWithAttribute):
 
 
 class CooperativeLauncher(LaunchWithAttribute):
-    """Launch a kernel cooperatively: the driver refuses a grid whose blocks cannot all be
-    resident at once (the persistent kernels' grid_sync needs that), also in a graph."""
+    """Launch a kernel cooperatively.
+
+    The driver refuses a grid whose blocks cannot all be resident at once (the persistent kernels'
+    grid_sync needs that), also in a graph.
+    """
 
     def __init__(self):
         super().__init__(COOPERATIVE)

@@ -21,7 +21,7 @@ def rmsnorm(x, weight, eps):
 
 
 def silu(x):
-    """x * sigmoid(x), elementwise."""
+    """Compute x * sigmoid(x), elementwise."""
     return x / (1.0 + np.exp(-x))
 
 

@@ -17,7 +17,6 @@ from rt_llm_node.codec.observations import _sanitize
 
 
 class GrammarError(ValueError):
-
     """An action schema cannot be expressed with this tokenizer, or is invalid."""
 
 
@@ -91,7 +90,7 @@ class ActionField:
         return f'{self.key}{"-" if value < 0 else "+"}{abs(value):0{self.width}.{self.decimals}f}'
 
     def quantize(self, value):
-        """The permitted value nearest to ``value`` (clamped; NaN goes to 0 or the minimum)."""
+        """Return the permitted value nearest to ``value`` (clamped; NaN: 0 or the minimum)."""
         if not math.isfinite(value):
             value = 0.0
         value = min(max(value, self.minimum), self.maximum)
@@ -129,7 +128,7 @@ class FieldGrammar:
         self._check_round_trip()
 
     def field(self, name):
-        """The ActionField of message field (or plan field) ``name``."""
+        """Look up the ActionField named ``name``, a message field or a plan field."""
         for f in self.fields:
             if f.name == name:
                 return f
@@ -198,7 +197,7 @@ class FieldGrammar:
         return node.shortest() + sum(t.shortest() for t in self.tries[index + 1:])
 
     def action(self, state, token_ids=()):
-        """The clamped Action of a finished state."""
+        """Return the clamped Action of a finished state."""
         values = {f.name: float(f.quantize(v)) for f, v in zip(self.fields, state[2])}
         return Action(self.kind, values, token_ids=tuple(token_ids))
 
@@ -223,9 +222,12 @@ class FieldGrammar:
 
 
 def is_plan_field(name):
-    """A field named '_...' is decoded like any other (constrained, before the fields after
-    it) and kept in the tick's records, but never published: a plan the policy states
-    first and conditions the command on (e.g. the demo's '_aim', the bearing it steers for)."""
+    """Tell whether a field is a plan field.
+
+    A field named '_...' is decoded like any other (constrained, before the fields after it) and
+    kept in the tick's records, but never published: a plan the policy states first and conditions
+    the command on (e.g. the demo's '_aim', the bearing it steers for).
+    """
     return name.startswith('_')
 
 

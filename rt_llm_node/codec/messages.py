@@ -1,11 +1,14 @@
-"""Actions and refusals as ROS messages, one mapping for the node (rclpy classes) and for
-replay (rosbags messages built from plain namespaces)."""
+"""Actions and refusals as ROS messages.
+
+Actions and refusals as ROS messages, one mapping for the node (rclpy classes) and for replay
+(rosbags messages built from plain namespaces).
+"""
 
 from rt_llm_node.codec.actions import is_plan_field
 
 
 def action_message(action, action_type, period_s, make):
-    """The Action as a message of ``action_type``, built by ``make(type_name, **fields)``.
+    """Return the Action as a message of ``action_type``, built by ``make(type_name, **fields)``.
 
     The node passes rclpy's message classes, replay plain namespaces: one mapping from
     grammar fields to message fields for both. A JointTrajectory has one point, due one

@@ -16,7 +16,6 @@ import numpy as np
 
 
 class RenderError(ValueError):
-
     """A message cannot be rendered (missing field, NaN where a number is needed, ...)."""
 
 
@@ -123,7 +122,7 @@ def _sanitize(text, max_chars):
 
 
 def render_string(msg, options):
-    """The text, printable characters only, whitespace collapsed, capped at ``max_chars``."""
+    """Keep printable characters only, whitespace collapsed, capped at ``max_chars``."""
     return _sanitize(msg.data, int(options.get('max_chars', 160)))
 
 
@@ -171,14 +170,14 @@ class InputSpec:
 
 
 class ObservationCodec:
-    """Renders inputs to text and token ids, each bounded by its ``max_tokens``."""
+    """Render inputs to text and token ids, each bounded by its ``max_tokens``."""
 
     def __init__(self, tokenizer, inputs):
         self.tokenizer = tokenizer
         self.inputs = {spec.topic: spec for spec in inputs}
 
     def text(self, topic, msg):
-        """Rendered line for ``msg`` on ``topic`` (RenderError if it cannot be rendered)."""
+        """Render ``msg`` on ``topic`` as one line (RenderError if it cannot be rendered)."""
         spec = self.inputs[topic]
         try:
             line = RENDERERS[spec.msg_type](msg, spec.options)

@@ -72,7 +72,9 @@ def _checkpoint(path):
 def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_ticks=None,
                       observe=None, expert_drives=False, action_delay=0, inputs=INPUTS,
                       aim=False):
-    """One closed-loop episode; returns dict(results, ticks, agree, refusals, executed, pose,
+    """Run one closed-loop episode of the model.
+
+    One closed-loop episode; returns dict(results, ticks, agree, refusals, executed, pose,
     collisions).
 
     ``executed``: the (v, w) the robot executed each tick (0, 0 on a refusal), which with
@@ -87,6 +89,7 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
     (``executed`` holds what the robot executed, so replays need no delay). ``inputs``: the
     input specs the engine renders, those the policy was trained on (``model_inputs``);
     ``aim``: the policy states its aim first (``model_aim``; the '_aim' plan field).
+
     """
     actuate = Actuation(action_delay)
     backend = backend or NumpyBackend(checkpoint, capacity)
@@ -135,7 +138,7 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
 
 
 def run_expert_episode(seed, action_delay=0):
-    """The expert alone on ``seed`` (its commands quantized like the model's)."""
+    """Return the expert alone on ``seed`` (its commands quantized like the model's)."""
     actuate = Actuation(action_delay)
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
     instruction = ''
@@ -158,8 +161,10 @@ _BACKENDS = {}
 
 
 def _job(job):
-    """One episode in a worker process: (model, policy, budget, seed, action delay, backend)
-    -> its result dict."""
+    """One episode in a worker process.
+
+    (model, policy, budget, seed, action delay, backend) -> its result dict.
+    """
     model, policy, budget, seed, delay, backend = job
     checkpoint = _checkpoint(model)
     if policy == 'expert':
@@ -186,8 +191,11 @@ def summarize(episodes):
 
 
 def summarize_rows(gathered):
-    """{row: {seed: episode}} -> {row: summary with its seeds and the goals reached on each
-    (rows on the same seeds pair up, e.g. for a sign test)."""
+    """Summarize each row of an evaluation.
+
+    {row: {seed: episode}} -> {row: summary with its seeds and the goals reached on each (rows on
+    the same seeds pair up, e.g. for a sign test).
+    """
     return {row: dict(summarize([eps[s] for s in sorted(eps)]), seeds=sorted(eps),
                       reached=[sum(r == 'reached' for r in eps[s]['results'])
                                for s in sorted(eps)])
@@ -213,7 +221,7 @@ def print_table(header, rows):
 
 
 def _write_json(path, table, complete, backend='numpy'):
-    """The table, whether every episode of the run is in it, and the policy's backend."""
+    """Return the table, whether every episode of the run is in it, and the policy's backend."""
     full = {p: table.get(f'{p}@full', {}).get('success') for p in POLICIES}
     Path(path).write_text(json.dumps({'table': table, 'full': full, 'complete': complete,
                                       'backend': backend}, indent=2))

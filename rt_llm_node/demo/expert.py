@@ -28,8 +28,11 @@ def parse_instruction(text):
 
 
 def target_detection(instruction, detections_text):
-    """The first detection of the object ``instruction`` names, (colour, shape, bearing_deg,
-    distance_m), or None when it is not in sight (or there is no instruction)."""
+    """Find the detection of the object the instruction names.
+
+    The first detection of the object ``instruction`` names, (colour, shape, bearing_deg,
+    distance_m), or None when it is not in sight (or there is no instruction).
+    """
     target = parse_instruction(instruction)
     if target is None:
         return None
@@ -37,19 +40,25 @@ def target_detection(instruction, detections_text):
 
 
 def distractor_ahead(instruction, detections_text, off_axis_deg=30, ahead_deg=15):
-    """True when the instructed object is seen ``off_axis_deg`` or more off the heading
-    while another object lies within ``ahead_deg`` of it: the state where a policy that
-    binds the instruction's colour or shape alone, not both, steers at the wrong object
-    (training/diagnose.py; docs/history.md, why the demo policy fails)."""
+    """Tell whether the target is off to one side with another object ahead.
+
+    True when the instructed object is seen ``off_axis_deg`` or more off the heading while another
+    object lies within ``ahead_deg`` of it: the state where a policy that binds the instruction's
+    colour or shape alone, not both, steers at the wrong object (training/diagnose.py;
+    docs/history.md, why the demo policy fails).
+    """
     seen = target_detection(instruction, detections_text)
     return seen is not None and abs(seen[2]) >= off_axis_deg and any(
         d[:2] != seen[:2] and abs(d[2]) <= ahead_deg for d in parse_detections(detections_text))
 
 
 def expert_aim(instruction, detections_text, limit_deg=165.0, unseen_deg=180.0):
-    """The bearing (deg) the expert steers for: the instructed object's, within
-    +-``limit_deg``; ``unseen_deg`` when it is not in sight (the expert then turns on the
-    spot). What an aiming policy states before its command (task.AIM_FIELD)."""
+    """Return the bearing (deg) the expert steers for.
+
+    The instructed object's, within +-``limit_deg``; ``unseen_deg`` when it is not in sight (the
+    expert then turns on the spot). What an aiming policy states before its command
+    (task.AIM_FIELD).
+    """
     seen = target_detection(instruction, detections_text)
     return unseen_deg if seen is None else _clip(float(seen[2]), limit_deg)
 

@@ -26,7 +26,7 @@ def _vector(x=0.0, y=0.0, z=0.0):
 
 
 class MessageFactory:
-    """Builds the demo world's messages; ``ros=None`` picks ROS classes when available."""
+    """Build the demo world's messages; ``ros=None`` picks ROS classes when available."""
 
     def __init__(self, ros=None):
         self.ros = HAVE_ROS if ros is None else bool(ros)

@@ -36,7 +36,7 @@ INSTRUCTION_QOS = ('reliable', 'transient_local', 10)
 
 
 def offered_qos(topic):
-    """The rosbags Qos list rt-llm-demo-world offers on ``topic``."""
+    """Return the rosbags Qos list rt-llm-demo-world offers on ``topic``."""
     from rosbags.rosbag2.metadata import Qos
     from rosbags.rosbag2.metadata import QosDurability
     from rosbags.rosbag2.metadata import QosHistory

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def demo_parameters(path=None):
-    """The demo profile's ros__parameters (from the source tree or the installed share)."""
+    """Return the demo profile's ros__parameters (from the source tree or the installed share)."""
     candidates = [Path(path)] if path else [
         ROOT / 'config' / 'demo.yaml',                                      # source tree
         Path(sys.prefix) / 'share' / 'rt_llm_node' / 'config' / 'demo.yaml',  # pip install
@@ -76,7 +76,7 @@ def plot(layout, latencies, deadline_ms, path):
 
 
 class GoalCounter(Node):
-    """Counts the world's goal events (the world runs in its own process)."""
+    """Count the world's goal events (the world runs in its own process)."""
 
     def __init__(self):
         super().__init__('rt_llm_demo_goals')

@@ -41,7 +41,7 @@ REQUIRED_TOPICS = ('/instruction', '/scan', '/detections')   # what the expert r
 
 
 def demo_inputs(topics=None, required=REQUIRED_TOPICS):
-    """``INPUTS`` restricted to ``topics`` (in ``INPUTS`` order; None: all of them).
+    """Restrict ``INPUTS`` to ``topics`` (in ``INPUTS`` order; None: all of them).
 
     A policy may be trained on fewer inputs than the world publishes (e.g. without /odom,
     whose measured turn rate the shipped policy copies); the ``required`` ones stay (by
@@ -63,14 +63,17 @@ def demo_inputs(topics=None, required=REQUIRED_TOPICS):
 
 
 def model_inputs(model_dir):
-    """The demo inputs a checkpoint was trained on: the topics its ``training.json``
-    records under "inputs" (training/train.py --inputs), else all of ``INPUTS``.
-    Feeding a policy inputs it was not trained on loses most goals (docs/history.md)."""
+    """Return the demo inputs a checkpoint was trained on.
+
+    The topics its ``training.json`` records under "inputs" (training/train.py --inputs), else all
+    of ``INPUTS``. Feeding a policy inputs it was not trained on loses most goals
+    (docs/history.md).
+    """
     return demo_inputs(_training_record(model_dir).get('inputs'))
 
 
 def _training_record(model_dir):
-    """A checkpoint's ``training.json`` as a dict ({} where it has none)."""
+    """Return a checkpoint's ``training.json`` as a dict ({} where it has none)."""
     path = Path(model_dir) / 'training.json'
     if not path.is_file():
         return {}
@@ -84,30 +87,34 @@ def _training_record(model_dir):
 
 
 def action_fields(aim=False):
-    """The demo's action fields: v and w, after the plan field '_aim' with ``aim``."""
+    """Return the demo's action fields: v and w, after the plan field '_aim' with ``aim``."""
     return ((AIM_FIELD,) if aim else ()) + TWIST_FIELDS
 
 
 def action_grammar(tokenizer, aim=False):
-    """The demo's Twist grammar for ``tokenizer`` (with the '_aim' plan field first)."""
+    """Return the demo's Twist grammar for ``tokenizer`` (with the '_aim' plan field first)."""
     return twist_grammar(tokenizer, action_fields(aim))
 
 
 def model_aim(model_dir):
-    """Whether a checkpoint was trained to state its aim first: its ``training.json``
-    records "aim" (training/train.py --aim); absent, it was not."""
+    """Whether a checkpoint was trained to state its aim first.
+
+    Its ``training.json`` records "aim" (training/train.py --aim); absent, it was not.
+    """
     return bool(_training_record(model_dir).get('aim', False))
 
 
 def numeric_field(spec):
-    """The ActionField of one of the demo's field specs (TWIST_FIELDS, AIM_FIELD)."""
+    """Return the ActionField of one of the demo's field specs (TWIST_FIELDS, AIM_FIELD)."""
     return ActionField(spec['name'], spec['key'], spec['min'], spec['max'], spec['step'])
 
 
 def model_object_tokens(model_dir):
-    """Whether a checkpoint's tokenizer keeps each object name one token: its
-    ``training.json`` records "object_tokens" (training/train.py --object-tokens,
-    or an --init from such a checkpoint)."""
+    """Whether a checkpoint's tokenizer keeps each object name one token.
+
+    Its ``training.json`` records "object_tokens" (training/train.py --object-tokens, or an --init
+    from such a checkpoint).
+    """
     return bool(_training_record(model_dir).get('object_tokens', False))
 
 

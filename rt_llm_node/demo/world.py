@@ -48,8 +48,10 @@ def instruction_for(colour, shape):
 
 
 def detections_line(found):
-    """/detections' text for [(colour, shape, bearing_deg, distance_m)]: 'red box 31deg 2.1m;
-    blue cone -12deg 4.0m', or 'none'."""
+    """Render the /detections text for [(colour, shape, bearing_deg, distance_m)].
+
+    'red box 31deg 2.1m; blue cone -12deg 4.0m', or 'none'.
+    """
     if not found:
         return 'none'
     return '; '.join(f'{c} {s} {b}deg {d:.1f}m' for c, s, b, d in found)
@@ -170,7 +172,7 @@ class DemoWorld:
         return detections_line(self.detections())
 
     def observe(self):
-        """This tick's messages by topic; ``/instruction`` only when a new goal starts."""
+        """Return this tick's messages by topic; ``/instruction`` only when a goal starts."""
         c = self.config
         m = self.messages
         out = {

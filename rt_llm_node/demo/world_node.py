@@ -47,7 +47,7 @@ class DemoWorldNode(Node):
         self.create_timer(1.0 / rate_hz, self._step)
 
     def layout(self):
-        """The current episode's arena, pillars, objects and trajectory (for plots)."""
+        """Return the current episode's arena, pillars, objects and trajectory (for plots)."""
         w = self.world
         return {'arena': w.config.arena, 'obstacles': w.obstacles, 'objects': w.objects,
                 'goals': self.goals, 'episode': self.episode,

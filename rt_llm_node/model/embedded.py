@@ -8,7 +8,7 @@ EMBEDDED_DIR = Path(__file__).resolve().parent.parent / 'demo' / 'model'
 
 
 def default_model_path():
-    """The embedded demo policy's checkpoint directory; CheckpointError if not shipped."""
+    """Return the embedded demo policy's checkpoint directory; CheckpointError if not shipped."""
     if not (EMBEDDED_DIR / 'config.json').exists():
         raise CheckpointError(EMBEDDED_DIR, 'the embedded demo model is not installed; '
                                             'pass a checkpoint directory explicitly')

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from rt_llm_node.model.config import ModelConfig
 
-# Model shapes named in the issues (random weights, real architectures).
+# Model shapes of the benchmarks and tests (random weights, real architectures).
 SHAPES = {
     'tiny': {
         'family': 'llama', 'vocab_size': 512, 'hidden_size': 64, 'intermediate_size': 160,
@@ -85,7 +85,7 @@ def write_safetensors(path, tensors):
 
 
 def word_tokenizer(vocab_size):
-    """A real ``tokenizers`` word-level tokenizer whose tokens are ``t0 .. t{N-1}``."""
+    """Return a real ``tokenizers`` word-level tokenizer whose tokens are ``t0 .. t{N-1}``."""
     vocab = {f't{i}': i for i in range(vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token='t0'))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
