@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-stamp
 export ROS_AUTOMATIC_DISCOVERY_RANGE ?= LOCALHOST
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup demo test lint bench soak gpu-test gpu-bench clean
+.PHONY: setup demo test lint bench soak gpu-test gpu-bench colcon-test clean
 
 $(STAMP): setup.py setup.cfg
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,7 @@ $(STAMP): setup.py setup.cfg
 	# CPU torch for the parity tests' reference (tests only, never the runtime).
 	$(PY) -m pip install -q torch==2.13.0 || echo 'torch unavailable: parity tests will skip'
 	$(PY) -m pip install -q -e '.[ros,test,demo,replay]'
+	touch $(VENV)/COLCON_IGNORE   # a workspace that holds this checkout skips the venv
 	touch $@
 
 setup: $(STAMP)
@@ -48,6 +49,15 @@ gpu-test:
 gpu-bench:
 	PYTHONPATH=. python3 benchmarks/bench_cuda.py --write
 	$(if $(RESULTS_OUT),mkdir -p $(RESULTS_OUT) && cp benchmarks/RESULTS.md $(RESULTS_OUT)/)
+
+# The package as a ROS user builds and tests it: colcon build and colcon test in a
+# temporary workspace (colcon from the test extra; a ROS distro's colcon works the same).
+colcon-test: $(STAMP)
+	rm -rf /tmp/rt_llm_colcon && mkdir -p /tmp/rt_llm_colcon/src/rt_llm_node
+	git ls-files -co --exclude-standard | while read f; do [ -e "$$f" ] && echo "$$f"; done \
+		| tar -cf - -T - | tar -xf - -C /tmp/rt_llm_colcon/src/rt_llm_node
+	cd /tmp/rt_llm_colcon && $(abspath $(PY)) -m colcon build --symlink-install \
+		&& $(abspath $(PY)) -m colcon test && $(abspath $(PY)) -m colcon test-result --verbose
 
 clean:
 	rm -rf $(VENV) build install log *.egg-info .pytest_cache

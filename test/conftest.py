@@ -1,11 +1,57 @@
-"""Shared fixtures: checkpoints made on the fly (transformers on CPU torch, or numpy)."""
+"""Shared fixtures and helpers of the test suite.
+
+Tests are grouped by layer: ``unit/`` (parts without a model), ``engine/`` (the tick engine
+and the cache on the numpy backend), ``backends/`` (CUDA kernels and backend, parity with HF
+transformers; GPU tests skip without one), ``ros/`` (real rclpy nodes over DDS, launch files,
+rosbag replay) and ``demo/`` (the demo world, expert and shipped policy).
+"""
 
 import os
+from pathlib import Path
 import sys
 
+import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+TEST_DIR = Path(__file__).resolve().parent
+ROOT = TEST_DIR.parent
+DEMO_PARAMS = ROOT / 'config' / 'demo.yaml'
+sys.path.insert(0, str(TEST_DIR))   # hf_models.py and peer_process.py
+
+
+def demo_values(**overrides):
+    """Return every node parameter: its default, then config/demo.yaml, then ``overrides``."""
+    from rt_llm_node.replay import load_params
+    values = load_params(DEMO_PARAMS)
+    values.update(overrides)
+    return values
+
+
+def run_ticks(engine, clock, world, n, rate_hz=30.0):
+    """Yield the results of ``n`` ticks on ``world``'s messages under a model clock.
+
+    Each tick advances the clock to its start, takes the world's newest messages as received
+    then, and must end one period later; the caller steps the world with the action.
+    """
+    snapshot = {}
+    for i in range(n):
+        now = i / rate_hz
+        clock.advance_to(now)
+        snapshot.update({topic: (msg, now) for topic, msg in world.observe().items()})
+        yield engine.tick(snapshot, now, now + 1 / rate_hz)
+
+
+@pytest.fixture
+def rng(request):
+    """Return a numpy generator with a fresh seed, reported so that a failure can be replayed.
+
+    ``RT_LLM_TEST_SEED=N`` fixes the seed. The seed is printed (pytest shows it with a
+    failure's captured output) and recorded in the test's report properties.
+    """
+    seed = int(os.environ.get('RT_LLM_TEST_SEED') or np.random.SeedSequence().entropy % 2**32)
+    print(f'rng seed {seed} (rerun with RT_LLM_TEST_SEED={seed})')
+    request.node.user_properties.append(('rng_seed', seed))
+    return np.random.default_rng(seed)
 
 
 @pytest.fixture(scope='session')
@@ -13,6 +59,15 @@ def tiny_checkpoint(tmp_path_factory):
     """Return a random tiny Llama checkpoint written by our numpy writer (no torch needed)."""
     from rt_llm_node.model.synthetic import write_random_checkpoint
     return write_random_checkpoint(tmp_path_factory.mktemp('tiny'), 'tiny', seed=1)
+
+
+def pytest_runtest_makereport(item, call):
+    """Name the rng seed in a failed test's report, beside its traceback."""
+    if call.when == 'call' and call.excinfo is not None:
+        for name, value in item.user_properties:
+            if name == 'rng_seed':
+                item.add_report_section('call', 'rng', f'seed {value} '
+                                        f'(rerun with RT_LLM_TEST_SEED={value})')
 
 
 def pytest_configure(config):

@@ -13,48 +13,22 @@ import numpy as np
 import pytest
 
 from rt_llm_node.backends import cuda_available
-from rt_llm_node.model.synthetic import encode_bits
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, '..', '..', 'test')]   # kernel_checks
 
 from devkit import cluster_launcher  # noqa: E402,I100
 from devkit import NON_PORTABLE_CLUSTER_SIZE_ALLOWED  # noqa: E402
 from devkit import probe_kernels  # noqa: E402
+from kernel_checks import close  # noqa: E402
+from kernel_checks import i32  # noqa: E402
+from kernel_checks import poisoned  # noqa: E402
+from kernel_checks import STORAGE  # noqa: E402
+from kernel_checks import weights  # noqa: E402
 from probe_layer_floor import floor_reference  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason='no CUDA device (CuPy sees none)')]
-
-ATOL, RTOL = 1e-4, 1e-4
-STORAGE = {'BF16': np.uint16, 'F16': np.uint16, 'F32': np.float32}
-
-
-def close(got, ref, atol=ATOL, rtol=RTOL):
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    assert got.shape == ref.shape
-    bad = np.abs(got - ref) > atol + rtol * np.abs(ref)
-    assert not bad.any(), f'{bad.sum()} of {bad.size} off'
-
-
-def weights(cp, dtype, shape, rng, scale=0.2):
-    """Random weights stored as ``dtype``: (device array, the same values in fp32)."""
-    w = (rng.standard_normal(shape) * scale).astype(np.float32)
-    raw = np.frombuffer(encode_bits(w, dtype), STORAGE[dtype]).reshape(shape)
-    if dtype == 'BF16':
-        exact = (raw.astype(np.uint32) << 16).view(np.float32)
-    elif dtype == 'F16':
-        exact = raw.view(np.float16).astype(np.float32)
-    else:
-        exact = raw.copy()
-    return cp.asarray(raw), exact
-
-
-def poisoned(cp, shape):
-    return cp.full(shape, np.nan, np.float32)
-
-
-def i32(v):
-    return np.int32(v)
 
 
 @pytest.fixture(scope='module', params=['BF16', 'F16', 'F32'])

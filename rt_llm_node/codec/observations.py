@@ -122,7 +122,7 @@ def _sanitize(text, max_chars):
 
 
 def render_string(msg, options):
-    """Keep printable characters only, whitespace collapsed, capped at ``max_chars``."""
+    """Render the text: printable characters only, whitespace collapsed, ``max_chars`` at most."""
     return _sanitize(msg.data, int(options.get('max_chars', 160)))
 
 

@@ -52,8 +52,7 @@ def relative_error(a, b):
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def test_compacting_random_slots_equals_fresh_prefill(checkpoint):
-    rng = np.random.default_rng()
+def test_compacting_random_slots_equals_fresh_prefill(checkpoint, rng):
     ids = rng.integers(0, VOCAB, 60)
     backend = NumpyBackend(checkpoint, 64)
     backend.prefill(ids)
@@ -65,9 +64,8 @@ def test_compacting_random_slots_equals_fresh_prefill(checkpoint):
     assert err < TOLERANCE, err
 
 
-def test_meaning_eviction_then_decode_equals_fresh_prefill(checkpoint):
+def test_meaning_eviction_then_decode_equals_fresh_prefill(checkpoint, rng):
     """Evict a stale observation through KVSession, then compare with the kept tokens."""
-    rng = np.random.default_rng()
     backend = NumpyBackend(checkpoint, 48)
     context = KVSession(backend, make_policy('meaning'))
     context.append(rng.integers(0, VOCAB, 8), kind=SYSTEM)
@@ -85,8 +83,7 @@ def test_meaning_eviction_then_decode_equals_fresh_prefill(checkpoint):
     assert err < TOLERANCE, err
 
 
-def test_rollback_then_decode_equals_never_having_run(checkpoint):
-    rng = np.random.default_rng()
+def test_rollback_then_decode_equals_never_having_run(checkpoint, rng):
     ids = rng.integers(0, VOCAB, 20)
     backend = NumpyBackend(checkpoint, 64)
     context = KVSession(backend, make_policy('meaning'))
@@ -100,8 +97,7 @@ def test_rollback_then_decode_equals_never_having_run(checkpoint):
     assert err < TOLERANCE, err
 
 
-def test_deep_model_layer0_cache_equals_fresh_prefill(deep_checkpoint):
-    rng = np.random.default_rng()
+def test_deep_model_layer0_cache_equals_fresh_prefill(deep_checkpoint, rng):
     ids = rng.integers(0, VOCAB, 50)
     backend = NumpyBackend(deep_checkpoint, 64)
     backend.prefill(ids)
@@ -113,9 +109,8 @@ def test_deep_model_layer0_cache_equals_fresh_prefill(deep_checkpoint):
     np.testing.assert_allclose(backend.v[0, :30], fresh.v[0, :30], rtol=1e-5, atol=1e-5)
 
 
-def test_deep_model_rotation_round_trip_in_every_layer(deep_checkpoint):
+def test_deep_model_rotation_round_trip_in_every_layer(deep_checkpoint, rng):
     """Moving keys to new positions and back restores them, in every layer."""
-    rng = np.random.default_rng()
     backend = NumpyBackend(deep_checkpoint, 64)
     backend.prefill(rng.integers(0, VOCAB, 40))
     keep = np.arange(20, 40)

@@ -1,6 +1,5 @@
-"""Executables: launch files (where launch_ros imports), rt-llm-node, rt-llm-demo-world."""
+"""The console scripts as processes: rt-llm-node --autostart, rt-llm-demo-world."""
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -9,19 +8,7 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.mark.parametrize('name', ['rt_llm.launch.py', 'demo.launch.py'])
-def test_launch_file_builds_a_description(name):
-    pytest.importorskip('launch_ros', reason='launch_ros is not installable from PyPI here; '
-                        'this runs on a ROS distro')
-    spec = importlib.util.spec_from_file_location('launch_file', os.path.join(ROOT, 'launch',
-                                                                              name))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    description = module.generate_launch_description()
-    assert description.entities
+from conftest import ROOT  # noqa: I100
 
 
 def test_autostart_console_script_configures_activates_and_stops_on_sigint(tmp_path):

@@ -24,7 +24,7 @@ from rt_llm_node.demo.run import demo_parameters  # noqa: E402
 from rt_llm_node.demo.world_node import DemoWorldNode  # noqa: E402
 from rt_llm_node.node import RtLlmNode  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from conftest import TEST_DIR  # noqa: E402,I100
 
 
 @pytest.fixture
@@ -158,7 +158,7 @@ def test_publishes_actions_at_the_rate(rig, tmp_path):
 def test_too_short_a_period_refuses_with_deadline_before_the_deadline(executor, tmp_path):
     """The inputs come from, and the outputs go to, another process (as on a robot)."""
     out = tmp_path / 'peer.json'
-    script = os.path.join(HERE, 'peer_process.py')
+    script = str(TEST_DIR / 'peer_process.py')
     world = subprocess.Popen([sys.executable, script, 'world', '40'])
     peer = subprocess.Popen([sys.executable, script, 'recorder', '40', str(out)])
     params = demo_parameters()

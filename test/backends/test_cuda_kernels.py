@@ -15,22 +15,15 @@ from rt_llm_node.backends.numpy_backend import attention
 from rt_llm_node.backends.numpy_backend import rmsnorm
 from rt_llm_node.backends.numpy_backend import rope_tables
 from rt_llm_node.backends.numpy_backend import silu
-from rt_llm_node.model.synthetic import encode_bits
+
+from kernel_checks import ATOL  # noqa: I100
+from kernel_checks import close
+from kernel_checks import i32
+from kernel_checks import poisoned
+from kernel_checks import weights
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason='no CUDA device (CuPy sees none)')]
-
-ATOL, RTOL = 1e-4, 1e-4
-STORAGE = {'BF16': np.uint16, 'F16': np.uint16, 'F32': np.float32}
-
-
-def close(got, ref, atol=ATOL, rtol=RTOL):
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    assert got.shape == ref.shape
-    bad = np.abs(got - ref) > atol + rtol * np.abs(ref)
-    worst = np.unravel_index(np.argmax(np.abs(got - ref)), got.shape)
-    assert not bad.any(), (f'{bad.sum()} of {bad.size} off; worst '
-                           f'{np.abs(got - ref)[worst]:.3e} at {worst}')
 
 
 @pytest.fixture(scope='module', params=['BF16', 'F16', 'F32'])
@@ -40,29 +33,8 @@ def kit(request):
     return cp, KernelSet(request.param), request.param
 
 
-def weights(cp, dtype, shape, rng, scale=0.2):
-    """Random weights stored as ``dtype``: (device array, the same values in fp32)."""
-    w = (rng.standard_normal(shape) * scale).astype(np.float32)
-    raw = np.frombuffer(encode_bits(w, dtype), STORAGE[dtype]).reshape(shape)
-    if dtype == 'BF16':
-        exact = (raw.astype(np.uint32) << 16).view(np.float32)
-    elif dtype == 'F16':
-        exact = raw.view(np.float16).astype(np.float32)
-    else:
-        exact = raw.copy()
-    return cp.asarray(raw), exact
-
-
 def state(cp, start, n, token=0, mass_acc=0):
     return cp.asarray(np.array([token, start, n, mass_acc, 0, 0, 0, 0], np.int32))
-
-
-def poisoned(cp, shape):
-    return cp.full(shape, np.nan, np.float32)
-
-
-def i32(v):
-    return np.int32(v)
 
 
 NULL = np.uint64(0)
@@ -89,9 +61,8 @@ def matmul_atol(tt):
     return ATOL
 
 
-def test_embed_gather(kit):
+def test_embed_gather(kit, rng):
     cp, k, dtype = kit
-    rng = np.random.default_rng()
     table, ref = weights(cp, dtype, (100, 72), rng)
     ids = rng.integers(0, 100, 16).astype(np.int32)
     x = poisoned(cp, (16, 72))
@@ -112,10 +83,9 @@ def test_embed_gather(kit):
                                           (1, 1, 36, 2), (13, 16, 96, 1), (20, 16, 36, 1),
                                           (5, 16, 600, 1), (32, 16, 4104, 1),
                                           (17, 16, 1500, 1), (7, 16, 37, 1)])
-def test_matmul_residual(kit, n, tt, K, split):
+def test_matmul_residual(kit, n, tt, K, split, rng):
     cp, k, dtype = kit
     n_rows = matmul_rows(dtype, tt)
-    rng = np.random.default_rng()
     rows = 77
     w, wf = weights(cp, dtype, (rows, K), rng)
     x = rng.standard_normal((n_rows, K)).astype(np.float32)
@@ -132,9 +102,8 @@ def test_matmul_residual(kit, n, tt, K, split):
 
 
 @pytest.mark.parametrize('split', [1, 2])
-def test_matmul_store_last_token_with_rmsnorm(kit, split):
+def test_matmul_store_last_token_with_rmsnorm(kit, split, rng):
     cp, k, dtype = kit
-    rng = np.random.default_rng()
     rows, K, n = 301, 512, 9
     w, wf = weights(cp, dtype, (rows, K), rng)
     nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
@@ -156,10 +125,9 @@ def test_matmul_store_last_token_with_rmsnorm(kit, split):
 
 
 @pytest.mark.parametrize('n,tt,split', [(1, 1, 1), (1, 1, 2), (11, 16, 1), (30, 16, 1)])
-def test_matmul_swiglu(kit, n, tt, split):
+def test_matmul_swiglu(kit, n, tt, split, rng):
     cp, k, dtype = kit
     n_rows = matmul_rows(dtype, tt)
-    rng = np.random.default_rng()
     inter, K = 40, 64
     w, wf = weights(cp, dtype, (2 * inter, K), rng)
     nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
@@ -223,10 +191,10 @@ def check_qkv(c, n, bias, atol=ATOL):
 
 @pytest.mark.parametrize('n,tt,bias,split', [(1, 1, True, 1), (1, 1, False, 2),
                                              (10, 16, False, 1), (20, 16, True, 1)])
-def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias, split):
+def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias, split, rng):
     cp, k, dtype = kit
     n_rows = matmul_rows(dtype, tt)
-    c = qkv_case(cp, dtype, n_rows, np.random.default_rng())
+    c = qkv_case(cp, dtype, n_rows, rng)
     grid = matmul_grid(c.units, split, tt, n_rows)
     matmul_kernel(k, 'matmul_qkv_rope', tt)(grid, (128,), qkv_args(cp, c, n, bias, split))
     check_qkv(c, n, bias, atol=matmul_atol(tt))
@@ -249,9 +217,8 @@ def staged(k, family, dtype, units, K, per_block, args):
 # last one, K of several 8-weight rounds a lane, and 74-131 KB of shared memory (4104)
 @pytest.mark.parametrize('K,per_block,norm', [(96, 1, False), (600, 4, True), (4104, 2, False),
                                               (4104, 3, True)])
-def test_matmul_residual_staged(kit, K, per_block, norm):
+def test_matmul_residual_staged(kit, K, per_block, norm, rng):
     cp, k, dtype = kit
-    rng = np.random.default_rng()
     rows = 77
     units = (rows + 1) // 2
     w, wf = weights(cp, dtype, (rows, K), rng)
@@ -268,9 +235,8 @@ def test_matmul_residual_staged(kit, K, per_block, norm):
 
 
 @pytest.mark.parametrize('per_block', [1, 3])
-def test_matmul_swiglu_staged(kit, per_block):
+def test_matmul_swiglu_staged(kit, per_block, rng):
     cp, k, dtype = kit
-    rng = np.random.default_rng()
     inter, K = 40, 64
     w, wf = weights(cp, dtype, (2 * inter, K), rng)
     nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
@@ -285,9 +251,9 @@ def test_matmul_swiglu_staged(kit, per_block):
 
 
 @pytest.mark.parametrize('bias,per_block', [(True, 5), (False, 1)])
-def test_matmul_qkv_rope_staged(kit, bias, per_block):
+def test_matmul_qkv_rope_staged(kit, bias, per_block, rng):
     cp, k, dtype = kit
-    c = qkv_case(cp, dtype, 2, np.random.default_rng())
+    c = qkv_case(cp, dtype, 2, rng)
     staged(k, 'matmul_qkv_rope', dtype, c.units, c.K, per_block,
            qkv_args(cp, c, 1, bias, per_block))
     check_qkv(c, 1, bias)
@@ -300,9 +266,8 @@ def test_matmul_qkv_rope_staged(kit, bias, per_block):
     (0, 1, 64, None), (150, 1, 64, None), (0, 17, 64, None), (70, 33, 64, None),
     (130, 1, 128, None), (40, 9, 32, None), (150, 40, 64, 2), (200, 50, 128, 3),
     (100, 33, 64, 1)])
-def test_attention_and_mass(kit, start, n, d, split_blocks):
+def test_attention_and_mass(kit, start, n, d, split_blocks, rng):
     cp, k, _ = kit
-    rng = np.random.default_rng()
     heads, kv, cap, n_max = 6, 2, 256, 64 if n > 1 else 1
     chunk = 64 if d <= 64 else 32
     splits = (cap + chunk - 1) // chunk
@@ -335,9 +300,8 @@ def test_attention_and_mass(kit, start, n, d, split_blocks):
 
 @pytest.mark.parametrize('start,d,kv', [(0, 64, 2), (200, 64, 2), (77, 32, 6), (130, 128, 1),
                                         (250, 256, 3)])
-def test_attn_decode_merges_splits_in_the_last_block(kit, start, d, kv):
+def test_attn_decode_merges_splits_in_the_last_block(kit, start, d, kv, rng):
     cp, k, _ = kit
-    rng = np.random.default_rng()
     heads, cap = 6, 256
     chunk = 64 if d <= 64 else 32 if d <= 128 else 16
     splits = cap // chunk
@@ -366,9 +330,8 @@ def test_attn_decode_merges_splits_in_the_last_block(kit, start, d, kv):
         assert (counters.get() == 0).all()
 
 
-def test_attention_mass_adds_up_over_layers_and_chunks(kit):
+def test_attention_mass_adds_up_over_layers_and_chunks(kit, rng):
     cp, k, _ = kit
-    rng = np.random.default_rng()
     rows, cap, n_max = 3 * 4, 128, 4   # 3 layers x (1 head x 4 queries)
     probs = rng.random((rows, cap)).astype(np.float32)
     old = rng.random(cap).astype(np.float32)
@@ -392,9 +355,8 @@ def test_attention_mass_adds_up_over_layers_and_chunks(kit):
 
 
 @pytest.mark.parametrize('count', [-1, 1, 7, 5000])
-def test_argmax_masked(kit, count):
+def test_argmax_masked(kit, count, rng):
     cp, k, _ = kit
-    rng = np.random.default_rng()
     vocab = 20000
     logits = rng.standard_normal(vocab).astype(np.float32)
     allowed = np.sort(rng.choice(vocab, max(count, 1), replace=False)).astype(np.int32)
@@ -412,9 +374,8 @@ def test_argmax_masked(kit, count):
     assert st.get()[5] == 0, 'ties go to the smallest id'
 
 
-def test_compact_rerotates_and_moves(kit):
+def test_compact_rerotates_and_moves(kit, rng):
     cp, k, _ = kit
-    rng = np.random.default_rng()
     layers, cap, kv, d, length = 3, 96, 2, 32, 80
     inv_freq = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
     cos, sin = rope_tables(np.arange(-cap, cap), inv_freq)

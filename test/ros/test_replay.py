@@ -21,7 +21,7 @@ from rt_llm_node.demo.recorder import record_demo_bag  # noqa: E402
 from rt_llm_node.player import recorded_qos  # noqa: E402
 from rt_llm_node.replay import main  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO_PARAMS = str(ROOT / 'config' / 'demo.yaml')
 SECONDS = 3.0
 

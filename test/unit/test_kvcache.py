@@ -140,8 +140,7 @@ def test_rollback_forgets_new_segments_and_restores_scores():
 
 
 @pytest.mark.parametrize('policy', ['recency', 'sink_window', 'h2o', 'meaning'])
-def test_random_workload_never_exceeds_capacity(policy):
-    rng = np.random.default_rng()
+def test_random_workload_never_exceeds_capacity(policy, rng):
     cache = KVCache(64, make_policy(policy), slack=0)
     add(cache, 6, SYSTEM)
     add(cache, 5, INSTRUCTION)

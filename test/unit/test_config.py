@@ -9,7 +9,7 @@ from rt_llm_node.demo import task
 from rt_llm_node.params import BY_NAME
 from rt_llm_node.params import validate
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT  # noqa: I100
 
 
 def load(name):

@@ -1,7 +1,6 @@
 """TickEngine without ROS, on a model clock: every decision path, deterministic."""
 
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +17,9 @@ from rt_llm_node.engine import ModelClock
 from rt_llm_node.engine import TickEngine
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.embedded import default_model_path
+
+from conftest import demo_values  # noqa: I100
+from conftest import run_ticks
 
 
 @pytest.fixture(scope='module')
@@ -37,16 +39,6 @@ def make_engine(checkpoint, cost=None, capacity=256):
 
 def snapshot(world, now):
     return {topic: (msg, now) for topic, msg in world.observe().items()}
-
-
-def run_ticks(engine, clock, world, n):
-    """Yield the results of ``n`` 30 Hz ticks on ``world``'s messages (the caller steps it)."""
-    snap = {}
-    for i in range(n):
-        now = i / 30
-        clock.advance_to(now)
-        snap.update(snapshot(world, now))
-        yield engine.tick(snap, now, now + 1 / 30)
 
 
 def test_actions_parse_clamp_and_stay_finite_over_many_ticks(checkpoint):
@@ -110,32 +102,6 @@ def test_a_late_tick_raises_the_scale_so_the_next_is_refused_in_time(checkpoint)
     assert reasons[1:] == ['deadline', 'deadline'], reasons
 
 
-def test_one_stall_in_the_window_does_not_refuse_the_ticks_after_it():
-    """The scale is a high quantile of the window's ratios, not the worst.
-
-    One stall of the host (5x) leaves the next ticks admitted, where the worst refused them for a
-    window; a host that stays slower moves the quantile within a tenth of the window.
-    """
-    model = CostModel(prefill=(10.0, 0.0, 0.0))   # a tick of one token: 10 ms
-    worst = Admission(model, margin_ms=0.0, window=60, quantile=1.0)
-    robust = Admission(model, margin_ms=0.0, window=60)
-    for admission in (worst, robust):
-        for i in range(40):
-            admission.new_tick()
-            admission.observe(1, 0, 0, None, 50.0 if i == 20 else 12.0)
-    assert worst.scale == pytest.approx(5.0)
-    assert robust.scale == pytest.approx(1.2)
-    assert not worst.admit(worst.predict_ms(1, 0, 0), 30.0)
-    assert robust.admit(robust.predict_ms(1, 0, 0), 30.0)
-    for _ in range(4):   # now 2.5x slower for good
-        robust.new_tick()
-        robust.observe(1, 0, 0, None, 25.0)
-    assert robust.scale == pytest.approx(2.5)
-    for bad in (0.3, 1.5, float('nan')):
-        with pytest.raises(ValueError):
-            Admission(model, quantile=bad)
-
-
 class HostClock(ModelClock):
     """A machine ``factor`` times as fast as its cost model says (0.2: five times faster)."""
 
@@ -192,13 +158,8 @@ def test_a_probe_that_would_overrun_is_aborted_and_the_next_waits_twice_as_long(
 
 
 def test_no_probes_under_the_model_clock(checkpoint):
-    import yaml
     from rt_llm_node.configure import configure_engine
-    from rt_llm_node.params import PARAMETERS
-    values = {p.name: p.default for p in PARAMETERS}
-    config = Path(__file__).resolve().parents[1] / 'config' / 'demo.yaml'
-    values.update(yaml.safe_load(config.read_text())['rt_llm_node']['ros__parameters'])
-    values.update(backend='numpy', admission_probe_ticks=5)
+    values = demo_values(backend='numpy', admission_probe_ticks=5)
     engine = configure_engine(values, clock=ModelClock(), log=lambda text: None,
                               cost_model=CostModel(prefill=(50.0, 0.0, 0.0)))
     assert engine.admission.probe_ticks == 0
@@ -249,17 +210,11 @@ def test_one_long_action_does_not_keep_later_ticks_refused(checkpoint):
 
 
 def test_joint_trajectory_actions_are_parsed_and_clamped():
-    from pathlib import Path
-    import yaml
     from rt_llm_node.configure import configure_engine
-    from rt_llm_node.params import PARAMETERS
-    values = {p.name: p.default for p in PARAMETERS}
-    config = Path(__file__).resolve().parents[1] / 'config' / 'demo.yaml'
-    values.update(yaml.safe_load(config.read_text())['rt_llm_node']['ros__parameters'])
-    values.update(backend='numpy', calibration_repeats=2,
-                  action_type='trajectory_msgs/msg/JointTrajectory',
-                  action_fields=['shoulder', 'elbow'], action_min=[-1.0, 0.0],
-                  action_max=[1.0, 2.0], action_step=[0.5, 0.25])
+    values = demo_values(backend='numpy', calibration_repeats=2,
+                         action_type='trajectory_msgs/msg/JointTrajectory',
+                         action_fields=['shoulder', 'elbow'], action_min=[-1.0, 0.0],
+                         action_max=[1.0, 2.0], action_step=[0.5, 0.25])
     clock = ModelClock()
     engine = configure_engine(values, clock=clock, log=lambda text: None,
                               cost_model=CostModel())
@@ -270,40 +225,3 @@ def test_joint_trajectory_actions_are_parsed_and_clamped():
         shoulder, elbow = result.action.values['shoulder'], result.action.values['elbow']
         assert -1.0 <= shoulder <= 1.0 and shoulder % 0.5 == 0
         assert 0.0 <= elbow <= 2.0 and elbow % 0.25 == 0
-
-
-def test_calibration_shrugs_off_a_host_stall(tmp_path):
-    """A stall of the host during some calibration samples must not set the cost model.
-
-    The grid is timed in rounds and each point takes the median over them. The clock is synthetic
-    (every timed call takes 0.5 ms, and 0.3 s while the stall lasts) so that the figures are exact;
-    the backend is the real numpy one.
-    """
-    from rt_llm_node.admission import calibrate
-    from rt_llm_node.model.synthetic import write_random_checkpoint
-    tiny = load_checkpoint(write_random_checkpoint(tmp_path, 'tiny'))
-    backend = NumpyBackend(tiny, 256)
-
-    def stalled_clock(first, last):
-        calls = [0]
-
-        def clock():
-            calls[0] += 1
-            k = calls[0]   # the end of a timed call is an even call
-            stalled = sum(1 for i in range(2, k + 1, 2) if first <= i < last)
-            return (k * 0.5 + 300.0 * stalled) / 1e3
-        return clock
-
-    clean = calibrate(backend, tiny.config.vocab_size, repeats=3, clock=stalled_clock(0, 0))
-    assert clean.decode_ms(100) == pytest.approx(0.5, abs=1e-6)
-    assert clean.prefill_ms(48, 100) == pytest.approx(0.5, abs=1e-6)
-    # a stall over the 8 samples of round one's second grid point and the ones after it
-    stall = (8, 24)
-    once = calibrate(backend, tiny.config.vocab_size, repeats=3, rounds=1,
-                     clock=stalled_clock(*stall))
-    assert once.prefill_ms(48, 100) > 50.0   # one pass: the stall is in the model
-    robust = calibrate(backend, tiny.config.vocab_size, repeats=3, clock=stalled_clock(*stall))
-    for n, length in ((1, 0), (48, 100), (24, 200)):
-        assert robust.prefill_ms(n, length) == pytest.approx(0.5, abs=1e-6)
-    assert robust.decode_ms(200) == pytest.approx(0.5, abs=1e-6)
-    assert backend.length == 0

@@ -381,31 +381,21 @@ def test_constrained_argmax_and_errors(tiny_checkpoint):
 
 def test_generate_cli_and_engine_on_cuda(capsys):
     import math
-    from pathlib import Path
-    import yaml
     from rt_llm_node.configure import configure_engine
     from rt_llm_node.demo.messages import MessageFactory
     from rt_llm_node.demo.world import DemoWorld
     from rt_llm_node.engine import ModelClock
     from rt_llm_node.generate import main
-    from rt_llm_node.params import PARAMETERS
+    from conftest import demo_values
+    from conftest import run_ticks
     assert main(['--backend', 'cuda', '--prompt', 'go to the red box', '--max-new-tokens',
                  '8']) == 0
     assert '[cuda]' in capsys.readouterr().err
-    values = {p.name: p.default for p in PARAMETERS}
-    config = Path(__file__).resolve().parents[1] / 'config' / 'demo.yaml'
-    values.update(yaml.safe_load(config.read_text())['rt_llm_node']['ros__parameters'])
-    values['backend'] = 'cuda'
     clock = ModelClock()
-    engine = configure_engine(values, clock=clock, log=lambda m: None)
+    engine = configure_engine(demo_values(backend='cuda'), clock=clock, log=lambda m: None)
     assert engine.backend.name == 'cuda'
     world = DemoWorld(5, messages=MessageFactory(ros=False))
-    snap = {}
-    for i in range(60):
-        now = i / 30
-        clock.advance_to(now)
-        snap.update({t: (m, now) for t, m in world.observe().items()})
-        result = engine.tick(snap, now, now + 1 / 30)
+    for result in run_ticks(engine, clock, world, 60):
         assert result.action is not None, result.refusal
         v, w = result.action.values['linear.x'], result.action.values['angular.z']
         assert math.isfinite(v + w)
