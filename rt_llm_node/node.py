@@ -109,6 +109,8 @@ class RtLlmNode(LifecycleNode):
         self._values = {}
         self._last_action = None
         self._failed = False
+        self._active = False            # between on_activate and leaving the active state
+        self._publish_lock = threading.Lock()   # one publisher of actions at a time
         self._realtime = False          # the control thread runs under SCHED_FIFO
         self.last_error = ''
         self._stats_lock = threading.Lock()
@@ -185,6 +187,7 @@ class RtLlmNode(LifecycleNode):
     def on_activate(self, state):
         self._reset_stats()
         self._stop.clear()
+        self._active = True
         self._thread = threading.Thread(target=self._control_loop, name='rt_llm_control',
                                         daemon=True)
         self._diagnostics_timer = self.create_timer(1.0, self._publish_diagnostics)
@@ -193,8 +196,7 @@ class RtLlmNode(LifecycleNode):
         return result
 
     def on_deactivate(self, state):
-        self._stop_loop()
-        self._publish_fallback(force_stop=True)
+        self._leave_active()
         if self._diagnostics_timer is not None:
             self.destroy_timer(self._diagnostics_timer)
             self._diagnostics_timer = None
@@ -203,17 +205,18 @@ class RtLlmNode(LifecycleNode):
         return super().on_deactivate(state)
 
     def on_cleanup(self, state):
+        self._leave_active()
         self._release()
         return TransitionCallbackReturn.SUCCESS
 
     def on_shutdown(self, state):
-        self._stop_loop()
+        self._leave_active()
         self._release()
         return TransitionCallbackReturn.SUCCESS
 
     def on_error(self, state):
         self.get_logger().error(f'error processing ({self.last_error}): releasing the model')
-        self._stop_loop()
+        self._leave_active()
         self._release()
         self._failed = False
         return TransitionCallbackReturn.SUCCESS
@@ -232,11 +235,25 @@ class RtLlmNode(LifecycleNode):
         gc.collect()
 
     def _stop_loop(self):
+        """Stop the control thread and wait for it: no tick publishes after this returns."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10.0)
+            if thread.is_alive():   # a tick stuck in the backend: it publishes nothing now
+                self.get_logger().error('the control thread did not stop within 10 s')
         gc.enable()
+
+    def _leave_active(self):
+        """Every way out of the active state: stop the loop, then publish the stop action once.
+
+        Deactivate, cleanup, shutdown, error processing, SIGINT and SIGTERM all come here, so a
+        robot never keeps driving on the last command of a node that stopped acting.
+        """
+        self._stop_loop()
+        if self._active:
+            self._active = False
+            self._publish_fallback(force_stop=True)
 
     # -- the control loop ---------------------------------------------------------------
     def _reset_stats(self):
@@ -295,7 +312,12 @@ class RtLlmNode(LifecycleNode):
             ros_start = self.get_clock().now() - Duration(seconds=now - start)
             result = engine.tick(self._buffer.snapshot(), start, deadline)
             finished = time.monotonic()
-            self._publish_result(result, ros_start)
+            try:
+                self._publish_result(result, ros_start)
+            except Exception as exc:   # e.g. the context was shut down under the loop
+                if not self._stop.is_set():
+                    self.get_logger().error(f'control loop stopped: cannot publish ({exc})')
+                break
             rec = result.record
             if rec.late:   # rare, and what a field engineer needs to see why
                 self.get_logger().warning(
@@ -344,6 +366,12 @@ class RtLlmNode(LifecycleNode):
             threading.Thread(target=self.trigger_deactivate, daemon=True).start()
 
     def _publish_result(self, result, ros_start):
+        with self._publish_lock:
+            if self._stop.is_set():   # leaving active: the stop action is the last one
+                return
+            self._publish_result_locked(result, ros_start)
+
+    def _publish_result_locked(self, result, ros_start):
         if result.action is not None:
             self._last_action = result.action
             self._action_pub.publish(to_message(result.action, self._values['action_type'],
@@ -372,8 +400,11 @@ class RtLlmNode(LifecycleNode):
         if mode == 'none':
             return
         action = fallback_values(self._engine.grammar, mode, self._last_action)
-        self._action_pub.publish(to_message(action, self._values['action_type'],
-                                            1.0 / self._values['rate_hz']))
+        message = to_message(action, self._values['action_type'], 1.0 / self._values['rate_hz'])
+        try:
+            self._action_pub.publish(message)
+        except Exception as exc:   # the context is gone (shut down from outside): say so
+            self.get_logger().error(f'could not publish the {mode} action: {exc}')
 
     def _publish_diagnostics(self):
         if self._diagnostics_pub is None:
@@ -411,6 +442,18 @@ class RtLlmNode(LifecycleNode):
         array.header.stamp = self.get_clock().now().to_msg()
         self._diagnostics_pub.publish(array)
 
+    def shut_down(self):
+        """Leave whatever state the node is in through the lifecycle's shutdown transition.
+
+        Used by ``rt-llm-node`` on SIGINT and SIGTERM, before the context goes away: an active
+        node publishes its stop action first.
+        """
+        try:
+            self.trigger_shutdown()
+        except Exception as exc:   # already finalized, or a transition in flight
+            self.get_logger().warning(f'shutdown transition: {exc}')
+            self._leave_active()
+
     def stats(self):
         """Return a copy of the counters (for tests and the demo)."""
         with self._stats_lock:
@@ -436,7 +479,7 @@ def main(args=None):
 
     return spin_until_shutdown('rt-llm-node', ros_args, RtLlmNode,
                                start=autostart if options.autostart else None,
-                               finish=lambda node: node._stop_loop())
+                               finish=lambda node: node.shut_down())
 
 
 if __name__ == '__main__':

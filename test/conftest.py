@@ -9,6 +9,8 @@ rosbag replay) and ``demo/`` (the demo world, expert and shipped policy).
 import os
 from pathlib import Path
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -39,6 +41,43 @@ def run_ticks(engine, clock, world, n, rate_hz=30.0):
         clock.advance_to(now)
         snapshot.update({topic: (msg, now) for topic, msg in world.observe().items()})
         yield engine.tick(snapshot, now, now + 1 / rate_hz)
+
+
+def wait_until(predicate, timeout=30.0, what='the condition'):
+    """Poll ``predicate`` until it holds (an event that comes over DDS); fail after ``timeout``."""
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, f'{what}: not seen within {timeout} s'
+        time.sleep(0.02)
+
+
+class ActionListener:
+    """A node of the test's own, on its own context, that keeps the actions on /cmd_vel."""
+
+    def __init__(self, name='test_action_listener'):
+        import rclpy
+        from rclpy.executors import SingleThreadedExecutor
+        from geometry_msgs.msg import Twist
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context)
+        self.node = rclpy.create_node(name, context=self.context)
+        self.actions = []      # (monotonic receive time, v, w)
+        self.node.create_subscription(Twist, '/cmd_vel', lambda m: self.actions.append(
+            (time.monotonic(), m.linear.x, m.angular.z)), 50)
+        self.executor = SingleThreadedExecutor(context=self.context)
+        self.executor.add_node(self.node)
+        self.thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self.thread.start()
+
+    def moving(self):
+        return sum(1 for _, v, w in self.actions if v or w) >= 10
+
+    def close(self):
+        import rclpy
+        self.executor.shutdown()
+        self.thread.join(timeout=10)
+        self.node.destroy_node()
+        rclpy.shutdown(context=self.context)
 
 
 @pytest.fixture

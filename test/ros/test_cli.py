@@ -42,6 +42,41 @@ def test_autostart_console_script_configures_activates_and_stops_on_sigint(tmp_p
     assert len(record['refusals']) > 10
 
 
+@pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_active_publishes_a_stop_before_the_node_exits(tmp_path, sig):
+    """A signal to a moving robot's node leaves a stop as the last command on the wire.
+
+    SIGINT is Ctrl-C, SIGTERM what a process manager sends; the node exits 0 and no thread
+    publishes after the context is gone.
+    """
+    pytest.importorskip('rclpy', reason='rclpy (the ros extra) is not installed')
+    from conftest import ActionListener
+    from conftest import wait_until
+    params = tmp_path / 'params.yaml'
+    params.write_text(open(os.path.join(ROOT, 'config', 'demo.yaml')).read().replace(
+        'backend: auto', 'backend: numpy'))
+    world = subprocess.Popen([sys.executable, os.path.join(ROOT, 'test', 'peer_process.py'),
+                              'world', '120'])
+    listener = ActionListener()
+    node = subprocess.Popen([sys.executable, '-m', 'rt_llm_node.node', '--autostart',
+                             '--ros-args', '--params-file', str(params)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(listener.moving, timeout=60.0, what='the robot moving')
+        node.send_signal(sig)
+        log, _ = node.communicate(timeout=30)
+        wait_until(lambda: listener.actions[-1][1:] == (0.0, 0.0), timeout=3.0,
+                   what=f'a stop as the last action (last: {listener.actions[-1][1:]})')
+    finally:
+        if node.poll() is None:
+            node.kill()
+        world.send_signal(signal.SIGINT)
+        world.wait(timeout=30)
+        listener.close()
+    assert node.returncode == 0, log
+    assert 'Traceback' not in log and 'RCLError' not in log, log
+
+
 def test_demo_world_console_script_runs_and_records_on_sigint(tmp_path):
     pytest.importorskip('rclpy', reason='rclpy (the ros extra) is not installed')
     record = tmp_path / 'world.json'

@@ -25,6 +25,7 @@ from rt_llm_node.demo.world_node import DemoWorldNode  # noqa: E402
 from rt_llm_node.node import RtLlmNode  # noqa: E402
 
 from conftest import TEST_DIR  # noqa: E402,I100
+from conftest import wait_until  # noqa: E402
 
 
 @pytest.fixture
@@ -251,6 +252,21 @@ def test_deactivate_stops_output_and_cleanup_then_configure_works(rig):
     time.sleep(1.0)
     transition(node, 'deactivate')
     assert len(recorder.actions) + len(recorder.refusals) > count
+
+
+def test_the_shutdown_transition_while_active_publishes_a_stop_first(rig):
+    world, recorder, make = rig
+    node = make(rate_hz=10.0)
+    start(node)
+    wait_until(lambda: sum(m.linear.x != 0.0 for _, m in recorder.actions) >= 5,
+               what='the robot moving')
+    assert transition(node, 'shutdown') == TransitionCallbackReturn.SUCCESS
+    wait_until(lambda: recorder.actions[-1][1].linear.x == 0.0
+               and recorder.actions[-1][1].angular.z == 0.0, timeout=5.0,
+               what='a stop action after shutdown')
+    count = len(recorder.actions)
+    time.sleep(0.5)
+    assert len(recorder.actions) == count, 'output after shutdown'
 
 
 def test_invalid_parameters_are_rejected(rig):
