@@ -10,6 +10,7 @@ from ament_index_python.packages import get_package_share_directory
 from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument
 from launch.actions import EmitEvent
+from launch.actions import OpaqueFunction
 from launch.actions import RegisterEventHandler
 from launch.conditions import IfCondition
 from launch.events import matches_action
@@ -18,6 +19,14 @@ from launch_ros.actions import LifecycleNode
 from launch_ros.event_handlers import OnStateTransition
 from launch_ros.events.lifecycle import ChangeState
 from lifecycle_msgs.msg import Transition
+
+
+def check_arguments(context):
+    """Refuse a parameters file that cannot be read before any process starts."""
+    path = LaunchConfiguration('params_file').perform(context)
+    if not os.path.isfile(path):
+        raise RuntimeError(f"launch argument params_file: '{path}' is not a readable file")
+    return []
 
 
 def generate_launch_description():
@@ -39,6 +48,8 @@ def generate_launch_description():
         DeclareLaunchArgument('params_file', default_value=default_params,
                               description='node parameters (ros__parameters YAML)'),
         DeclareLaunchArgument('autostart', default_value='true',
+                              choices=['true', 'false', 'True', 'False', '1', '0'],
                               description='configure and activate through lifecycle events'),
+        OpaqueFunction(function=check_arguments),
         node, activate, configure,
     ])

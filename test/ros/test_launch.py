@@ -163,3 +163,20 @@ def test_the_managed_launch_without_autostart_leaves_the_node_unconfigured(insta
     finally:
         log = stop(process)
     assert process.returncode == 0 and 'Traceback' not in log, log[-3000:]
+
+
+@pytest.mark.parametrize('argument,message', [
+    ('autostart:=flase', 'Argument "autostart" provided value "flase" is not valid'),
+    ('params_file:=/nonexistent/params.yaml', 'params_file'),
+])
+def test_a_bad_launch_argument_fails_before_any_process_starts(installed, argument, message):
+    prefix, env = installed
+    process = launch(prefix, env, 'rt_llm.launch.py', argument)
+    try:
+        log, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode != 0, log[-3000:]
+    assert message in log, log[-3000:]
+    assert 'process started' not in log, log[-3000:]
