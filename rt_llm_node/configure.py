@@ -27,8 +27,10 @@ def input_specs(values):
     """Build an InputSpec per configured input topic."""
     specs = []
     for i, topic in enumerate(values['input_topics']):
-        options = {'sectors': values['scan_sectors']} if values['input_types'][i].endswith(
-            'LaserScan') else {}
+        min_valid = values['input_min_valid']
+        options = ({'sectors': values['scan_sectors'],
+                    'min_valid': min_valid[i] if len(min_valid) > 1 else min_valid[0]}
+                   if values['input_types'][i].endswith('LaserScan') else {})
         specs.append(InputSpec(topic, values['input_types'][i],
                                max_age_s=values['input_max_age_s'][i],
                                kind=values['input_kinds'][i],
@@ -52,6 +54,26 @@ def action_grammar(values, tokenizer):
                                            values['action_max'], values['action_step'])]
         return joint_trajectory_grammar(tokenizer, joints)
     return StringGrammar(tokenizer, values['action_max_tokens'], values['action_stop_text'])
+
+
+def check_room(engine, specs, grammar, capacity):
+    """Refuse caps the cache cannot hold: the pinned parts plus one tick's worst case.
+
+    Pinned: the system prompt and an instruction of each instruction input at its cap. One
+    tick: every observation at its cap and the longest action. Otherwise one long input
+    could never be made room for, tick after tick.
+    """
+    pinned = len(engine.system_ids) + sum(s.max_tokens for s in specs
+                                          if s.kind == 'instruction')
+    tick = (sum(s.max_tokens for s in specs if s.kind == 'observation')
+            + grammar.max_action_tokens())
+    if pinned + tick > capacity:
+        caps = ', '.join(f'{s.topic} {s.max_tokens}' for s in specs)
+        raise ConfigurationError(
+            f'kv_capacity_tokens = {capacity} cannot hold the system prompt and instructions '
+            f'({pinned} tokens) plus one tick at the input caps ({tick} tokens: '
+            f'input_max_tokens {caps}, and the action); lower input_max_tokens or raise '
+            'kv_capacity_tokens')
 
 
 def configure_engine(values, clock=None, log=print, cost_model=None):
@@ -105,7 +127,8 @@ def configure_engine(values, clock=None, log=print, cost_model=None):
                           quantile=values['admission_quantile'])
     engine = TickEngine(backend, checkpoint.tokenizer, specs, grammar, admission,
                         policy=values['eviction_policy'], system_prompt=values['system_prompt'],
-                        clock=clock)
+                        clock=clock, stamp_tolerance_s=values['input_stamp_tolerance_s'])
+    check_room(engine, specs, grammar, backend.capacity)
     engine.start()
     log(f'configured in {time.monotonic() - started:.1f} s')
     return engine

@@ -104,6 +104,21 @@ class TickResult:
     record: TickRecord
 
 
+def header_stamp_lag(msg, now_s):
+    """Seconds from ``msg``'s header stamp to ``now_s`` (same clock), or None without a stamp.
+
+    A message without a header, or with a zero stamp (never set), is judged by arrival alone.
+    """
+    stamp = getattr(getattr(msg, 'header', None), 'stamp', None)
+    if stamp is None:
+        return None
+    try:
+        seconds = int(stamp.sec) + int(stamp.nanosec) * 1e-9
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return None if seconds == 0 else now_s - seconds
+
+
 class InputBuffer:
     """Latest message per topic with its receive time; written by callbacks, read by ticks."""
 
@@ -111,12 +126,17 @@ class InputBuffer:
         self._lock = threading.Lock()
         self._latest = {}
 
-    def put(self, topic, msg, received):
+    def put(self, topic, msg, received, stamp_lag=None):
+        """Keep ``msg`` as the newest of ``topic``.
+
+        ``received``: its arrival (engine clock); ``stamp_lag``: seconds after its header
+        stamp (``header_stamp_lag``; None: no stamp).
+        """
         with self._lock:
-            self._latest[topic] = (msg, float(received))
+            self._latest[topic] = (msg, float(received), stamp_lag)
 
     def snapshot(self):
-        """Return a copy of {topic: (msg, received)} taken at one instant."""
+        """Return a copy of {topic: (msg, received, stamp lag)} taken at one instant."""
         with self._lock:
             return dict(self._latest)
 
@@ -129,10 +149,11 @@ class TickEngine:
     """Run ticks against one backend, tokenizer, set of inputs and action grammar."""
 
     def __init__(self, backend, tokenizer, inputs, grammar, admission, policy='meaning',
-                 system_prompt='', decay=0.9, clock=None):
+                 system_prompt='', decay=0.9, clock=None, stamp_tolerance_s=0.5):
         self.backend = backend
         self.tokenizer = tokenizer
         self.inputs = list(inputs)
+        self.stamp_tolerance_s = float(stamp_tolerance_s)
         self.codec = ObservationCodec(tokenizer, self.inputs)
         self.grammar = grammar
         self.admission = admission
@@ -178,10 +199,29 @@ class TickEngine:
             if entry is None:
                 if spec.kind != INSTRUCTION or spec.topic not in self.rendered:
                     problems.append(f'{spec.topic}: no message yet')
-            elif spec.kind == OBSERVATION and now - entry[1] > spec.max_age_s:
-                problems.append(f'{spec.topic}: {1e3 * (now - entry[1]):.0f} ms old '
-                                f'(max {1e3 * spec.max_age_s:.0f})')
+            elif spec.kind == OBSERVATION:
+                lag = entry[2] if len(entry) > 2 else None
+                problem = self._stale(spec, now - entry[1], lag)
+                if problem:
+                    problems.append(f'{spec.topic}: {problem}')
         return problems
+
+    def _stale(self, spec, age, lag):
+        """Say why an observation is too old to act on ('' if it is not), and by which clock.
+
+        ``age``: seconds since its arrival; ``lag``: seconds from its header stamp to its
+        arrival (None: no stamp).
+        """
+        tolerance = self.stamp_tolerance_s
+        if lag is not None and lag < -tolerance:
+            return (f'header stamp {-lag:.3g} s in the future (clock offset beyond the '
+                    f'tolerance of {tolerance:g} s)')
+        if lag is not None and age + lag > spec.max_age_s + tolerance:
+            return (f'{1e3 * (age + lag):.0f} ms old by its header stamp (max '
+                    f'{1e3 * spec.max_age_s:.0f} + {1e3 * tolerance:.0f} tolerance)')
+        if age > spec.max_age_s:
+            return f'{1e3 * age:.0f} ms old by arrival (max {1e3 * spec.max_age_s:.0f})'
+        return
 
     def render(self, snapshot):
         """[(ids, kind, topic, stamp)] for every input with a message newer than the cache's."""
@@ -252,8 +292,8 @@ class TickEngine:
         run.mark_rendered()
         try:   # the last chosen token is deferred: n_decode steps, n_decode + 1 tokens
             plan.slots = session.plan_room(n_new + plan.n_decode, [(p[1], p[2]) for p in parts])
-        except CacheFullError as exc:
-            return run.refuse('backend_error', detail=f'cache cannot make room: {exc}')
+        except CacheFullError as exc:   # the inputs, not the backend: one tick too large
+            return run.refuse('input_error', detail=f'the cache cannot make room: {exc}')
         plan.kept = None if plan.slots is None else len(plan.slots)
         plan.predicted = admission.predict_ms(plan.n_prefill, plan.length, plan.n_decode,
                                               plan.kept)

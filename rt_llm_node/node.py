@@ -49,6 +49,7 @@ from rt_llm_node.codec import action_message
 from rt_llm_node.codec import fallback_values
 from rt_llm_node.codec import refusal_values
 from rt_llm_node.configure import configure_engine
+from rt_llm_node.engine import header_stamp_lag
 from rt_llm_node.engine import InputBuffer
 from rt_llm_node.params import PARAMETERS
 from rt_llm_node.params import validate
@@ -178,11 +179,16 @@ class RtLlmNode(LifecycleNode):
             qos = INSTRUCTION_QOS if spec.kind == 'instruction' else qos_profile_sensor_data
             self._subscriptions_.append(self.create_subscription(
                 MESSAGE_CLASSES[spec.msg_type], spec.topic,
-                lambda msg, topic=spec.topic: self._buffer.put(topic, msg, time.monotonic()),
+                lambda msg, topic=spec.topic: self._receive(topic, msg),
                 qos))
         self.get_logger().info(f'configured: {len(self._engine.inputs)} inputs, action on '
                                f"{v['action_topic']} at {v['rate_hz']} Hz")
         return TransitionCallbackReturn.SUCCESS
+
+    def _receive(self, topic, msg):
+        """Keep an input message with its arrival time and how old its header stamp was."""
+        lag = header_stamp_lag(msg, self.get_clock().now().nanoseconds / 1e9)
+        self._buffer.put(topic, msg, time.monotonic(), lag)
 
     def on_activate(self, state):
         self._reset_stats()

@@ -52,6 +52,12 @@ PARAMETERS = (
           'observation (rendered when new) or instruction (pinned, once per message)'),
     Param('input_prefixes', ['', ''], 'text put before each input line (e.g. det, task)'),
     Param('input_max_tokens', [32, 32], 'token cap of each input line', ),
+    Param('input_min_valid', [0.1], 'LaserScan inputs: the least share (0..1) of beams with '
+          'a valid return, below which the scan is an input_error refusal; one value for '
+          'every input, or one per input', ),
+    Param('input_stamp_tolerance_s', 0.5, "clock offset allowed between a message's header "
+          'stamp and this host: older than its max age plus this, or stamped further ahead '
+          'than this, is stale_input (messages without a stamp: by arrival)', 0.0, 3600.0),
     Param('scan_sectors', 8, 'LaserScan sectors rendered (min range each)', 4, 36),
     Param('action_topic', 'cmd_vel', 'topic of the published action'),
     Param('action_type', 'geometry_msgs/msg/Twist', 'type of the action message',
@@ -84,6 +90,7 @@ PARAMETERS = (
 BY_NAME = {p.name: p for p in PARAMETERS}
 LISTS = {'input_topics': str, 'input_types': str, 'input_max_age_s': float,
          'input_kinds': str, 'input_prefixes': str, 'input_max_tokens': int,
+         'input_min_valid': float,
          'action_fields': str, 'action_keys': str, 'action_min': float,
          'action_max': float, 'action_step': float}
 
@@ -115,6 +122,8 @@ def check(name, value):
             return 'input_max_age_s must be positive'
         if name == 'input_kinds' and any(v not in ('observation', 'instruction') for v in value):
             return 'input_kinds must be observation or instruction'
+        if name == 'input_min_valid' and any(not 0.0 <= v <= 1.0 for v in value):
+            return 'input_min_valid: each value must be in [0, 1]'
         if name == 'action_step' and any(v <= 0 for v in value):
             return 'action_step must be positive'
         return ''
@@ -143,6 +152,9 @@ def validate(values):
                 'input_max_tokens'):
         if len(values[key]) != n:
             errors.append(f'{key} has {len(values[key])} entries, input_topics has {n}')
+    if len(values['input_min_valid']) not in (1, n):
+        errors.append(f"input_min_valid has {len(values['input_min_valid'])} entries: give one "
+                      f'for every input, or one per input ({n})')
     if values['action_type'] != 'std_msgs/msg/String':
         m = len(values['action_fields'])
         keys = ('action_min', 'action_max', 'action_step')

@@ -41,6 +41,7 @@ from rt_llm_node.bags import to_store_message
 from rt_llm_node.codec import action_message
 from rt_llm_node.codec import fallback_values
 from rt_llm_node.codec import refusal_values
+from rt_llm_node.engine import header_stamp_lag
 from rt_llm_node.engine import ModelClock
 from rt_llm_node.engine import WallClock
 from rt_llm_node.params import PARAMETERS
@@ -187,7 +188,8 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
                     if node_topic is not None:
                         try:
                             msg = store.deserialize_cdr(raw, connection.msgtype)
-                            snapshot[node_topic] = (msg, stamp_ns / 1e9)
+                            snapshot[node_topic] = (msg, stamp_ns / 1e9,
+                                                    header_stamp_lag(msg, stamp_ns / 1e9))
                         except Exception as exc:  # a corrupt message: skip it, keep going
                             bad_messages[connection.topic] += 1
                             if bad_messages[connection.topic] == 1:

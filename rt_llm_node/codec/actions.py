@@ -163,6 +163,12 @@ class FieldGrammar:
         """Text of an action given field values (quantized first); used to make training data."""
         return self.render_words([f.text(f.quantize(values[f.name])) for f in self.fields])
 
+    def max_action_tokens(self):
+        """Return the most tokens an action can take: prefix, the longest words, newline."""
+        return (len(self.prefix_ids) + len(self.end_ids)
+                + sum(max(len(self._word_ids(f.text(v))) for v in f.values)
+                      for f in self.fields))
+
     def typical_decode_tokens(self):
         """Tokens of an action whose every field takes its median-length value."""
         return sum(sorted(len(self._word_ids(f.text(v))) for v in f.values)[len(f.values) // 2]
@@ -270,6 +276,9 @@ class StringGrammar:
 
     def typical_decode_tokens(self):
         return self.max_tokens
+
+    def max_action_tokens(self):
+        return len(self.prefix_ids) + self.max_tokens + len(self.end_ids)
 
     def start(self):
         return ()

@@ -20,13 +20,19 @@ class RenderError(ValueError):
 
 
 # -- observation renderers -------------------------------------------------------------
+MAX_MAGNITUDE = 1e6   # a field beyond this is a sensor fault, not something to render
+DEFAULT_MIN_VALID = 0.1   # LaserScan: the least share of beams with a valid return
+
+
 def _number(value, what):
     try:
         value = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise RenderError(f'{what} is not a number: {value!r}') from None
     if not math.isfinite(value):
         raise RenderError(f'{what} is not finite: {value}')
+    if abs(value) > MAX_MAGNITUDE:
+        raise RenderError(f'{what} is out of range: {value:.3g} (at most {MAX_MAGNITUDE:.0e})')
     return value
 
 
@@ -44,22 +50,34 @@ def yaw_from_quaternion(q):
     return math.atan2(2.0 * (w * z + x * y), 1.0 - 2.0 * (y * y + z * z))
 
 
-def scan_sectors(msg, sectors):
-    """Minimum range per sector; sector 0 is centred straight ahead, then counter-clockwise."""
-    ranges = np.asarray(msg.ranges, dtype=np.float64)
+def scan_sectors(msg, sectors, min_valid=0.0):
+    """Minimum range per sector; sector 0 is centred straight ahead, then counter-clockwise.
+
+    A beam is valid when its range is finite and within [range_min, range_max] (+inf means
+    nothing within range_max: clear up to it). A scan with fewer than ``min_valid`` of its
+    beams valid sees nothing usable: a RenderError, so the tick is refused, not driven blind.
+    """
+    try:
+        ranges = np.asarray(msg.ranges, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise RenderError('LaserScan.ranges is not a sequence of numbers') from None
     if ranges.ndim != 1 or len(ranges) == 0:
         raise RenderError('LaserScan.ranges is empty')
     range_max = _number(msg.range_max, 'LaserScan.range_max')
-    range_min = _number(msg.range_min, 'LaserScan.range_min')
+    range_min = max(0.0, _number(msg.range_min, 'LaserScan.range_min'))
     angle_min = _number(msg.angle_min, 'LaserScan.angle_min')
     increment = _number(msg.angle_increment, 'LaserScan.angle_increment')
-    if range_max <= 0 or increment == 0.0:
-        raise RenderError('LaserScan has range_max <= 0 or angle_increment == 0')
+    if range_max <= 0 or increment == 0.0 or range_min > range_max:
+        raise RenderError(f'LaserScan has range_max {range_max:g}, range_min {range_min:g}, '
+                          f'angle_increment {increment:g}: no range can be valid')
     angles = angle_min + increment * np.arange(len(ranges))
     width = 2.0 * math.pi / sectors
     index = np.round(angles / width).astype(np.int64) % sectors
     ranges = np.where(np.isposinf(ranges), range_max, ranges)
-    valid = np.isfinite(ranges) & (ranges >= range_min)
+    valid = np.isfinite(ranges) & (ranges >= range_min) & (ranges <= range_max)
+    if valid.mean() < min_valid or not valid.any():
+        raise RenderError(f'LaserScan sees nothing usable: {int(valid.sum())} of {len(ranges)} '
+                          f'beams valid (at least {100 * min_valid:.0f}% needed)')
     out = np.full(sectors, np.inf)
     np.minimum.at(out, index[valid], np.minimum(ranges[valid], range_max))   # exact: a min
     out[np.isinf(out)] = np.nan   # no valid return in the sector
@@ -68,7 +86,8 @@ def scan_sectors(msg, sectors):
 
 def render_laser_scan(msg, options):
     """'scan 1.2 3.4 ...': min range per sector (m); '-' for a sector with no valid return."""
-    values = scan_sectors(msg, int(options.get('sectors', 8)))
+    values = scan_sectors(msg, int(options.get('sectors', 8)),
+                          float(options.get('min_valid', DEFAULT_MIN_VALID)))
     return 'scan ' + ' '.join('-' if np.isnan(v) else _fmt(v) for v in values)
 
 
@@ -99,6 +118,8 @@ def render_imu(msg, options):
 def render_joint_state(msg, options):
     """'joints elbow 0.52 wrist -1.10': positions (rad or m), at most ``max_joints``."""
     names = list(msg.name)[:int(options.get('max_joints', 8))]
+    if not names:
+        raise RenderError('JointState names no joint')
     positions = list(msg.position)
     if len(positions) < len(names):
         raise RenderError(f'JointState has {len(names)} names but {len(positions)} positions')
@@ -181,14 +202,23 @@ class ObservationCodec:
         spec = self.inputs[topic]
         try:
             line = RENDERERS[spec.msg_type](msg, spec.options)
-        except RenderError:
-            raise
-        except (AttributeError, TypeError, ValueError) as exc:
+        except RenderError as exc:
+            raise RenderError(f'{topic}: {exc}') from None
+        except (AttributeError, TypeError, ValueError, OverflowError) as exc:
             raise RenderError(f'{topic}: malformed {spec.msg_type}: {exc}') from None
+        if spec.kind == 'instruction' and not line.strip():
+            raise RenderError(f'{topic}: empty instruction: no task, so no motion')
         return f'{spec.prefix} {line}'.strip() if spec.prefix else line
 
     def encode(self, topic, msg):
-        """Token ids of one segment: the line plus a newline, capped at ``max_tokens``."""
+        """Token ids of one segment: the line plus a newline, capped at ``max_tokens``.
+
+        A line cut at its cap still ends with the newline, so the next segment starts a line
+        of its own.
+        """
         ids = self.tokenizer.encode(self.text(topic, msg) + '\n').ids
         cap = self.inputs[topic].max_tokens
-        return ids if len(ids) <= cap else ids[:cap]
+        if len(ids) <= cap:
+            return ids
+        newline = self.tokenizer.encode('\n').ids
+        return ids[:max(0, cap - len(newline))] + newline

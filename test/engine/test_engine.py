@@ -225,3 +225,71 @@ def test_joint_trajectory_actions_are_parsed_and_clamped():
         shoulder, elbow = result.action.values['shoulder'], result.action.values['elbow']
         assert -1.0 <= shoulder <= 1.0 and shoulder % 0.5 == 0
         assert 0.0 <= elbow <= 2.0 and elbow % 0.25 == 0
+
+
+def test_a_blind_scan_or_an_empty_instruction_is_refused_every_tick_never_driven(checkpoint):
+    engine, clock = make_engine(checkpoint)
+    world = DemoWorld(8, messages=MessageFactory(ros=False))
+    snap = {}
+    for kind in ('blind', 'no task'):
+        results = []
+        for i in range(30):
+            now = clock.now() + 1 / 30
+            clock.advance_to(now)
+            snap.update(snapshot(world, now))
+            if kind == 'blind':
+                snap['/scan'][0].ranges = [float('nan')] * len(snap['/scan'][0].ranges)
+            else:
+                snap['/instruction'] = (SimpleNamespace(data='  \x00 '), now)
+            results.append(engine.tick(snap, now, now + 1 / 30))
+        assert all(r.action is None for r in results), kind
+        assert {r.refusal.reason for r in results} == {'input_error'}, kind
+        detail = results[-1].refusal.detail
+        assert ('sees nothing usable' if kind == 'blind' else 'empty instruction') in detail
+
+
+def stamped(msg, seconds):
+    msg.header = SimpleNamespace(stamp=SimpleNamespace(sec=int(seconds),
+                                                       nanosec=int(seconds % 1 * 1e9)))
+    return msg
+
+
+def test_staleness_uses_the_header_stamp_with_a_tolerance_and_says_which_clock(checkpoint):
+    from rt_llm_node.engine import header_stamp_lag
+    engine, clock = make_engine(checkpoint)
+    world = DemoWorld(8, messages=MessageFactory(ros=False))
+    ros_now = 1_796_000_000.0   # the robot's ROS time when the messages arrive
+    clock.advance_to(1.0)
+    snap = snapshot(world, 1.0)
+    assert engine.tick(snap, 1.0, 1.0 + 1 / 30).action is not None, 'fresh, no stamps'
+    for stamp, expected in ((0.0, None), (ros_now - 0.1, None),       # unset; 100 ms old
+                            (86400.0, 'ms old by its header stamp'),   # stamped in 1970
+                            (2_147_483_000.0, 'in the future')):       # stamped in 2038
+        snap = {topic: (msg, 1.0) for topic, (msg, _) in snapshot(world, 1.0).items()}
+        scan = stamped(snap['/scan'][0], stamp)
+        snap['/scan'] = (scan, 1.0, header_stamp_lag(scan, ros_now))
+        result = engine.tick(snap, 1.0, 1.0 + 1 / 30)
+        if expected is None:
+            assert result.action is not None, (stamp, result.refusal)
+        else:
+            assert result.refusal.reason == 'stale_input', stamp
+            assert expected in result.refusal.detail and '/scan' in result.refusal.detail
+    # a clock offset within the tolerance is not staleness
+    snap = {topic: (msg, 1.0) for topic, (msg, _) in snapshot(world, 1.0).items()}
+    scan = stamped(snap['/scan'][0], ros_now + 0.3)   # 0.3 s ahead: within 0.5
+    snap['/scan'] = (scan, 1.0, header_stamp_lag(scan, ros_now))
+    assert engine.tick(snap, 1.0, 1.0 + 1 / 30).action is not None
+    # by arrival as before: the refusal says so
+    clock.advance_to(5.0)
+    result = engine.tick(snapshot(world, 1.0), 5.0, 5.0 + 1 / 30)
+    assert result.refusal.reason == 'stale_input' and 'by arrival' in result.refusal.detail
+
+
+def test_input_caps_the_cache_cannot_hold_are_refused_at_configure():
+    from rt_llm_node.configure import configure_engine
+    from rt_llm_node.configure import ConfigurationError
+    values = demo_values(backend='numpy', kv_capacity_tokens=64,
+                         input_max_tokens=[16, 24, 400])
+    with pytest.raises(ConfigurationError, match='kv_capacity_tokens = 64 cannot hold'):
+        configure_engine(values, clock=ModelClock(), log=lambda text: None,
+                         cost_model=CostModel())

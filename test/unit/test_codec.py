@@ -51,10 +51,51 @@ def test_laser_scan_renders_the_nearest_return_per_sector_counter_clockwise():
     # 8 beams, one a sector, from straight ahead counter-clockwise
     scan = NS(ranges=[1.0, 2.0, float('inf'), float('nan'), 0.01, 3.25, 9.0, 4.0],
               angle_min=0.0, angle_increment=2 * math.pi / 8, range_min=0.1, range_max=5.0)
-    # inf: beyond range_max (clear up to it); NaN and below range_min: no valid return
-    assert render('sensor_msgs/msg/LaserScan', scan) == 'scan 1.0 2.0 5.0 - - 3.2 5.0 4.0'
+    # inf: nothing within range (clear up to range_max); NaN, below range_min or above
+    # range_max: no valid return (REP-117)
+    assert render('sensor_msgs/msg/LaserScan', scan) == 'scan 1.0 2.0 5.0 - - 3.2 - 4.0'
     # 4 sectors of 90 deg: beams at 45 deg steps fall to the nearer sector centre
-    assert render('sensor_msgs/LaserScan', scan, sectors=4) == 'scan 1.0 5.0 3.2 5.0'
+    assert render('sensor_msgs/LaserScan', scan, sectors=4) == 'scan 1.0 5.0 3.2 -'
+
+
+@pytest.mark.parametrize('ranges,limits', [
+    ([float('nan')] * 360, (0.1, 5.0)),
+    ([float('-inf')] * 360, (0.1, 5.0)),
+    ([-1.0] * 360, (0.1, 5.0)),
+    ([1.0] * 360, (6.0, 5.0)),          # range_min above range_max
+    ([1e39] * 360, (0.1, 5.0)),         # every return beyond range_max
+])
+def test_a_scan_that_sees_nothing_usable_is_a_render_error_not_an_empty_line(ranges, limits):
+    scan = NS(ranges=ranges, angle_min=-math.pi, angle_increment=2 * math.pi / 360,
+              range_min=limits[0], range_max=limits[1])
+    with pytest.raises(RenderError, match='/in: LaserScan'):
+        render('sensor_msgs/msg/LaserScan', scan)
+
+
+def test_the_share_of_valid_beams_a_scan_needs_is_configurable():
+    scan = NS(ranges=[1.0, 2.0, 3.0] + [float('nan')] * 7, angle_min=0.0,
+              angle_increment=0.1, range_min=0.1, range_max=5.0)
+    assert render('sensor_msgs/msg/LaserScan', scan, min_valid=0.3).startswith('scan 1.0')
+    with pytest.raises(RenderError, match='3 of 10 beams valid'):
+        render('sensor_msgs/msg/LaserScan', scan, min_valid=0.5)
+
+
+def test_huge_values_are_refused_not_rendered_digit_by_digit():
+    scan = NS(ranges=[1.0] * 8, angle_min=0.0, angle_increment=0.1, range_min=0.0,
+              range_max=1e39)
+    with pytest.raises(RenderError, match='range_max is out of range'):
+        render('sensor_msgs/msg/LaserScan', scan)
+    odom = NS(pose=NS(pose=NS(position=vec(1e39), orientation=quaternion(0.0))),
+              twist=NS(twist=NS(linear=vec(), angular=vec())))
+    with pytest.raises(RenderError, match='pose.position.x is out of range'):
+        render('nav_msgs/msg/Odometry', odom)
+
+
+@pytest.mark.parametrize('text', ['', '   ', '\x00\x07\n\t'])
+def test_an_empty_instruction_is_no_task(text):
+    spec = InputSpec('/task', 'std_msgs/msg/String', kind='instruction', prefix='task')
+    with pytest.raises(RenderError, match='empty instruction'):
+        ObservationCodec(None, [spec]).text('/task', NS(data=text))
 
 
 @pytest.mark.parametrize('field,value', [('range_max', 0.0), ('angle_increment', 0.0),
@@ -128,7 +169,7 @@ def test_a_segment_is_the_prefixed_line_and_a_newline_capped_at_max_tokens(token
     capped = ObservationCodec(tokenizer, [InputSpec('/task', 'std_msgs/msg/String',
                                                     max_tokens=4)])
     long = capped.encode('/task', NS(data='go to the red box ' * 20))
-    assert len(long) == 4
+    assert len(long) == 4 and tokenizer.decode(long).endswith('\n'), 'a cut line still ends'
 
 
 def test_a_malformed_message_names_the_topic_and_type():
