@@ -9,6 +9,7 @@ control thread; ``on_deactivate`` stops it and sends the fallback action;
 import argparse
 from collections import Counter
 from collections import deque
+from functools import partial
 import gc
 import os
 import sys
@@ -42,8 +43,10 @@ from trajectory_msgs.msg import JointTrajectoryPoint
 
 try:  # Jazzy and later
     from rclpy.event_handler import PublisherEventCallbacks
+    from rclpy.event_handler import SubscriptionEventCallbacks
 except ImportError:  # Humble
     from rclpy.qos_event import PublisherEventCallbacks
+    from rclpy.qos_event import SubscriptionEventCallbacks
 
 from rt_llm_node.codec import action_message
 from rt_llm_node.codec import fallback_values
@@ -51,9 +54,12 @@ from rt_llm_node.codec import refusal_values
 from rt_llm_node.configure import configure_engine
 from rt_llm_node.engine import header_stamp_lag
 from rt_llm_node.engine import InputBuffer
+from rt_llm_node.params import BY_NAME
 from rt_llm_node.params import PARAMETERS
+from rt_llm_node.params import unknown_names
 from rt_llm_node.params import validate
 from rt_llm_node.qos import INSTRUCTION_QOS
+from rt_llm_node.qos import INSTRUCTION_VOLATILE_QOS
 from rt_llm_node.spin import spin_until_shutdown
 
 MESSAGE_CLASSES = {
@@ -68,7 +74,9 @@ MESSAGE_CLASSES = {
 
 
 def _descriptor(p):
-    d = ParameterDescriptor(description=p.description)
+    # dynamic typing: a YAML 'rate_hz: 30' (an int) is accepted for a float parameter, and
+    # every value is then checked by params.validate, with a message naming it and its range
+    d = ParameterDescriptor(description=p.description, dynamic_typing=True)
     if p.choices:
         d.additional_constraints = 'one of: ' + ', '.join(p.choices)
     if p.low is not None and isinstance(p.default, float):
@@ -107,6 +115,7 @@ class RtLlmNode(LifecycleNode):
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self._buffer = InputBuffer()
+        self._received = {}             # topic -> (last message, arrival) for de-duplication
         self._values = {}
         self._last_action = None
         self._failed = False
@@ -119,6 +128,11 @@ class RtLlmNode(LifecycleNode):
         for p in PARAMETERS:
             self.declare_parameter(p.name, p.default, _descriptor(p))
         self.add_on_set_parameters_callback(self._on_set_parameters)
+        overrides = getattr(self, '_parameter_overrides', {})
+        for message in unknown_names(overrides):
+            self.get_logger().warning(message)
+        for message in validate(self._current_values()):
+            self.get_logger().error(f'invalid parameter: {message} (configure will fail)')
 
     # -- parameters ---------------------------------------------------------------------
     def _current_values(self, overrides=()):
@@ -126,7 +140,10 @@ class RtLlmNode(LifecycleNode):
         values.update(dict(overrides))
         for name, value in values.items():
             if isinstance(value, tuple) or (hasattr(value, 'tolist')):
-                values[name] = list(value)
+                values[name] = value = list(value)
+            if (isinstance(BY_NAME[name].default, float) and isinstance(value, int)
+                    and not isinstance(value, bool)):
+                values[name] = float(value)   # 'rate_hz: 30' means 30.0
         return values
 
     def _on_set_parameters(self, params):
@@ -166,8 +183,10 @@ class RtLlmNode(LifecycleNode):
             except OSError as exc:
                 self.get_logger().warning(f'cost model not written: {exc}')
         period = 1.0 / v['rate_hz']
+        # a missed QoS deadline is a period with no action on the wire: 1.5 periods, since a
+        # tick publishes anywhere in its period and the next one as early as the next
         action_qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
-                                deadline=Duration(seconds=period))
+                                deadline=Duration(seconds=1.5 * period))
         callbacks = PublisherEventCallbacks(deadline=self._on_deadline_missed)
         self._action_pub = self.create_lifecycle_publisher(
             MESSAGE_CLASSES[v['action_type']], v['action_topic'], action_qos,
@@ -176,19 +195,45 @@ class RtLlmNode(LifecycleNode):
         self._diagnostics_pub = self.create_lifecycle_publisher(DiagnosticArray,
                                                                 '/diagnostics', 10)
         for spec in self._engine.inputs:
-            qos = INSTRUCTION_QOS if spec.kind == 'instruction' else qos_profile_sensor_data
+            callback = partial(self._receive, spec.topic)
+            cls = MESSAGE_CLASSES[spec.msg_type]
+            if spec.kind != 'instruction':
+                self._subscriptions_.append(self.create_subscription(
+                    cls, spec.topic, callback, qos_profile_sensor_data))
+                continue
+            # latched instructions reach the first on a late join, those of a default
+            # publisher (ros2 topic pub) the second; _receive keeps one copy of each message
+            callback = partial(self._receive, spec.topic, twice=True)
             self._subscriptions_.append(self.create_subscription(
-                MESSAGE_CLASSES[spec.msg_type], spec.topic,
-                lambda msg, topic=spec.topic: self._receive(topic, msg),
-                qos))
+                cls, spec.topic, callback, INSTRUCTION_QOS))
+            self._subscriptions_.append(self.create_subscription(
+                cls, spec.topic, callback, INSTRUCTION_VOLATILE_QOS,
+                event_callbacks=SubscriptionEventCallbacks(
+                    incompatible_qos=partial(self._on_incompatible_qos, spec.topic))))
         self.get_logger().info(f'configured: {len(self._engine.inputs)} inputs, action on '
                                f"{v['action_topic']} at {v['rate_hz']} Hz")
         return TransitionCallbackReturn.SUCCESS
 
-    def _receive(self, topic, msg):
-        """Keep an input message with its arrival time and how old its header stamp was."""
+    def _receive(self, topic, msg, twice=False):
+        """Keep an input message with its arrival time and how old its header stamp was.
+
+        ``twice``: the topic has two subscriptions (an instruction), so a message that equals
+        the one just received is the same message, not a new one.
+        """
+        now = time.monotonic()
+        if twice:
+            last = self._received.get(topic)
+            if last is not None and now - last[1] < 1.0 and last[0] == msg:
+                return
+            self._received[topic] = (msg, now)
         lag = header_stamp_lag(msg, self.get_clock().now().nanoseconds / 1e9)
-        self._buffer.put(topic, msg, time.monotonic(), lag)
+        self._buffer.put(topic, msg, now, lag)
+
+    def _on_incompatible_qos(self, topic, event):
+        self.get_logger().warning(
+            f'{topic}: a publisher offers a QoS this node cannot receive (policy '
+            f'{event.last_policy_kind}): publish instructions reliable, as ros2 topic pub '
+            'does by default; transient local lets a restarted node get the last one')
 
     def on_activate(self, state):
         self._reset_stats()
@@ -237,6 +282,7 @@ class RtLlmNode(LifecycleNode):
         self._action_pub = self._refusal_pub = self._diagnostics_pub = None
         self._engine = None
         self._buffer.clear()
+        self._received.clear()
         self._last_action = None
         gc.collect()
 
@@ -466,6 +512,15 @@ class RtLlmNode(LifecycleNode):
             return dict(self._stats), dict(self._refusals), list(self._latencies)
 
 
+def warn_unused_params_files(node, ros_args):
+    """Warn about a --params-file that set no parameter of this node (a node name typo)."""
+    files = [ros_args[i + 1] for i, a in enumerate(ros_args[:-1]) if a == '--params-file']
+    if files and not getattr(node, '_parameter_overrides', None):
+        node.get_logger().warning(
+            f"{', '.join(files)} set no parameter of {node.get_fully_qualified_name()}: its "
+            f"top-level key must be the node's name ({node.get_name()}) or /**")
+
+
 def main(args=None):
     """rt-llm-node [--autostart] [--ros-args --params-file FILE ...]."""
     argv = list(sys.argv if args is None else args)
@@ -477,14 +532,19 @@ def main(args=None):
     options = parser.parse_args(own)
 
     def autostart(node):
+        warn_unused_params_files(node, ros_args)
         if node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
-            node.get_logger().error('autostart: configure failed')
-            return 1
+            node.get_logger().error(f'autostart: {node.last_error}')
+            return 2
         node.trigger_activate()
         return 0
 
+    def check(node):
+        warn_unused_params_files(node, ros_args)
+        return 0
+
     return spin_until_shutdown('rt-llm-node', ros_args, RtLlmNode,
-                               start=autostart if options.autostart else None,
+                               start=autostart if options.autostart else check,
                                finish=lambda node: node.shut_down())
 
 

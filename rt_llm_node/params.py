@@ -103,7 +103,7 @@ def check(name, value):
     if name in LISTS:
         kind = LISTS[name]
         if not isinstance(value, (list, tuple)):
-            return f'{name} must be a list'
+            return f'{name} = {value!r} must be a list'
         for item in value:
             if kind is float and (isinstance(item, bool) or not isinstance(item, (int, float))
                                   or not math.isfinite(item)):
@@ -127,19 +127,31 @@ def check(name, value):
         if name == 'action_step' and any(v <= 0 for v in value):
             return 'action_step must be positive'
         return ''
+    where = f' in [{p.low:g}, {p.high:g}]' if p.low is not None else ''
     if isinstance(p.default, float) and (isinstance(value, bool) or not isinstance(
             value, (int, float)) or not math.isfinite(value)):
-        return f'{name} must be a finite number'
+        return f'{name} = {value!r} must be a finite number{where}'
     if isinstance(p.default, int) and not isinstance(p.default, bool) and (
             isinstance(value, bool) or not isinstance(value, int)):
-        return f'{name} must be an integer'
+        return f'{name} = {value!r} must be an integer{where}'
     if isinstance(p.default, str) and not isinstance(value, str):
-        return f'{name} must be a string'
+        return f'{name} = {value!r} must be a string'
     if p.low is not None and not p.low <= value <= p.high:
-        return f'{name} = {value} is outside [{p.low}, {p.high}]'
+        return f'{name} = {value} is outside [{p.low:g}, {p.high:g}]'
     if p.choices and value not in p.choices:
         return f'{name} = {value!r} is not one of {", ".join(p.choices)}'
     return ''
+
+
+def unknown_names(names):
+    """Messages for parameter names that are not the node's, with the nearest known name."""
+    import difflib
+    messages = []
+    for name in sorted(set(names) - set(BY_NAME) - {'use_sim_time'}):
+        near = difflib.get_close_matches(name, list(BY_NAME), n=1)
+        messages.append(f'{name!r} is not a parameter of this node'
+                        + (f' (did you mean {near[0]!r}?)' if near else '') + '; ignored')
+    return messages
 
 
 def validate(values):

@@ -8,3 +8,7 @@ from rclpy.qos import ReliabilityPolicy
 # instruction was published still gets it.
 INSTRUCTION_QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE,
                              durability=DurabilityPolicy.TRANSIENT_LOCAL)
+# What a default publisher offers (``ros2 topic pub``): reliable, volatile. A latched
+# subscription cannot match it, so the node subscribes an instruction with both profiles.
+INSTRUCTION_VOLATILE_QOS = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE,
+                                      durability=DurabilityPolicy.VOLATILE)

@@ -1,11 +1,17 @@
 """The console scripts' common life: init rclpy, make the node, spin until shut down."""
 
 import signal
+import sys
 import threading
 
 import rclpy
 from rclpy.executors import ExternalShutdownException
 from rclpy.executors import SingleThreadedExecutor
+
+
+def one_line(exc):
+    """Return an exception's message on one line (rcl's carry their own newlines)."""
+    return ' '.join(str(exc).split()) or type(exc).__name__
 
 
 def spin_until_shutdown(program, ros_args, make_node, start=None, finish=None):
@@ -18,16 +24,27 @@ def spin_until_shutdown(program, ros_args, make_node, start=None, finish=None):
     script's handlers only ask the spin to end.
     """
     try:
-        from rclpy.signals import SignalHandlerOptions
-        rclpy.init(args=[program, *ros_args], signal_handler_options=SignalHandlerOptions.NO)
-    except ImportError:   # an rclpy without the option: its handlers shut down on SIGINT
-        rclpy.init(args=[program, *ros_args])
+        try:
+            from rclpy.signals import SignalHandlerOptions
+            rclpy.init(args=[program, *ros_args],
+                       signal_handler_options=SignalHandlerOptions.NO)
+        except ImportError:   # an rclpy without the option: its handlers shut down on SIGINT
+            rclpy.init(args=[program, *ros_args])
+    except Exception as exc:   # a parameters file rcl cannot parse, a bad --ros-args
+        print(f'{program}: error: {one_line(exc)}', file=sys.stderr)
+        return 2
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set())
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     node = executor = None
     try:
-        node = make_node()
+        try:
+            node = make_node()
+        except (KeyboardInterrupt, ExternalShutdownException):
+            raise
+        except Exception as exc:   # a parameter rclpy refused while declaring it
+            print(f'{program}: error: {one_line(exc)}', file=sys.stderr)
+            return 2
         if start is not None:
             code = start(node)
             if code:

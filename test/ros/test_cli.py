@@ -93,3 +93,62 @@ def test_demo_world_console_script_runs_and_records_on_sigint(tmp_path):
     layout = json.loads(record.read_text())
     # the world stepped at its rate and wrote what it did on the way out
     assert len(layout['trajectory']) > 30 and layout['objects'], layout.keys()
+
+
+def run_node(tmp_path, yaml_text, seconds=None):
+    """Start rt-llm-node --autostart on a parameters file; return (exit code, output)."""
+    params = tmp_path / 'params.yaml'
+    params.write_text(yaml_text)
+    node = subprocess.Popen([sys.executable, '-m', 'rt_llm_node.node', '--autostart',
+                             '--ros-args', '--params-file', str(params)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        if seconds is not None:
+            try:
+                node.wait(timeout=seconds)
+            except subprocess.TimeoutExpired:
+                node.send_signal(signal.SIGINT)
+        log, _ = node.communicate(timeout=60)
+    finally:
+        if node.poll() is None:
+            node.kill()
+    return node.returncode, log
+
+
+DEMO_YAML = open(os.path.join(ROOT, 'config', 'demo.yaml')).read().replace(
+    'backend: auto', 'backend: numpy')
+
+
+def test_yaml_as_users_write_it_is_accepted_and_typos_are_named(tmp_path):
+    pytest.importorskip('rclpy', reason='rclpy (the ros extra) is not installed')
+    text = DEMO_YAML.replace('rate_hz: 30.0', 'rate_hz: 30').replace(
+        '  ros__parameters:\n', '  ros__parameters:\n    rate_hzz: 20.0\n    on_refusl: hold\n')
+    assert 'rate_hz: 30\n' in text and 'rate_hzz' in text
+    code, log = run_node(tmp_path, text, seconds=8)
+    assert code == 0 and 'Traceback' not in log, log
+    assert 'configured in' in log, log
+    assert "'rate_hzz' is not a parameter of this node (did you mean 'rate_hz'?)" in log, log
+    assert "'on_refusl' is not a parameter of this node (did you mean 'on_refusal'?)" in log
+
+
+@pytest.mark.parametrize('change,message', [
+    (('kv_capacity_tokens: 256', 'kv_capacity_tokens: 256.0'),
+     'kv_capacity_tokens = 256.0 must be an integer in [32, 131072]'),
+    (('rate_hz: 30.0', 'rate_hz: 1000.0'), 'Parameter rate_hz out of range Min: 1.0, Max: 200.0'),
+    (('rate_hz: 30.0', 'rate_hz: [30.0'), 'error:'),    # a YAML syntax error
+])
+def test_a_bad_parameters_file_is_one_line_and_a_nonzero_exit(tmp_path, change, message):
+    pytest.importorskip('rclpy', reason='rclpy (the ros extra) is not installed')
+    assert change[0] in DEMO_YAML
+    code, log = run_node(tmp_path, DEMO_YAML.replace(change[0], change[1]), seconds=60)
+    assert code == 2, log
+    assert message in log and 'Traceback' not in log, log
+    assert len([line for line in log.splitlines() if 'error' in line.lower()]) <= 3, log
+
+
+def test_a_parameters_file_for_another_node_name_is_reported(tmp_path):
+    pytest.importorskip('rclpy', reason='rclpy (the ros extra) is not installed')
+    code, log = run_node(tmp_path, DEMO_YAML.replace('rt_llm_node:\n', 'rt_llm_nod:\n', 1),
+                         seconds=8)
+    assert code == 0, log
+    assert 'set no parameter of /rt_llm_node' in log, log
