@@ -54,13 +54,16 @@ def build_parser():
     source.add_argument('--token-ids', type=parse_token_ids, help='prompt as ids, e.g. 1,2,3')
     parser.add_argument('--max-new-tokens', type=positive_int, default=32)
     parser.add_argument('--backend', choices=BACKENDS, default='numpy')
-    parser.add_argument('--kv-capacity', type=positive_int, default=1024,
-                        help='KV cache size in tokens (eviction keeps it bounded)')
+    parser.add_argument('--kv-capacity', type=positive_int, default=None,
+                        help='KV cache size in tokens (eviction keeps it bounded; default: '
+                             "1024, or the model's trained length if shorter)")
     parser.add_argument('--policy', choices=sorted(POLICIES), default='meaning',
                         help='eviction policy when the cache is full')
     parser.add_argument('--segment-tokens', type=positive_int, default=16,
                         help='prompt and output are cached in segments of this many tokens')
     parser.add_argument('--json', action='store_true', help='print ids and timings as JSON')
+    parser.add_argument('--ignore-eos', action='store_true',
+                        help="go on past the model's end-of-sequence token")
     parser.add_argument('--dump-logits', metavar='FILE.npy',
                         help='save the logits of every generated step, [steps, vocab] float32')
     return parser
@@ -69,6 +72,8 @@ def build_parser():
 def run(args):
     started = time.perf_counter()
     checkpoint = load_checkpoint(args.model or default_model_path())
+    if args.kv_capacity is None:
+        args.kv_capacity = min(1024, checkpoint.config.max_position_embeddings)
     backend = make_backend(args.backend, checkpoint, args.kv_capacity)
     load_s = time.perf_counter() - started
     if args.prompt is not None:
@@ -90,8 +95,9 @@ def run(args):
             logits.append(backend.logits())
 
     t0 = time.perf_counter()
+    stop_ids = () if args.ignore_eos else checkpoint.config.eos_token_ids
     ids = greedy_generate(context, prompt_ids, args.max_new_tokens,
-                          segment_tokens=segment_tokens, on_step=on_step)
+                          segment_tokens=segment_tokens, on_step=on_step, stop_ids=stop_ids)
     step_ms = np.diff(stamps) * 1e3
     result = {
         'model': str(checkpoint.path),

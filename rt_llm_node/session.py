@@ -116,13 +116,14 @@ class KVSession:
 
 
 def greedy_generate(context, prompt_ids, max_new_tokens, segment_tokens=16, allowed=None,
-                    on_step=None):
+                    on_step=None, stop_ids=()):
     """Greedy decoding through ``context``; returns the generated ids.
 
     The prompt and the output are cut into segments of ``segment_tokens`` so that
     segment-level eviction can work when they outgrow the cache. ``allowed``:
     sorted permitted ids for every step (constrained decoding), or None.
     ``on_step(step, backend)`` runs before each token is chosen (e.g. to dump logits).
+    Generation ends after a token of ``stop_ids`` (the model's end-of-sequence ids).
     """
     prompt_ids = np.asarray(prompt_ids, dtype=np.int64)
     if len(prompt_ids) == 0:
@@ -136,7 +137,7 @@ def greedy_generate(context, prompt_ids, max_new_tokens, segment_tokens=16, allo
             on_step(step, context.backend)
         token = context.backend.argmax(allowed)
         out.append(token)
-        if step == max_new_tokens - 1:
+        if step == max_new_tokens - 1 or token in stop_ids:
             break
         if segment is None or step % segment_tokens == 0:
             segment = context.open_segment()

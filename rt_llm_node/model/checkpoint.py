@@ -16,6 +16,8 @@ from tokenizers import Tokenizer
 
 from rt_llm_node.model.config import ModelConfig
 from rt_llm_node.model.config import read_config
+from rt_llm_node.model.config import read_small_file
+from rt_llm_node.model.config import regular_file_size
 from rt_llm_node.model.errors import CheckpointError
 
 SINGLE_FILE = 'model.safetensors'
@@ -27,6 +29,12 @@ STORAGE = {
     'F16': (np.uint16, 0x7C00),
     'F32': (np.uint32, 0x7F800000),
 }
+MAX_HEADER = 100 << 20     # safetensors' own limit on its JSON header
+MAX_INDEX = 64 << 20       # model.safetensors.index.json
+MAX_TOKENIZER = 256 << 20  # tokenizer.json
+# Larger weights make the fp32 forward overflow (a product of a few such sums is past
+# 3.4e38); trained models stay orders of magnitude below.
+MAX_WEIGHT = 1e6
 # Buffers some exporters save beside the weights; they carry no parameters.
 IGNORED_SUFFIXES = ('.rotary_emb.inv_freq',)
 
@@ -69,10 +77,22 @@ class Checkpoint:
 
 
 def _read_safetensors(path):
+    size = regular_file_size(path)
     try:
-        blob = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(path, 'file not found') from None
+        with open(path, 'rb') as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(path, f'corrupt or truncated safetensors file: {size} bytes')
+            header = int.from_bytes(head, 'little')
+            if header > min(MAX_HEADER, size - 8):
+                raise CheckpointError(path, 'corrupt or truncated safetensors file: its header '
+                                            f'claims {header} bytes of a {size}-byte file')
+            f.seek(0)
+            blob = f.read(size + 1)
+    except OSError as exc:
+        raise CheckpointError(path, f'cannot read: {exc.strerror}') from None
+    if len(blob) != size:
+        raise CheckpointError(path, 'the file changed while it was read')
     try:
         entries = safetensors.deserialize(blob)
     except Exception as exc:  # the Rust reader raises its own SafetensorError
@@ -87,6 +107,12 @@ def _read_safetensors(path):
         bits = np.frombuffer(info['data'], dtype=storage)
         if np.any((bits & exponent) == exponent):
             raise CheckpointError(path, f"tensor '{name}' holds NaN or infinite values")
+        if dtype != 'F16' and len(bits):   # fp16 cannot exceed the bound: 65504
+            values = StoredTensor(dtype, (len(bits),), bits).to_float32()
+            largest = float(np.max(np.abs(values)))
+            if largest > MAX_WEIGHT:
+                raise CheckpointError(path, f"tensor '{name}' holds {largest:.3g}: weights "
+                                            f'beyond {MAX_WEIGHT:g} overflow the fp32 forward')
         out[name] = StoredTensor(dtype, tuple(info['shape']), bits)
     return out
 
@@ -96,7 +122,8 @@ def _read_all_tensors(directory):
     index = directory / INDEX_FILE
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text(encoding='utf-8'))['weight_map']
+            weight_map = json.loads(read_small_file(index, MAX_INDEX).decode(
+                'utf-8'))['weight_map']
             if not isinstance(weight_map, dict):
                 raise TypeError('weight_map is not an object')
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
@@ -122,6 +149,11 @@ def _read_all_tensors(directory):
 
 
 def _check_tensors(config, tensors, where):
+    layers = {int(name.split('.')[2]) for name in tensors
+              if name.startswith('model.layers.') and name.split('.')[2].isdigit()}
+    if not layers >= set(range(config.num_layers)):   # before listing every expected shape
+        raise CheckpointError(where, f'the tensors hold layers {_ranges(layers)}, '
+                                     f'config.json says num_hidden_layers = {config.num_layers}')
     expected = config.tensor_shapes()
     for name in list(tensors):
         if name.endswith(IGNORED_SUFFIXES):
@@ -140,13 +172,21 @@ def _check_tensors(config, tensors, where):
                                      f'({len(extra)} unexpected in all)')
 
 
+def _ranges(numbers):
+    numbers = sorted(numbers)
+    if not numbers:
+        return 'none'
+    if numbers == list(range(numbers[0], numbers[-1] + 1)):
+        return f'{numbers[0]}..{numbers[-1]}'
+    return ', '.join(map(str, numbers[:8])) + (' ...' if len(numbers) > 8 else '')
+
+
 def load_tokenizer(directory, config=None):
     """Read ``DIR/tokenizer.json``; check it fits the embedding when ``config`` is given."""
     path = Path(directory) / TOKENIZER_FILE
-    if not path.exists():
-        raise CheckpointError(path, 'file not found')
+    text = read_small_file(path, MAX_TOKENIZER)
     try:
-        tokenizer = Tokenizer.from_file(str(path))
+        tokenizer = Tokenizer.from_str(text.decode('utf-8'))
     except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
         raise CheckpointError(path, f'unreadable tokenizer: {exc}') from None
     n = tokenizer.get_vocab_size(with_added_tokens=True)

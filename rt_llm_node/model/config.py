@@ -75,6 +75,7 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
+    eos_token_ids: tuple = ()      # every end-of-sequence id (HF allows a list)
     # derived in __post_init__
     q_size: int = field(init=False)
     kv_size: int = field(init=False)
@@ -152,12 +153,23 @@ class ModelConfig:
         return d
 
 
+# Upper bounds of config.json's sizes: far above any model this runs, and low enough that a
+# corrupt value fails at once instead of allocating until memory runs out.
+MAX_VALUES = {'vocab_size': 1 << 22, 'hidden_size': 1 << 16, 'intermediate_size': 1 << 18,
+              'num_hidden_layers': 1024, 'num_attention_heads': 1024,
+              'num_key_value_heads': 1024, 'max_position_embeddings': 1 << 24,
+              'head_dim': 4096}
+
+
 def _require(raw, key, kind, path):
     if key not in raw or raw[key] is None:
         raise CheckpointError(path, f"missing required key '{key}'")
     value = raw[key]
     if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
         raise CheckpointError(path, f"key '{key}' must be a positive integer, got {value!r}")
+    if kind is int and value > MAX_VALUES.get(key, value):
+        raise CheckpointError(path, f"key '{key}' = {value} exceeds {MAX_VALUES[key]}: not a "
+                                    'model this runtime can hold')
     if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))
                           or not math.isfinite(value) or value <= 0):
         raise CheckpointError(path, f"key '{key}' must be a positive number, got {value!r}")
@@ -192,6 +204,29 @@ def _parse_rope(raw, path):
     return rope
 
 
+def _flag(raw, key, path, default=False):
+    """Return a boolean key of config.json; a string such as "false" is an error, not True."""
+    value = raw.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise CheckpointError(path, f"key '{key}' must be true or false, got {value!r}")
+    return value
+
+
+def _token_ids(raw, key, path):
+    """Return a token-id key (an int, a list of ints, or null) as a tuple of ids."""
+    value = raw.get(key)
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 0
+                         for v in values):
+        raise CheckpointError(path, f"key '{key}' must be a token id or a list of them, got "
+                                    f'{value!r}')
+    return tuple(values)
+
+
 def parse_config(raw, path='config.json'):
     """Build a ModelConfig from a parsed ``config.json`` dict; CheckpointError if unusable."""
     if not isinstance(raw, dict):
@@ -208,14 +243,16 @@ def parse_config(raw, path='config.json'):
     act = raw.get('hidden_act', 'silu')
     if act != 'silu':
         raise CheckpointError(path, f"key 'hidden_act' = {act!r} is not supported (only 'silu')")
-    if raw.get('mlp_bias'):
+    if _flag(raw, 'mlp_bias', path):
         raise CheckpointError(path, "key 'mlp_bias' = true is not supported")
-    if raw.get('use_sliding_window'):
+    if _flag(raw, 'use_sliding_window', path):
         raise CheckpointError(path, "key 'use_sliding_window' = true is not supported")
     head_dim = raw.get('head_dim') or 0
-    if head_dim and (not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2):
+    if head_dim and (isinstance(head_dim, bool) or not isinstance(head_dim, int)
+                     or head_dim <= 0 or head_dim % 2 or head_dim > MAX_VALUES['head_dim']):
         raise CheckpointError(path, f"key 'head_dim' must be a positive even integer, got "
                                     f'{head_dim!r}')
+    bos, eos = _token_ids(raw, 'bos_token_id', path), _token_ids(raw, 'eos_token_id', path)
     config = ModelConfig(
         family=family,
         vocab_size=_require(raw, 'vocab_size', int, path),
@@ -230,13 +267,12 @@ def parse_config(raw, path='config.json'):
         rms_norm_eps=_require(raw, 'rms_norm_eps', float, path)
         if 'rms_norm_eps' in raw else 1e-6,
         head_dim=head_dim,
-        tie_word_embeddings=bool(raw.get('tie_word_embeddings', False)),
-        attention_bias=(family == 'qwen2') or bool(raw.get('attention_bias', False)),
+        tie_word_embeddings=_flag(raw, 'tie_word_embeddings', path),
+        attention_bias=(family == 'qwen2') or _flag(raw, 'attention_bias', path),
         rope=_parse_rope(raw, path),
-        bos_token_id=raw.get('bos_token_id') if isinstance(raw.get('bos_token_id'), int)
-        else None,
-        eos_token_id=raw.get('eos_token_id') if isinstance(raw.get('eos_token_id'), int)
-        else None,
+        bos_token_id=bos[0] if bos else None,
+        eos_token_id=eos[0] if eos else None,
+        eos_token_ids=eos,
     )
     if config.num_heads % config.num_kv_heads:
         raise CheckpointError(path, f"key 'num_key_value_heads' = {config.num_kv_heads} does not "
@@ -249,13 +285,43 @@ def parse_config(raw, path='config.json'):
     return config
 
 
+def regular_file_size(path):
+    """Return the size of ``path`` if it is a regular file (links followed); else raise.
+
+    A FIFO would block a reader for ever and a device (a link to /dev/zero) never ends:
+    neither is read.
+    """
+    import stat
+    try:
+        info = Path(path).stat()
+    except FileNotFoundError:
+        raise CheckpointError(path, 'file not found') from None
+    except OSError as exc:
+        raise CheckpointError(path, f'cannot read: {exc.strerror}') from None
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(path, 'not a regular file (a FIFO, device or folder)')
+    return info.st_size
+
+
+def read_small_file(path, limit):
+    """Return the bytes of a regular file of at most ``limit`` bytes."""
+    size = regular_file_size(path)
+    if size > limit:
+        raise CheckpointError(path, f'{size} bytes: larger than the {limit} such a file can be')
+    try:
+        with open(path, 'rb') as f:
+            return f.read(limit + 1)
+    except OSError as exc:
+        raise CheckpointError(path, f'cannot read: {exc.strerror}') from None
+
+
 def read_config(directory):
     """Read and parse ``DIR/config.json``."""
     path = Path(directory) / 'config.json'
     try:
-        raw = json.loads(path.read_text(encoding='utf-8'))
+        raw = json.loads(read_small_file(path, 1 << 20).decode('utf-8'))
     except FileNotFoundError:
         raise CheckpointError(path, 'file not found') from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointError(path, f'not valid JSON: {exc}') from None
     return parse_config(raw, path)

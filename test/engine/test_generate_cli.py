@@ -1,6 +1,7 @@
 """rt-llm-generate, run as a user would (a subprocess), on a real checkpoint."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -67,3 +68,29 @@ def test_cuda_backend_request_is_a_clear_error_here(tiny_checkpoint):
     result = generate('--model', str(tiny_checkpoint), '--token-ids', '1', '--backend', 'cuda')
     assert result.returncode == 2 and 'Traceback' not in result.stderr
     assert 'cuda' in result.stderr.lower()
+
+
+def test_generation_stops_at_the_models_end_of_sequence_token(tiny_checkpoint, tmp_path):
+    shutil.copytree(tiny_checkpoint, tmp_path / 'ckpt')
+    first = json.loads(generate('--model', str(tmp_path / 'ckpt'), '--token-ids', '5,6,7,8',
+                                '--max-new-tokens', '8', '--json').stdout)['generated_ids']
+    config = json.loads((tmp_path / 'ckpt' / 'config.json').read_text())
+    config['eos_token_id'] = [9999, first[2]]    # HF allows a list
+    (tmp_path / 'ckpt' / 'config.json').write_text(json.dumps(config))
+    result = generate('--model', str(tmp_path / 'ckpt'), '--token-ids', '5,6,7,8',
+                      '--max-new-tokens', '8', '--json')
+    assert result.returncode == 0, result.stderr
+    ids = json.loads(result.stdout)['generated_ids']
+    assert ids == first[:first.index(first[2]) + 1], (ids, first)
+    ignore = json.loads(generate('--model', str(tmp_path / 'ckpt'), '--token-ids', '5,6,7,8',
+                                 '--max-new-tokens', '8', '--json', '--ignore-eos').stdout)
+    assert ignore['generated_ids'] == first
+
+
+def test_the_default_cache_fits_a_model_trained_on_fewer_positions(tiny_checkpoint, tmp_path):
+    shutil.copytree(tiny_checkpoint, tmp_path / 'ckpt')
+    config = json.loads((tmp_path / 'ckpt' / 'config.json').read_text())
+    config['max_position_embeddings'] = 512
+    (tmp_path / 'ckpt' / 'config.json').write_text(json.dumps(config))
+    result = generate('--model', str(tmp_path / 'ckpt'), '--prompt', 't1 t2 t3', '--json')
+    assert result.returncode == 0, result.stderr

@@ -160,3 +160,58 @@ def test_pickle_checkpoint_is_not_read(ckpt):
     (ckpt / 'model.safetensors').unlink()
     (ckpt / 'pytorch_model.bin').write_bytes(b'\x80\x04K\x01.')
     expect_error(ckpt, 'neither model.safetensors')
+
+
+def test_a_fifo_or_a_device_is_refused_without_reading_it(ckpt):
+    import os
+    (ckpt / 'config.json').rename(ckpt / 'config.saved')
+    os.mkfifo(ckpt / 'config.json')     # a reader of a FIFO without a writer blocks for ever
+    with pytest.raises(CheckpointError, match='config.json: not a regular file'):
+        load_checkpoint(ckpt)
+    (ckpt / 'config.json').unlink()
+    (ckpt / 'config.saved').rename(ckpt / 'config.json')
+    (ckpt / 'model.safetensors').unlink()
+    (ckpt / 'model.safetensors').symlink_to('/dev/zero')   # endless
+    with pytest.raises(CheckpointError, match='model.safetensors: not a regular file'):
+        load_checkpoint(ckpt)
+    (ckpt / 'model.safetensors').unlink()
+    (ckpt / 'model.safetensors').write_bytes(b'')
+    with pytest.raises(CheckpointError, match='corrupt or truncated'):
+        load_checkpoint(ckpt)
+
+
+def test_a_huge_layer_count_fails_at_once_and_names_the_key(ckpt):
+    import time
+    edit_config(ckpt, num_hidden_layers=1_000_000_000)
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match="'num_hidden_layers' = 1000000000 exceeds"):
+        load_checkpoint(ckpt)
+    assert time.monotonic() - started < 5.0
+    edit_config(ckpt, num_hidden_layers=900)   # plausible, but not what the tensors hold
+    with pytest.raises(CheckpointError, match='the tensors hold layers 0..1, config.json says '
+                                              'num_hidden_layers = 900'):
+        load_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize('key,value', [('tie_word_embeddings', 'false'),
+                                       ('attention_bias', 'no'), ('tie_word_embeddings', 0),
+                                       ('eos_token_id', 'eos'), ('bos_token_id', [1, 'x'])])
+def test_config_values_of_the_wrong_type_are_errors_not_guesses(ckpt, key, value):
+    """A string "false" read as true would drop a stored lm_head: a wrong model that runs."""
+    edit_config(ckpt, **{key: value})
+    with pytest.raises(CheckpointError, match=f"key '{key}' must be"):
+        load_checkpoint(ckpt)
+
+
+def test_weights_that_would_overflow_the_forward_name_the_file_and_tensor(ckpt):
+    path = ckpt / 'model.safetensors'
+    blob = bytearray(path.read_bytes())
+    size = int.from_bytes(blob[:8], 'little')
+    header = json.loads(blob[8:8 + size])
+    name = 'model.layers.1.mlp.down_proj.weight'
+    assert header[name]['dtype'] == 'BF16'
+    first = 8 + size + header[name]['data_offsets'][0]
+    blob[first:first + 2] = (0x7F00).to_bytes(2, 'little')   # bf16 1.7e38: finite, far too big
+    path.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match=f"model.safetensors: tensor '{name}' holds "):
+        load_checkpoint(ckpt)
