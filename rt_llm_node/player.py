@@ -46,7 +46,12 @@ def live(bag, remaps=None, publish_clock=False, rate=1.0, delay=1.0, log=print, 
     from rclpy.qos import ReliabilityPolicy
     from rclpy.serialization import deserialize_message
     from rt_llm_node.qos import INSTRUCTION_QOS
+    from collections import Counter
+    from rosbags.typesys import get_typestore
+    from rosbags.typesys import Stores
     warn = warn or (lambda text: print(f'rt-llm-replay: warning: {text}', file=sys.stderr))
+    store = get_typestore(Stores.LATEST)
+    skipped = Counter()
     reader = open_bag(bag)
     inverse = {bag_topic: node_topic for node_topic, bag_topic in (remaps or {}).items()}
     rclpy.init()
@@ -102,9 +107,21 @@ def live(bag, remaps=None, publish_clock=False, rate=1.0, delay=1.0, log=print, 
                 clock_msg = Clock()
                 clock_msg.clock.sec, clock_msg.clock.nanosec = divmod(stamp_ns, 1_000_000_000)
                 clock_pub.publish(clock_msg)
-            publishers[connection.id].publish(deserialize_message(raw, classes[connection.id]))
+            try:   # checked by rosbags first: rmw prints bare errors for what it cannot read
+                if connection.msgtype in store.types:
+                    store.deserialize_cdr(raw, connection.msgtype)
+                message = deserialize_message(raw, classes[connection.id])
+            except Exception as exc:   # a corrupt message: skip it, say which topic
+                skipped[connection.topic] += 1
+                if skipped[connection.topic] == 1:
+                    warn(f'{connection.topic}: undecodable message skipped ({exc}); further '
+                         'ones on this topic are counted at the end')
+                continue
+            publishers[connection.id].publish(message)
             count += 1
         log(f'published {count} messages over {(reader.end_time - t0_bag) / 1e9 / rate:.1f} s')
+        for topic, n in skipped.items():
+            warn(f'{topic}: {n} undecodable messages skipped')
         return count
     finally:
         reader.close()

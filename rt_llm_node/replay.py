@@ -24,9 +24,11 @@ import argparse
 from collections import Counter
 import json
 import math
+import os
 from pathlib import Path
 import shutil
 import sys
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -129,14 +131,36 @@ def replay(bag, values, out, clock_mode='model', cost_model=None, start_s=0.0, e
         clock = ModelClock() if clock_mode == 'model' else WallClock()
         engine = configure_engine(values, clock=clock, log=lambda text: log(f'  {text}'),
                                   cost_model=cost_model)
-        return _run(reader, connections, engine, clock, clock_mode, values, store, Path(out),
-                    start_s, end_s, log, warn)
+        # written into a fresh folder beside ``out`` and put in its place only when complete:
+        # a replay that fails leaves an earlier output as it was, never a mix of the two
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f'.{out.name}.', dir=out.parent))
+        try:
+            summary = _run(reader, connections, engine, clock, clock_mode, values, store,
+                           partial, start_s, end_s, log, warn, shown=out)
+            _put_in_place(partial, out)
+            return summary
+        finally:
+            if partial.exists():
+                shutil.rmtree(partial, ignore_errors=True)
     finally:
         reader.close()
 
 
+def _put_in_place(partial, out):
+    """Replace ``out`` by the complete folder ``partial`` (renames on one file system)."""
+    old = None
+    if out.exists():
+        old = out.with_name(f'.{out.name}.old-{os.getpid()}')
+        os.rename(out, old)
+    os.rename(partial, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def _run(reader, connections, engine, clock, clock_mode, values, store, out, start_s, end_s,
-         log, warn):
+         log, warn, shown=None):
     from rosbags.rosbag2 import StoragePlugin
     from rosbags.rosbag2 import Writer
     period = 1.0 / values['rate_hz']
@@ -148,10 +172,7 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
         raise ReplayError(f'nothing to replay between {start_s} s and {end_s} s '
                           f'(the bag lasts {(reader.end_time - reader.start_time) / 1e9:.2f} s)')
     topic_of = {c.topic: node_topic for node_topic, c in connections.items()}
-    out.mkdir(parents=True, exist_ok=True)
     bag_out = out / 'replay'
-    if bag_out.exists():
-        shutil.rmtree(bag_out)
     writer = Writer(bag_out, version=9, storage_plugin=StoragePlugin.MCAP)
     writer.open()
     copies = {}
@@ -167,7 +188,17 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
     record_conn = writer.add_connection(RECORD_TOPIC, 'std_msgs/msg/String', typestore=store)
     # from the bag's start: an instruction sent long before --start is still in force
     messages = reader.messages(stop=t_stop + 1)
-    pending = next(messages, None)
+    read_from = reader.start_time
+
+    def next_message():
+        """Return the bag's next (connection, stamp, raw); ReplayError where it is corrupt."""
+        try:
+            return next(messages, None)
+        except Exception as exc:   # rosbags' and the storage's own errors, OverflowError...
+            at = (read_from - reader.start_time) / 1e9
+            raise ReplayError(f'the bag is corrupt after {at:.3f} s: '
+                              f'{type(exc).__name__}: {exc}') from None
+    pending = next_message()
     snapshot, lines, records = {}, [], []
     last_action = None
     bad_messages = Counter()
@@ -182,6 +213,14 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
                 tick_ns = t_begin + int(round(k * period * 1e9))
                 while pending is not None and pending[1] <= tick_ns:
                     connection, stamp_ns, raw = pending
+                    read_from = stamp_ns
+                    if not isinstance(raw, (bytes, bytearray, memoryview)):
+                        bad_messages[connection.topic] += 1   # e.g. a sqlite3 TEXT row
+                        if bad_messages[connection.topic] == 1:
+                            warn(f'{connection.topic}: a message stored as '
+                                 f'{type(raw).__name__}, not bytes: skipped')
+                        pending = next_message()
+                        continue
                     if connection.id in copies and stamp_ns >= t_begin:
                         writer.write(copies[connection.id], stamp_ns, raw)
                     node_topic = topic_of.get(connection.topic)
@@ -194,7 +233,7 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
                             bad_messages[connection.topic] += 1
                             if bad_messages[connection.topic] == 1:
                                 warn(f'{connection.topic}: undecodable message skipped ({exc})')
-                    pending = next(messages, None)
+                    pending = next_message()
                 stamp = tick_ns / 1e9
                 if clock_mode == 'model':
                     clock.advance_to(stamp)
@@ -243,7 +282,7 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
     log(f'{summary["ticks"]} ticks: {summary["actions"]} actions, {summary["refusals"]} '
         f'refusals {summary["refusals_by_reason"]}, late {summary["late"]}; '
         f'{summary["bag_seconds"]:.1f} s of bag in {wall_s:.1f} s '
-        f'({summary["speed_x_realtime"]:.1f}x real time) -> {out}')
+        f'({summary["speed_x_realtime"]:.1f}x real time) -> {shown or out}')
     return summary
 
 

@@ -152,6 +152,59 @@ def test_corrupt_sqlite3_is_a_clear_error(bags, tmp_path, capsys):
     assert code == 2 and 'rt-llm-replay: error' in err
 
 
+def test_bytes_flipped_mid_file_are_a_clear_error_not_a_traceback(bags, tmp_path, capsys):
+    import shutil
+    for seed in range(3):   # a few places: a chunk header, compressed data, an index
+        broken = tmp_path / f'flipped{seed}'
+        shutil.copytree(bags['mcap'], broken)
+        mcap = next(broken.glob('*.mcap'))
+        data = bytearray(mcap.read_bytes())
+        start = len(data) // 4 + seed * len(data) // 5
+        data[start:start + 4096] = bytes(b ^ 0xFF for b in data[start:start + 4096])
+        mcap.write_bytes(bytes(data))
+        code, _, err = run([broken, '--params', DEMO_PARAMS, '--out', tmp_path / f'o{seed}'],
+                           capsys)
+        assert 'Traceback' not in err, err
+        assert code == 2 and 'rt-llm-replay: error' in err or code == 0, (code, err)
+
+
+def test_a_sqlite3_row_whose_data_is_text_is_skipped_with_a_warning(bags, tmp_path, capsys):
+    import shutil
+    import sqlite3
+    bag = tmp_path / 'text'
+    shutil.copytree(bags['sqlite3'], bag)
+    db = sqlite3.connect(next(bag.glob('*.db3')))
+    topic = db.execute("SELECT id FROM topics WHERE name = '/scan'").fetchone()[0]
+    row = db.execute('SELECT id FROM messages WHERE topic_id = ? LIMIT 1 OFFSET 5',
+                     (topic,)).fetchone()[0]
+    db.execute("UPDATE messages SET data = 'not bytes' WHERE id = ?", (row,))
+    db.commit()
+    db.close()
+    code, _, err = run([bag, '--params', DEMO_PARAMS, '--out', tmp_path / 'o'], capsys)
+    assert code == 0 and 'Traceback' not in err, err
+    assert '/scan: a message stored as str, not bytes: skipped' in err
+
+
+def test_a_failed_replay_leaves_an_earlier_output_whole(bags, tmp_path, capsys):
+    out = tmp_path / 'golden'
+    code, _, err = run([bags['mcap'], '--params', DEMO_PARAMS, '--out', out], capsys)
+    assert code == 0, err
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob('*') if p.is_file()}
+    import shutil
+    broken = tmp_path / 'broken'
+    shutil.copytree(bags['mcap'], broken)
+    mcap = next(broken.glob('*.mcap'))
+    data = bytearray(mcap.read_bytes())
+    start = len(data) // 4   # corrupt data that only the replay's reading finds
+    data[start:start + 4096] = bytes(b ^ 0xFF for b in data[start:start + 4096])
+    mcap.write_bytes(bytes(data))
+    code, _, err = run([broken, '--params', DEMO_PARAMS, '--out', out], capsys)
+    assert code == 2 and 'the bag is corrupt' in err, err
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob('*') if p.is_file()}
+    assert after == before, 'the earlier replay was changed by the failed one'
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith('.golden')] == []
+
+
 def test_missing_bag_and_missing_topics_are_clear_errors(bags, tmp_path, capsys):
     code, _, err = run([tmp_path / 'nope', '--out', tmp_path / 'o'], capsys)
     assert code == 2 and 'no such bag' in err
