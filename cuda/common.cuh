@@ -37,38 +37,61 @@ __device__ __forceinline__ float w2f(wt w) {
 #endif
 }
 
-// Eight consecutive weights from p (16-byte aligned), raw: loaded now, converted later, so
-// that a kernel can have many loads in flight before it needs the values.
+// N (4 or 8) consecutive weights from p, raw: loaded now, converted later, so that a kernel
+// can have many loads in flight before it needs the values. One vector load: 16 bytes for 8
+// 16-bit weights (p 16-byte aligned) or 8 for 4 of them (8-byte aligned); fp32 weights take
+// one float4 per 4 weights (16-byte aligned).
+template <int N> struct wraw;
 #if defined(RT_WEIGHT_F32)
-struct w8raw { float4 a, b; };
+template <> struct wraw<8> { float4 a, b; };
+template <> struct wraw<4> { float4 a; };
 #else
-struct w8raw { uint4 a; };
+template <> struct wraw<8> { uint4 a; };
+template <> struct wraw<4> { uint2 a; };
 #endif
+typedef wraw<8> w8raw;
+typedef wraw<4> w4raw;
 
-__device__ __forceinline__ w8raw load_w8(const wt* p) {
-  w8raw r;
+template <int N>
+__device__ __forceinline__ wraw<N> load_w(const wt* p) {
+  static_assert(N == 4 || N == 8, "4 or 8 weights");
+  wraw<N> r;
 #if defined(RT_WEIGHT_F32)
   r.a = __ldg(reinterpret_cast<const float4*>(p));
-  r.b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  if constexpr (N == 8) r.b = __ldg(reinterpret_cast<const float4*>(p) + 1);
 #else
-  r.a = __ldg(reinterpret_cast<const uint4*>(p));
+  if constexpr (N == 8) {
+    r.a = __ldg(reinterpret_cast<const uint4*>(p));
+  } else {
+    r.a = __ldg(reinterpret_cast<const uint2*>(p));
+  }
 #endif
   return r;
 }
 
-__device__ __forceinline__ void w8_floats(const w8raw& r, float* o) {
+// The N weights of a raw load as fp32, in order.
+template <int N>
+__device__ __forceinline__ void w_floats(const wraw<N>& r, float* o) {
 #if defined(RT_WEIGHT_F32)
   o[0] = r.a.x; o[1] = r.a.y; o[2] = r.a.z; o[3] = r.a.w;
-  o[4] = r.b.x; o[5] = r.b.y; o[6] = r.b.z; o[7] = r.b.w;
+  if constexpr (N == 8) { o[4] = r.b.x; o[5] = r.b.y; o[6] = r.b.z; o[7] = r.b.w; }
 #else
-  const unsigned u[4] = {r.a.x, r.a.y, r.a.z, r.a.w};
+  unsigned u[N / 2];
+  if constexpr (N == 8) {
+    u[0] = r.a.x; u[1] = r.a.y; u[2] = r.a.z; u[3] = r.a.w;
+  } else {
+    u[0] = r.a.x; u[1] = r.a.y;
+  }
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < N / 2; ++i) {
     o[2 * i] = bits_to_float((unsigned short)(u[i] & 0xffffu));
     o[2 * i + 1] = bits_to_float((unsigned short)(u[i] >> 16));
   }
 #endif
 }
+
+__device__ __forceinline__ w8raw load_w8(const wt* p) { return load_w<8>(p); }
+__device__ __forceinline__ void w8_floats(const w8raw& r, float* o) { w_floats<8>(r, o); }
 
 // Eight consecutive weights from p (16-byte aligned) as fp32.
 __device__ __forceinline__ void load8(const wt* p, float* o) { w8_floats(load_w8(p), o); }

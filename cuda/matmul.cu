@@ -71,24 +71,8 @@ __device__ __forceinline__ void tile_inv_rms(const float* xt, int K, const wt* n
   __syncthreads();
 }
 
-// Four consecutive weights, raw (loaded now, converted later): 8-byte aligned p for 16-bit
-// weights, 16-byte for fp32; or, scalar, the last `count` (< 4) of a row, zeros past it.
-#if defined(RT_WEIGHT_F32)
-struct w4raw { float4 a; };
-#else
-struct w4raw { uint2 a; };
-#endif
-
-__device__ __forceinline__ w4raw load_w4(const wt* p) {
-  w4raw r;
-#if defined(RT_WEIGHT_F32)
-  r.a = __ldg(reinterpret_cast<const float4*>(p));
-#else
-  r.a = __ldg(reinterpret_cast<const uint2*>(p));
-#endif
-  return r;
-}
-
+// Four consecutive weights, raw (common.cuh's load_w<4>); or, scalar, the last `count` (< 4)
+// of a row, zeros past it.
 __device__ __forceinline__ w4raw load_w4_scalar(const wt* p, int count) {
   wt v[4];
 #pragma unroll
@@ -100,17 +84,6 @@ __device__ __forceinline__ w4raw load_w4_scalar(const wt* p, int count) {
   r.a = make_uint2(v[0] | ((unsigned)v[1] << 16), v[2] | ((unsigned)v[3] << 16));
 #endif
   return r;
-}
-
-__device__ __forceinline__ void w4_floats(const w4raw& r, float* o) {
-#if defined(RT_WEIGHT_F32)
-  o[0] = r.a.x; o[1] = r.a.y; o[2] = r.a.z; o[3] = r.a.w;
-#else
-  o[0] = bits_to_float((unsigned short)(r.a.x & 0xffffu));
-  o[1] = bits_to_float((unsigned short)(r.a.x >> 16));
-  o[2] = bits_to_float((unsigned short)(r.a.y & 0xffffu));
-  o[3] = bits_to_float((unsigned short)(r.a.y >> 16));
-#endif
 }
 
 // Four consecutive floats from p: one 16-byte load when `aligned` (and count >= 4), else
@@ -184,7 +157,7 @@ __device__ void tile16_body(int* __restrict__ state, const wt* __restrict__ W, i
   if (g < n4) {
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      cur[j] = vec ? load_w4(wrow[j] + 4 * g) : load_w4_scalar(wrow[j] + 4 * g, min(4, K - 4 * g));
+      cur[j] = vec ? load_w<4>(wrow[j] + 4 * g) : load_w4_scalar(wrow[j] + 4 * g, min(4, K - 4 * g));
   }
   pdl_wait_then_release();   // the weights are in flight; x comes from the previous kernel
   const int n = state[STATE_N], start = state[STATE_START];
@@ -235,12 +208,12 @@ __device__ void tile16_body(int* __restrict__ state, const wt* __restrict__ W, i
       if (gn < n4) {
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-          nxt[j] = vec ? load_w4(wrow[j] + 4 * gn)
+          nxt[j] = vec ? load_w<4>(wrow[j] + 4 * gn)
                        : load_w4_scalar(wrow[j] + 4 * gn, min(4, K - 4 * gn));
       }
       float w[4][4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) w4_floats(cur[j], w[j]);
+      for (int j = 0; j < 4; ++j) w_floats<4>(cur[j], w[j]);
 #pragma unroll
       for (int t = 0; t < T16_TOKENS; ++t) {
         const float4 xv = *reinterpret_cast<const float4*>(&xs[t][4 * g - kb]);
