@@ -52,12 +52,18 @@ def relative_error(a, b):
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def test_compacting_random_slots_equals_fresh_prefill(checkpoint, rng):
-    ids = rng.integers(0, VOCAB, 60)
+def compacted(checkpoint, rng, n, kept):
+    """Return a backend that prefilled ``n`` random tokens, then kept ``kept`` of them."""
+    ids = rng.integers(0, VOCAB, n)
     backend = NumpyBackend(checkpoint, 64)
     backend.prefill(ids)
-    keep = np.sort(rng.choice(60, size=25, replace=False))
+    keep = np.sort(rng.choice(n, size=kept, replace=False))
     backend.compact(keep)
+    return backend, ids, keep
+
+
+def test_compacting_random_slots_equals_fresh_prefill(checkpoint, rng):
+    backend, ids, keep = compacted(checkpoint, rng, 60, 25)
     assert backend.length == 25
     backend.decode(17)
     err = relative_error(backend.logits(), fresh_logits(checkpoint, ids[keep], 17))
@@ -98,11 +104,7 @@ def test_rollback_then_decode_equals_never_having_run(checkpoint, rng):
 
 
 def test_deep_model_layer0_cache_equals_fresh_prefill(deep_checkpoint, rng):
-    ids = rng.integers(0, VOCAB, 50)
-    backend = NumpyBackend(deep_checkpoint, 64)
-    backend.prefill(ids)
-    keep = np.sort(rng.choice(50, size=30, replace=False))
-    backend.compact(keep)
+    backend, ids, keep = compacted(deep_checkpoint, rng, 50, 30)
     fresh = NumpyBackend(deep_checkpoint, 64)
     fresh.prefill(ids[keep])
     np.testing.assert_allclose(backend.k[0, :30], fresh.k[0, :30], rtol=1e-5, atol=1e-5)
