@@ -444,6 +444,13 @@ class RtLlmNode(LifecycleNode):
         array.header.stamp = stamp
         self._refusal_pub.publish(array)
         self._publish_fallback()
+        if published > deadline_ros.nanoseconds:
+            # the process lost the CPU between deciding and publishing (a VM's stolen time,
+            # RT throttling, a normal-priority control thread beside busy processes): the
+            # refusal and the fallback still go out, as the robot's stop matters more late
+            # than never, and the count shows it
+            with self._stats_lock:
+                self._stats['late_refusals'] += 1
 
     def _publish_fallback(self, force_stop=False):
         if self._action_pub is None or self._engine is None:
@@ -477,6 +484,7 @@ class RtLlmNode(LifecycleNode):
         pairs = {'ticks': stats.get('ticks', 0), 'actions': stats.get('actions', 0),
                  'refusals': stats.get('refusals', 0),
                  'admitted_but_late': stats.get('late', 0),
+                 'late_refusals_published': stats.get('late_refusals', 0),
                  'qos_deadline_missed': stats.get('qos_deadline_missed', 0),
                  'skipped_periods': stats.get('skipped_periods', 0),
                  'realtime_scheduling': str(self._realtime).lower(),

@@ -226,6 +226,37 @@ def test_missing_input_gives_stale_input(rig):
     assert '/detections_missing' in detail
 
 
+def test_undecodable_scans_are_dropped_and_refused_as_stale(rig, executor):
+    """Scans that do not decode (cut short on the wire) never reach the node: it refuses them
+    as stale input naming the topic, it does not crash and does not act on old data."""
+    from rclpy.serialization import serialize_message
+    from sensor_msgs.msg import LaserScan
+    world, recorder, make = rig
+    scan = LaserScan(range_min=0.1, range_max=10.0, ranges=[1.0] * 32)
+    cut = serialize_message(scan)[:-8]   # the CDR stream ends inside the ranges
+    sender = Node('corrupt_scan_sender')
+    pub = sender.create_publisher(LaserScan, '/scan_corrupt', 10)
+    sender.create_timer(0.05, lambda: pub.publish(cut))
+    executor.add_node(sender)
+    try:
+        topics = [t.replace('/scan', '/scan_corrupt')
+                  for t in demo_parameters()['input_topics']]
+        node = make(rate_hz=10.0, input_topics=topics)
+        start(node, inputs=len(topics) - 1)
+        wait_until(lambda: pub.get_subscription_count() >= 1, what='the node subscribed')
+        time.sleep(1.5)
+        assert '/scan_corrupt' not in node._buffer.snapshot()
+        transition(node, 'deactivate')
+    finally:
+        executor.remove_node(sender)
+        sender.destroy_node()
+    stats, refusals, _ = node.stats()
+    assert refusals.get('stale_input', 0) >= 5 and stats.get('actions', 0) == 0, (stats,
+                                                                                  refusals)
+    detail = {kv.key: kv.value for kv in recorder.refusals[-1][1].status[0].values}['detail']
+    assert '/scan_corrupt' in detail
+
+
 def test_broken_model_fails_configure_with_the_loader_message(rig, tmp_path):
     world, recorder, make = rig
     (tmp_path / 'config.json').write_text('{"architectures": ["GPT2LMHeadModel"]}')
