@@ -529,6 +529,26 @@ def warn_unused_params_files(node, ros_args):
             f"top-level key must be the node's name ({node.get_name()}) or /**")
 
 
+def realtime_executor_thread(node):
+    """SCHED_FIFO one below the control thread for the thread that spins the executor.
+
+    With ``realtime_priority`` set (Linux). Configure's calibration runs on that thread: at
+    normal priority beside busy processes it measured a model several times too slow, and
+    the node then refused every tick. Both threads also take Python's lock, which a
+    preempted normal-priority thread would hold. Returns whether it took effect.
+    """
+    priority = node.get_parameter('realtime_priority').value
+    if priority < 2:
+        return False
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority - 1))
+    except (AttributeError, OSError) as exc:
+        node.get_logger().warning(f'executor thread: SCHED_FIFO refused ({exc})')
+        return False
+    node.get_logger().info(f'executor thread: SCHED_FIFO priority {priority - 1}')
+    return True
+
+
 def main(args=None):
     """rt-llm-node [--autostart] [--ros-args --params-file FILE ...]."""
     argv = list(sys.argv if args is None else args)
@@ -541,6 +561,7 @@ def main(args=None):
 
     def autostart(node):
         warn_unused_params_files(node, ros_args)
+        realtime_executor_thread(node)
         if node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
             node.get_logger().error(f'autostart: {node.last_error}')
             return 2
@@ -549,6 +570,7 @@ def main(args=None):
 
     def check(node):
         warn_unused_params_files(node, ros_args)
+        realtime_executor_thread(node)
         return 0
 
     return spin_until_shutdown('rt-llm-node', ros_args, RtLlmNode,

@@ -29,7 +29,11 @@ class Param:
 
 
 PARAMETERS = (
-    Param('model_path', '', 'HF-layout checkpoint directory; empty: the embedded demo model'),
+    Param('model_path', '', 'HF-layout checkpoint directory or .gguf file; empty: the '
+          'embedded demo model'),
+    Param('weight_format', 'native', "weights at run time: native (as stored; a GGUF's "
+          'quantized tensors stay quantized), int8 or int4 (float matrices quantized on load, '
+          'round to nearest, groups of 32)', choices=('native', 'int8', 'int4')),
     Param('backend', 'auto', 'inference backend', choices=BACKENDS),
     Param('cuda_decode_step', 'auto', "the CUDA backend's decode step: auto (the faster of "
           'the two, timed at configure), kernels (a kernel a phase) or persistent (one '
@@ -85,7 +89,8 @@ PARAMETERS = (
     Param('backend_error_limit', 5, 'consecutive backend errors before ErrorProcessing',
           1, 1000),
     Param('realtime_priority', 0, 'SCHED_FIFO priority of the control thread (Linux; 0: '
-          'normal scheduling); needs CAP_SYS_NICE or an rtprio limit, else a warning', 0, 98),
+          'normal scheduling); rt-llm-node runs its executor thread one below; needs '
+          'CAP_SYS_NICE or an rtprio limit, else a warning', 0, 98),
 )
 BY_NAME = {p.name: p for p in PARAMETERS}
 LISTS = {'input_topics': str, 'input_types': str, 'input_max_age_s': float,
