@@ -18,7 +18,7 @@ $(STAMP): setup.py setup.cfg
 	$(PY) -m pip install -q --upgrade pip
 	# CPU torch for the parity tests' reference (tests only, never the runtime).
 	$(PY) -m pip install -q torch==2.13.0 || echo 'torch unavailable: parity tests will skip'
-	$(PY) -m pip install -q -e '.[ros,test,demo,replay]'
+	$(PY) -m pip install -q -e '.[ros,test,demo,replay,gguf]'
 	touch $(VENV)/COLCON_IGNORE   # a workspace that holds this checkout skips the venv
 	touch $@
 

@@ -16,6 +16,7 @@ from rt_llm_node.engine import ModelClock
 from rt_llm_node.engine import TickEngine
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.embedded import default_model_path
+from rt_llm_node.model.quant import quantize_checkpoint
 from rt_llm_node.params import validate
 
 
@@ -87,14 +88,15 @@ def configure_engine(values, clock=None, log=print, cost_model=None):
     started = time.monotonic()
     path = values['model_path'] or default_model_path()
     log(f'loading model from {path}')
-    checkpoint = load_checkpoint(path)
+    checkpoint = quantize_checkpoint(load_checkpoint(path), values['weight_format'])
     cfg = checkpoint.config
     if values['kv_capacity_tokens'] > cfg.max_position_embeddings:
         raise ConfigurationError(
             f"kv_capacity_tokens = {values['kv_capacity_tokens']} exceeds the model's trained "
             f'length {cfg.max_position_embeddings}')
     log(f'{cfg.family} model: {cfg.n_parameters() / 1e6:.1f}M parameters, '
-        f'{cfg.num_layers} layers, vocab {cfg.vocab_size}, weights {checkpoint.weight_dtype}')
+        f'{cfg.num_layers} layers, vocab {cfg.vocab_size}, '
+        f'weights {checkpoint.describe_weights()}')
     backend = make_backend(values['backend'], checkpoint, values['kv_capacity_tokens'],
                            values['cuda_decode_step'])
     log(f'backend {backend.name}: KV cache of {backend.capacity} tokens allocated')

@@ -23,6 +23,8 @@ from rt_llm_node.kvcache import POLICIES
 from rt_llm_node.model import CheckpointError
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.embedded import default_model_path
+from rt_llm_node.model.quant import quantize_checkpoint
+from rt_llm_node.model.quant import WEIGHT_FORMATS
 from rt_llm_node.session import greedy_generate
 from rt_llm_node.session import KVSession
 
@@ -48,7 +50,11 @@ def positive_int(text):
 def build_parser():
     parser = argparse.ArgumentParser(prog='rt-llm-generate', description=__doc__.split('\n')[0])
     parser.add_argument('--model', default=None,
-                        help='HF-layout checkpoint directory (default: the embedded demo model)')
+                        help='HF-layout checkpoint directory or .gguf file (default: the '
+                             'embedded demo model)')
+    parser.add_argument('--weight-format', choices=sorted(WEIGHT_FORMATS), default='native',
+                        help='native (as stored), or int8/int4: float matrices quantized on '
+                             'load')
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument('--prompt', help="prompt text, tokenized with the model's tokenizer")
     source.add_argument('--token-ids', type=parse_token_ids, help='prompt as ids, e.g. 1,2,3')
@@ -71,7 +77,8 @@ def build_parser():
 
 def run(args):
     started = time.perf_counter()
-    checkpoint = load_checkpoint(args.model or default_model_path())
+    checkpoint = quantize_checkpoint(load_checkpoint(args.model or default_model_path()),
+                                     args.weight_format)
     if args.kv_capacity is None:
         args.kv_capacity = min(1024, checkpoint.config.max_position_embeddings)
     backend = make_backend(args.backend, checkpoint, args.kv_capacity)

@@ -6,6 +6,7 @@ are. Every failure is a :class:`CheckpointError` naming the file and the tensor
 or key. Nothing here unpickles.
 """
 
+from collections import Counter
 from dataclasses import dataclass
 import json
 from pathlib import Path
@@ -71,9 +72,22 @@ class Checkpoint:
 
     @property
     def weight_dtype(self):
-        """The dtype most tensors are stored in ('BF16', 'F16' or 'F32')."""
-        dtypes = [t.dtype for t in self.tensors.values()]
-        return max(set(dtypes), key=dtypes.count)
+        """The dtype most float tensors are stored in ('BF16', 'F16' or 'F32')."""
+        dtypes = [t.dtype for t in self.tensors.values() if t.dtype != 'QUANT']
+        return max(set(dtypes), key=dtypes.count) if dtypes else 'F32'
+
+    def describe_weights(self):
+        """Say how the weights are held, e.g. 'BF16' or 'Q4_K x 96, Q6_K x 17, F32 x 45'."""
+        kinds = Counter(t.source if t.dtype == 'QUANT' else t.dtype
+                        for t in self.tensors.values())
+        if len(kinds) == 1:
+            return next(iter(kinds))
+        return ', '.join(f'{k} x {n}' for k, n in kinds.most_common())
+
+    @property
+    def quantized(self):
+        """Names of the tensors held in a runtime integer format."""
+        return sorted(n for n, t in self.tensors.items() if t.dtype == 'QUANT')
 
 
 def _read_safetensors(path):
@@ -148,12 +162,12 @@ def _read_all_tensors(directory):
     raise CheckpointError(directory, f'neither {SINGLE_FILE} nor {INDEX_FILE} found')
 
 
-def _check_tensors(config, tensors, where):
+def _check_tensors(config, tensors, where, source='config.json'):
     layers = {int(name.split('.')[2]) for name in tensors
               if name.startswith('model.layers.') and name.split('.')[2].isdigit()}
     if not layers >= set(range(config.num_layers)):   # before listing every expected shape
         raise CheckpointError(where, f'the tensors hold layers {_ranges(layers)}, '
-                                     f'config.json says num_hidden_layers = {config.num_layers}')
+                                     f'{source} says num_hidden_layers = {config.num_layers}')
     expected = config.tensor_shapes()
     for name in list(tensors):
         if name.endswith(IGNORED_SUFFIXES):
@@ -198,8 +212,14 @@ def load_tokenizer(directory, config=None):
 
 
 def load_checkpoint(directory):
-    """Load and validate the checkpoint in ``directory``; raise CheckpointError if unusable."""
+    """Load and validate a checkpoint; raise CheckpointError if unusable.
+
+    ``directory``: an HF-layout folder, or a ``.gguf`` file.
+    """
     directory = Path(directory)
+    if directory.suffix.lower() == '.gguf' and not directory.is_dir():
+        from rt_llm_node.model.gguf_file import load_gguf
+        return load_gguf(directory)
     if not directory.is_dir():
         raise CheckpointError(directory, 'not a checkpoint directory')
     config = read_config(directory)

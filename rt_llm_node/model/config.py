@@ -33,6 +33,7 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    freq_factors: tuple = ()       # per-pair divisors (a GGUF's rope_freqs tensor)
 
     def inv_freq(self, head_dim):
         """Return inverse frequencies ``[head_dim // 2]`` (float64), as transformers does."""
@@ -41,6 +42,8 @@ class RopeConfig:
         inv_freq = inv_freq.astype(np.float32)
         if self.rope_type == 'llama3':
             inv_freq = self._llama3(inv_freq)
+        if self.freq_factors:
+            inv_freq = (inv_freq / np.asarray(self.freq_factors, np.float32)).astype(np.float32)
         return inv_freq.astype(np.float64)
 
     def _llama3(self, inv_freq):

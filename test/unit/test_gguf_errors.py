@@ -1,0 +1,90 @@
+"""Every broken or unsupported GGUF file is one clear error (rc 2 from the CLI), no traceback."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gguf_models import write_gguf  # noqa: I100
+
+gguf = pytest.importorskip('gguf', reason='the gguf package reads and writes GGUF files')
+
+from rt_llm_node.model import CheckpointError  # noqa: E402,I100
+from rt_llm_node.model import load_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope='module')
+def good(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp('gguf') / 'good.gguf', 'llama', 'Q4_K')
+
+
+def expect_error(path, *fragments):
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert str(path) in message and '\n' not in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def generate(path):
+    return subprocess.run([sys.executable, '-m', 'rt_llm_node.generate', '--model', str(path),
+                           '--token-ids', '1,2'], capture_output=True, text=True, timeout=120)
+
+
+def test_the_good_file_loads_and_generates(good):
+    assert load_checkpoint(good).config.num_layers == 2
+    result = generate(good)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize('keep', [0.999, 0.5, 0.01])
+def test_a_truncated_file_is_refused_without_reading_past_its_end(good, tmp_path, keep):
+    data = good.read_bytes()
+    cut = tmp_path / 'cut.gguf'
+    cut.write_bytes(data[:int(len(data) * keep)])
+    expect_error(cut, 'truncated')
+    result = generate(cut)
+    assert result.returncode == 2 and 'truncated' in result.stderr
+    assert 'Traceback' not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_corrupt_metadata_is_refused(good, tmp_path, rng):
+    data = bytearray(good.read_bytes())
+    bad = tmp_path / 'bad.gguf'
+    for _ in range(20):   # garbage over the header's counts and first keys
+        data[8:200] = rng.integers(0, 256, 192, dtype=np.uint8).tobytes()
+        bad.write_bytes(bytes(data))
+        expect_error(bad)
+    result = generate(bad)
+    assert result.returncode == 2 and 'Traceback' not in result.stderr
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / 'model.gguf'
+    path.write_bytes(b'PK\x03\x04' + bytes(100))
+    expect_error(path, 'no GGUF magic')
+
+
+def test_an_unsupported_tensor_type_names_the_tensor_and_type(tmp_path):
+    path = write_gguf(tmp_path / 'q5_0.gguf', 'llama', 'Q5_0')
+    expect_error(path, "'token_embd.weight'", 'Q5_0', 'supported')
+
+
+def test_another_architecture_is_refused(tmp_path):
+    path = write_gguf(tmp_path / 'gemma.gguf', 'gemma', 'Q8_0')
+    expect_error(path, 'general.architecture', 'gemma')
+
+
+def test_a_sentencepiece_tokenizer_is_refused(tmp_path):
+    path = write_gguf(tmp_path / 'spm.gguf', 'llama', 'Q8_0',
+                      **{'tokenizer.ggml.model': ('llama', gguf.GGUFValueType.STRING)})
+    expect_error(path, 'tokenizer.ggml.model', "'llama'")
+
+
+def test_a_missing_layer_is_refused(tmp_path):
+    path = write_gguf(tmp_path / 'layers.gguf', 'llama', 'Q8_0',
+                      **{'llama.block_count': (3, gguf.GGUFValueType.UINT32)})
+    expect_error(path, 'layers')
