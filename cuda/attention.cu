@@ -26,7 +26,9 @@
 //                 mass[t]; with `first` set and state[STATE_MASS_ACC] 0 (a call's first
 //                 chunk), old values are dropped. With row_ml (decode) the rows hold raw
 //                 scores and the probability is exp(score - M_row) / L_row.
-// Dtypes: q, cache, scores, partials, mass: fp32. head_dim d: a multiple of 4, <= 256.
+// Dtypes: q, scores, partials, mass: fp32; the cache kvt (common.cuh: fp32, or int8 codes
+// with k_scale/v_scale per slot and kv head; null with fp32). head_dim d: a multiple of 4,
+// <= 256.
 #include "common.cuh"
 
 #ifndef ATT_MAX_SPLITS  // set by the loader (cuda_kernels.py), which the backend checks against
@@ -38,7 +40,8 @@
 
 extern "C" __global__ void __launch_bounds__(128)
 attn_partial(const int* __restrict__ state, const float* __restrict__ q,
-             const float* __restrict__ k_cache, const float* __restrict__ v_cache,
+             const kvt* __restrict__ k_cache, const kvt* __restrict__ v_cache,
+             const float* __restrict__ k_scale, const float* __restrict__ v_scale,
              float* __restrict__ scores, float* __restrict__ part_ml, float* __restrict__ part_o,
              int n_max, int n_heads, int n_kv, int d, int cap, int n_splits, int chunk,
              float scale) {
@@ -69,8 +72,8 @@ attn_partial(const int* __restrict__ state, const float* __restrict__ q,
         const int e = base + u * blockDim.x;
         if (e < total) {
           const long long src = ((long long)(k0 + e / d4) * n_kv + hk) * d4 + e % d4;
-          tk[u] = reinterpret_cast<const float4*>(k_cache)[src];
-          tv[u] = reinterpret_cast<const float4*>(v_cache)[src];
+          tk[u] = kv_load4(k_cache, k_scale, src, d4, false);
+          tv[u] = kv_load4(v_cache, v_scale, src, d4, false);
         }
       }
 #pragma unroll
@@ -152,7 +155,8 @@ __device__ __forceinline__ float2 merge_splits(const float* part_ml, const float
 
 extern "C" __global__ void __launch_bounds__(128)
 attn_decode(const int* __restrict__ state, const float* __restrict__ q,
-            const float* __restrict__ k_cache, const float* __restrict__ v_cache,
+            const kvt* __restrict__ k_cache, const kvt* __restrict__ v_cache,
+            const float* __restrict__ k_scale, const float* __restrict__ v_scale,
             float* __restrict__ scores, float* part_ml, float* part_o, float* __restrict__ out,
             float* __restrict__ row_ml, int* counters, int n_heads, int n_kv, int d, int cap,
             int n_splits, int chunk, float scale) {
@@ -170,13 +174,11 @@ attn_decode(const int* __restrict__ state, const float* __restrict__ q,
   const int hk = h / (n_heads / n_kv), count = k1 - k0, d4 = d / 4;
   const int groups = blockDim.x / d4, g = threadIdx.x / d4, c = threadIdx.x % d4;
   const int j = threadIdx.x;   // this thread's key (count <= chunk <= blockDim)
-  const float4* kc4 = reinterpret_cast<const float4*>(k_cache);
-  const float4* vc4 = reinterpret_cast<const float4*>(v_cache);
   // every load of the split goes out before anything waits: this thread's key row (its first
   // ATT_KPRE float4s) and its value column (ATT_VPRE keys). Keys before `start` were written
   // by earlier calls, so they load before the wait for the previous kernel; the new token's
   // key and value (slot `start`, written by matmul_qkv_rope just before) after it.
-  const float4* kr = kc4 + ((long long)(k0 + j) * n_kv + hk) * d4;
+  const long long kr = ((long long)(k0 + j) * n_kv + hk) * d4;   // this key's row (float4s)
   float4 kpre[ATT_KPRE], vpre[ATT_VPRE];
 #pragma unroll
   for (int pass = 0; pass < 2; ++pass) {
@@ -184,15 +186,15 @@ attn_decode(const int* __restrict__ state, const float* __restrict__ q,
     if (j < count && (k0 + j < start) == (pass == 0)) {
 #pragma unroll
       for (int b = 0; b < ATT_KPRE; ++b)
-        if (b < d4) kpre[b] = pass ? ld_cg4(kr + b) : kr[b];
+        if (b < d4) kpre[b] = kv_load4(k_cache, k_scale, kr + b, d4, pass);
     }
     if (g < groups) {
 #pragma unroll
       for (int b = 0; b < ATT_VPRE; ++b) {
         const int jj = g + b * groups;
         if (jj < count && (k0 + jj < start) == (pass == 0))
-          vpre[b] = pass ? ld_cg4(vc4 + ((long long)(k0 + jj) * n_kv + hk) * d4 + c)
-                         : vc4[((long long)(k0 + jj) * n_kv + hk) * d4 + c];
+          vpre[b] = kv_load4(v_cache, v_scale, ((long long)(k0 + jj) * n_kv + hk) * d4 + c, d4,
+                             pass);
       }
     }
   }
@@ -215,7 +217,7 @@ attn_decode(const int* __restrict__ state, const float* __restrict__ q,
     }
 #pragma unroll 8
     for (int e = ATT_KPRE; e < d4; ++e) {
-      const float4 kv = ld_cg4(kr + e), qv = qs4[e];
+      const float4 kv = kv_load4(k_cache, k_scale, kr + e, d4, true), qv = qs4[e];
       acc = fmaf(kv.x, qv.x, acc);
       acc = fmaf(kv.y, qv.y, acc);
       acc = fmaf(kv.z, qv.z, acc);
@@ -248,7 +250,8 @@ attn_decode(const int* __restrict__ state, const float* __restrict__ q,
       }
     }
     for (int jj = g + ATT_VPRE * groups; jj < count; jj += groups) {
-      const float4 vv = ld_cg4(vc4 + ((long long)(k0 + jj) * n_kv + hk) * d4 + c);
+      const float4 vv = kv_load4(v_cache, v_scale, ((long long)(k0 + jj) * n_kv + hk) * d4 + c,
+                                 d4, true);
       const float pj = p[jj];
       o.x = fmaf(pj, vv.x, o.x);
       o.y = fmaf(pj, vv.y, o.y);

@@ -145,6 +145,40 @@ __device__ __forceinline__ float4 ld_cg4(const float4* p) {
   return v;
 }
 
+// The KV cache: fp32, or with RT_KV_INT8 int8 codes with an fp32 scale per (slot, kv head)
+// (value = code * scale), written by kv_quantize from the call's fp32 keys and values.
+#if defined(RT_KV_INT8)
+typedef signed char kvt;
+#else
+typedef float kvt;
+#endif
+
+// Four consecutive cache values (float4 index i4 of a [slots, n_kv, d] cache; d4 = d / 4)
+// as fp32. cg: through L2 only, for a slot the previous kernel wrote (see ld_cg4).
+__device__ __forceinline__ float4 kv_load4(const kvt* c, const float* scales, long long i4,
+                                           int d4, bool cg) {
+#if defined(RT_KV_INT8)
+  unsigned u;
+  float s;
+  if (cg) {
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(u) : "l"(c + 4 * i4));
+    s = ld_cg(scales + i4 / d4);
+  } else {
+    u = *reinterpret_cast<const unsigned*>(c + 4 * i4);
+    s = scales[i4 / d4];
+  }
+  return make_float4((float)(signed char)(u & 0xffu) * s,
+                     (float)(signed char)((u >> 8) & 0xffu) * s,
+                     (float)(signed char)((u >> 16) & 0xffu) * s,
+                     (float)(signed char)(u >> 24) * s);
+#else
+  (void)scales;
+  (void)d4;
+  const float4* p = reinterpret_cast<const float4*>(c) + i4;
+  return cg ? ld_cg4(p) : *p;
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);

@@ -13,6 +13,15 @@
 #define EPI_SWIGLU 2
 #define EPI_QKV_ROPE 3
 
+// Where the q/k/v epilogue writes a token's key and value: straight into the fp32 cache at
+// its position, or (int8 cache) into the call's fp32 staging rows, by token, which
+// kv_quantize (compact.cu) then stores as codes and scales.
+#if defined(RT_KV_INT8)
+#define KV_WRITE_SLOT tok
+#else
+#define KV_WRITE_SLOT pos
+#endif
+
 struct QkvArgs {
   const wt* bias;        // [q + 2 kv] or null
   float* q_out;          // [n_max, q_size]
@@ -80,12 +89,12 @@ __device__ __forceinline__ void epilogue(int* state, int tok, int u, int rows, i
         qa.q_out[(long long)tok * q_size + r0] = o0;
         qa.q_out[(long long)tok * q_size + r1] = o1;
       } else {
-        float* slot = qa.k_cache + (long long)pos * kv_size;
+        float* slot = qa.k_cache + (long long)KV_WRITE_SLOT * kv_size;
         slot[r0 - q_size] = o0;
         slot[r1 - q_size] = o1;
       }
     } else {
-      float* slot = qa.v_cache + (long long)pos * kv_size;
+      float* slot = qa.v_cache + (long long)KV_WRITE_SLOT * kv_size;
       slot[r0 - q_size - kv_size] = y0;
       slot[r1 - q_size - kv_size] = y1;
     }

@@ -98,8 +98,9 @@ def configure_engine(values, clock=None, log=print, cost_model=None):
         f'{cfg.num_layers} layers, vocab {cfg.vocab_size}, '
         f'weights {checkpoint.describe_weights()}')
     backend = make_backend(values['backend'], checkpoint, values['kv_capacity_tokens'],
-                           values['cuda_decode_step'])
-    log(f'backend {backend.name}: KV cache of {backend.capacity} tokens allocated')
+                           values['cuda_decode_step'], values['kv_dtype'])
+    log(f'backend {backend.name}: KV cache of {backend.capacity} tokens allocated '
+        f"({values['kv_dtype']}, {backend.kv_bytes_per_token()} bytes a token)")
     tuning = getattr(backend, 'decode_tuning', None)
     if tuning:   # the CUDA backend's decode step, chosen by its GPU time on this device
         persistent = tuning['persistent']

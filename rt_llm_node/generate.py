@@ -16,6 +16,7 @@ import numpy as np
 
 from rt_llm_node.backends import BackendError
 from rt_llm_node.backends import BACKENDS
+from rt_llm_node.backends import KV_DTYPES
 from rt_llm_node.backends import make_backend
 from rt_llm_node.kvcache import CacheFullError
 from rt_llm_node.kvcache import make_policy
@@ -52,6 +53,9 @@ def build_parser():
     parser.add_argument('--model', default=None,
                         help='HF-layout checkpoint directory or .gguf file (default: the '
                              'embedded demo model)')
+    parser.add_argument('--kv-dtype', choices=KV_DTYPES, default='native',
+                        help='KV cache values: native (fp32) or int8 (a scale per token and '
+                             'kv head)')
     parser.add_argument('--weight-format', choices=sorted(WEIGHT_FORMATS), default='native',
                         help='native (as stored), or int8/int4: float matrices quantized on '
                              'load')
@@ -81,7 +85,7 @@ def run(args):
                                      args.weight_format)
     if args.kv_capacity is None:
         args.kv_capacity = min(1024, checkpoint.config.max_position_embeddings)
-    backend = make_backend(args.backend, checkpoint, args.kv_capacity)
+    backend = make_backend(args.backend, checkpoint, args.kv_capacity, kv_dtype=args.kv_dtype)
     load_s = time.perf_counter() - started
     if args.prompt is not None:
         prompt_ids = checkpoint.tokenizer.encode(args.prompt).ids

@@ -10,6 +10,7 @@ import math
 
 from rt_llm_node.backends import BACKENDS
 from rt_llm_node.backends import DECODE_STEPS
+from rt_llm_node.backends import KV_DTYPES
 from rt_llm_node.codec import normalize_type
 from rt_llm_node.kvcache import POLICIES
 
@@ -34,6 +35,8 @@ PARAMETERS = (
     Param('weight_format', 'native', "weights at run time: native (as stored; a GGUF's "
           'quantized tensors stay quantized), int8 or int4 (float matrices quantized on load, '
           'round to nearest, groups of 32)', choices=('native', 'int8', 'int4')),
+    Param('kv_dtype', 'native', 'KV cache values: native (fp32) or int8 (a scale per token '
+          'and kv head: about a quarter of the bytes)', choices=KV_DTYPES),
     Param('backend', 'auto', 'inference backend', choices=BACKENDS),
     Param('cuda_decode_step', 'auto', "the CUDA backend's decode step: auto (the faster of "
           'the two, timed at configure), kernels (a kernel a phase) or persistent (one '

@@ -67,6 +67,15 @@ def compact_slots(keep, length):
 
 
 BACKENDS = ('auto', 'numpy', 'cuda')
+# the KV cache: fp32 as computed, or int8 codes with an fp32 scale per token and kv head
+KV_DTYPES = ('native', 'int8')
+
+
+def check_kv_dtype(kv_dtype):
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f'unknown kv_dtype {kv_dtype!r} (choose from {", ".join(KV_DTYPES)})')
+
+
 # the CUDA backend's decode step: the faster of the two timed at configure, a kernel a phase,
 # or one persistent (cooperative) launch; the numpy backend has one step and ignores it
 DECODE_STEPS = ('auto', 'kernels', 'persistent')
@@ -90,11 +99,12 @@ def cuda_backend_class():
     return CudaBackend
 
 
-def make_backend(name, checkpoint, capacity, decode_step='auto'):
+def make_backend(name, checkpoint, capacity, decode_step='auto', kv_dtype='native'):
     """Build backend ``name`` ('auto', 'numpy' or 'cuda') for ``checkpoint``.
 
-    The CUDA one with ``decode_step`` (DECODE_STEPS).
+    The CUDA one with ``decode_step`` (DECODE_STEPS); either with a ``kv_dtype`` cache.
     """
+    check_kv_dtype(kv_dtype)
     if name not in BACKENDS:
         raise ValueError(f'unknown backend {name!r} (choose from {", ".join(BACKENDS)})')
     if decode_step not in DECODE_STEPS:
@@ -111,6 +121,7 @@ def make_backend(name, checkpoint, capacity, decode_step='auto'):
             raise BackendError('backend cuda needs CuPy and a CUDA device; none was found')
         from rt_llm_node.backends.cuda_backend import CudaOptions
         # auto: the faster decode step on this device and model, timed at configure
-        return backend_class(checkpoint, capacity, CudaOptions(decode_step=decode_step))
+        return backend_class(checkpoint, capacity, CudaOptions(decode_step=decode_step,
+                                                               kv_dtype=kv_dtype))
     from rt_llm_node.backends.numpy_backend import NumpyBackend
-    return NumpyBackend(checkpoint, capacity)
+    return NumpyBackend(checkpoint, capacity, kv_dtype)

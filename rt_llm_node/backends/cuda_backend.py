@@ -16,6 +16,7 @@ import numpy as np
 
 from rt_llm_node.backends import BackendError
 from rt_llm_node.backends import check_capacity
+from rt_llm_node.backends import check_kv_dtype
 from rt_llm_node.backends import compact_slots
 from rt_llm_node.backends import DECODE_STEPS
 from rt_llm_node.backends import rollback_length
@@ -27,6 +28,7 @@ from rt_llm_node.backends.cuda_kernels import GEOMETRY
 from rt_llm_node.backends.cuda_kernels import KernelSet
 from rt_llm_node.backends.cuda_kernels import MV_BATCH
 from rt_llm_node.backends.numpy_backend import rope_tables
+from rt_llm_node.model.quant import concat_rows
 
 PREFILL_BUCKETS = (16, 32, 64, 128)
 ARGMAX_BLOCKS = 64
@@ -70,15 +72,18 @@ class CudaOptions:
     ``staged_decode``: run a decode step's matmuls as the ``*_sp`` kernels, which copy their
     rows into shared memory before waiting for the previous kernel (None: where dependent
     launch is on and all four of a layer's matmuls fit; True raises without dependent
-    launch). ``device_id``: the CUDA device.
+    launch). ``device_id``: the CUDA device. ``kv_dtype``: the cache's ('native': fp32;
+    'int8': codes with a scale per token and kv head, KV_DTYPES).
     """
 
     decode_step: str = 'auto'
     dependent_launch: Optional[bool] = None
     staged_decode: Optional[bool] = None
     device_id: int = 0
+    kv_dtype: str = 'native'
 
     def __post_init__(self):
+        check_kv_dtype(self.kv_dtype)
         if self.decode_step not in DECODE_STEPS:
             raise ValueError(f'unknown decode step {self.decode_step!r} '
                              f'(choose from {", ".join(DECODE_STEPS)})')
@@ -144,17 +149,49 @@ def _i32(value):
     return np.int32(value)
 
 
+class DeviceQuant:
+    """A matrix in a runtime integer format (model/quant.py) on the device."""
+
+    def __init__(self, cp, tensor):
+        self.fmt = tensor.fmt                  # 'i8' or 'u4': the kernels' name suffix
+        self.rows, self.k = tensor.shape
+        self.gshift = np.int32(int(tensor.group).bit_length() - 1)
+        self.codes = cp.asarray(tensor.codes.view(np.uint8))
+        self.scales = cp.asarray(tensor.scales)
+        self.offsets = None if tensor.offsets is None else cp.asarray(tensor.offsets)
+        self.nbytes = tensor.nbytes
+
+    def args(self):
+        """(codes, scales, offsets, gshift): the kernels' first weight arguments."""
+        return self.codes, self.scales, NULL if self.offsets is None else self.offsets, \
+            self.gshift
+
+
+def upload(cp, tensors, quantized):
+    """Put tensors (one, or several fused by rows) on the device.
+
+    Float tensors as stored, or as fp32 values where the model also has quantized ones (its
+    kernels are then built for fp32 floats); quantized ones as a DeviceQuant.
+    """
+    if all(t.dtype == 'QUANT' for t in tensors):
+        return DeviceQuant(cp, tensors[0] if len(tensors) == 1 else concat_rows(tensors))
+    if any(t.dtype == 'QUANT' for t in tensors):
+        raise BackendError('a fused projection mixes quantized and float matrices')
+    if quantized:
+        return cp.asarray(np.concatenate([t.to_float32() for t in tensors]))
+    return cp.asarray(np.concatenate([t.bits.reshape(t.shape) for t in tensors]))
+
+
 class LayerBuffers:
     """One decoder layer's weights on the device, projections fused as in the numpy backend."""
 
-    def __init__(self, cp, checkpoint, index):
+    def __init__(self, cp, checkpoint, index, quantized=False):
         p = f'model.layers.{index}.'
         t = checkpoint.tensors
         cfg = checkpoint.config
 
         def up(*names):
-            return cp.asarray(np.concatenate([t[p + n].bits.reshape(t[p + n].shape)
-                                              for n in names]))
+            return upload(cp, [t[p + n] for n in names], quantized)
         self.attn_norm = up('input_layernorm.weight')                         # [hidden]
         self.mlp_norm = up('post_attention_layernorm.weight')                 # [hidden]
         self.wqkv = up('self_attn.q_proj.weight', 'self_attn.k_proj.weight',
@@ -189,16 +226,24 @@ class CudaBackend:
                                f'groups (head_dim {cfg.head_dim}, heads {cfg.num_heads}, '
                                f'kv heads {cfg.num_kv_heads})')
         dtypes = {t.dtype for t in checkpoint.tensors.values()}
+        self.quantized = 'QUANT' in dtypes
+        if self.quantized:   # floats (norms, biases, unquantized matrices) as fp32
+            dtypes = {'F32'}
         if len(dtypes) != 1:
             raise BackendError(f'the CUDA backend needs one weight dtype, found {sorted(dtypes)}')
         self.config = cfg
         self.capacity = int(capacity)
         self.weight_dtype = dtypes.pop()
+        self.kv_dtype = options.kv_dtype
+        self.kv_int8 = options.kv_dtype == 'int8'
         self.device = cp.cuda.Device(options.device_id)
         self.n_sm = self.device.attributes['MultiProcessorCount']
         with self.device:
             self._allocate(checkpoint)
-            self.kernels = KernelSet(self.weight_dtype, options.device_id)
+            self.kernels = KernelSet(self.weight_dtype, options.device_id,
+                                     kv_int8=self.kv_int8)
+            if self.quantized:
+                self._allow_quant_shared()
             self.stream = cp.cuda.Stream(non_blocking=True)
             self._resident = {}
             self._choose_launch(options.dependent_launch)
@@ -292,7 +337,52 @@ class CudaBackend:
                 self.kernels.functions[name].ptr, threads, shared)
         return self._resident[key]
 
+    def _weight_arrays(self, per_token):
+        """List the weight buffers on the device (``per_token``: those a decode reads whole)."""
+        arrays = [self.final_norm, self.lm_head]
+        if not per_token:
+            arrays.append(self.embed)
+        for layer in self.layers:
+            arrays += [layer.attn_norm, layer.mlp_norm, layer.wqkv, layer.bqkv, layer.wo,
+                       layer.wgate_up, layer.wdown]
+        unique = {id(a): a for a in arrays if a is not None}
+        return list(unique.values())
+
+    def kv_bytes_per_token(self):
+        """Cache bytes one token takes over every layer (keys, values, their scales)."""
+        arrays = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.kv_int8 else [])
+        return int(sum(a[:, 0].nbytes for a in arrays))
+
+    def weight_bytes(self):
+        """Device bytes of the weights (codes, scales and offsets of quantized ones)."""
+        return int(sum(a.nbytes for a in self._weight_arrays(per_token=False)))
+
+    def bytes_per_token(self):
+        """Weight bytes one decode step reads.
+
+        Every matrix but the embedding, of which it reads a row (the LM head, tied or not, is
+        read whole).
+        """
+        row = self.embed.nbytes // self.config.vocab_size
+        return int(sum(a.nbytes for a in self._weight_arrays(per_token=True)) + row)
+
+    def _allow_quant_shared(self):
+        """Let the one-token quantized kernels stage the widest input vector in shared memory."""
+        cfg = self.config
+        widest = max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
+        need = 4 * (2 * widest + widest // 16)
+        if need > 48 * 1024:
+            from cupy_backends.cuda.api import driver
+            for name, function in self.kernels.functions.items():
+                if name.startswith('qmatvec_'):
+                    driver.funcSetAttribute(function.ptr, MAX_DYNAMIC_SHARED, need)
+
     def _check_staged(self, wanted):
+        if self.quantized:
+            if wanted:
+                raise BackendError('staged_decode reads float weights only (this model has '
+                                   'quantized ones)')
+            return False
         if wanted is None:
             wanted = self._dependent is not None and all(self.staged_matmuls().values())
         if not wanted:
@@ -336,6 +426,10 @@ class CudaBackend:
     def persistent_decode_problem(self):
         """Why decode_persistent cannot run this model here, or None when it can."""
         cfg = self.config
+        if self.quantized:
+            return 'it reads float weights only (this model has quantized ones)'
+        if self.kv_int8:
+            return 'it reads an fp32 KV cache only (kv_dtype is int8)'
         if cfg.head_dim not in (32, 64, 128):
             return f'head_dim {cfg.head_dim} is not 32, 64 or 128'
         widths = (cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
@@ -395,18 +489,32 @@ class CudaBackend:
         t = checkpoint.tensors
 
         def up(name):
-            return cp.asarray(t[name].bits.reshape(t[name].shape))
+            return upload(cp, [t[name]], self.quantized)
         self.embed = up('model.embed_tokens.weight')                          # [vocab, hidden]
         self.lm_head = self.embed if cfg.tie_word_embeddings else up('lm_head.weight')
         self.final_norm = up('model.norm.weight')                             # [hidden]
-        self.layers = [LayerBuffers(cp, checkpoint, i) for i in range(cfg.num_layers)]
+        self.layers = [LayerBuffers(cp, checkpoint, i, self.quantized)
+                       for i in range(cfg.num_layers)]
+        # prefill reads a quantized matrix dequantized into this, one matmul at a time
+        sizes = [w.rows * w.k for layer in self.layers for w in
+                 (layer.wqkv, layer.wo, layer.wgate_up, layer.wdown)
+                 if isinstance(w, DeviceQuant)]
+        self.dequantized = cp.zeros(max(sizes), np.float32) if sizes else None
         cos, sin = rope_tables(np.arange(-cap, cap), cfg.rope.inv_freq(cfg.head_dim))
         self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)                 # [2*cap, d/2]
         shape = (cfg.num_layers, cap, cfg.num_kv_heads, cfg.head_dim)
         f32 = np.float32
-        self.k, self.v = cp.zeros(shape, f32), cp.zeros(shape, f32)           # KV cache
-        self.k_tmp, self.v_tmp = cp.zeros(shape, f32), cp.zeros(shape, f32)   # compaction
         n_max = PREFILL_BUCKETS[-1]
+        kv = np.int8 if self.kv_int8 else f32
+        self.k, self.v = cp.zeros(shape, kv), cp.zeros(shape, kv)             # KV cache
+        self.k_tmp, self.v_tmp = cp.zeros(shape, kv), cp.zeros(shape, kv)     # compaction
+        if self.kv_int8:   # a scale per slot and kv head; the call's keys and values in fp32
+            self.k_scale, self.v_scale, self.k_scale_tmp, self.v_scale_tmp = (
+                cp.zeros(shape[:3], f32) for _ in range(4))
+            stage = (n_max, cfg.num_kv_heads, cfg.head_dim)
+            self.k_stage, self.v_stage = cp.zeros(stage, f32), cp.zeros(stage, f32)
+        else:
+            self.k_scale = self.v_scale = self.k_scale_tmp = self.v_scale_tmp = None
         # keys per attention split: the split's keys and values fit 32 KiB of shared memory
         d = cfg.head_dim
         self.chunk = 64 if d <= 64 else 32 if d <= 128 else 16
@@ -521,12 +629,48 @@ class CudaBackend:
             return (staged_plan(units, k, wbytes, self.n_sm) if decode and self._staged
                     else None)
 
+        def quant_matmul(kind, units, w, tail, last_only=0):
+            """Enqueue a matmul on a quantized matrix ``w``.
+
+            One token: qmatvec_<epilogue>_<fmt> (``tail``: its arguments after the weight's
+            rows and K: x, norm_w, eps, out or the q/k/v ones). A prefill: dequantize into
+            the fp32 buffer, then the 16-token kernel on it, launched after the dequantization
+            has finished (its blocks read weights before they wait).
+            """
+            epilogue = kind[len('matmul_'):]
+            if decode or last_only:
+                name = f'qmatvec_{epilogue}_{w.fmt}'
+                has_norm = tail[1] is not NULL
+                shared = 4 * (w.k + w.k // 16 + (w.k if has_norm else 0))
+                resident = max(1, self._resident_blocks(name, 128, shared)) * self.n_sm
+                grid = (min((units + warps - 1) // warps, resident), 1)
+                extra = (_i32(units), _i32(last_only)) if epilogue != 'qkv_rope' else ()
+                if epilogue == 'qkv_rope':
+                    tail = tail[:3] + (_i32(units),) + tail[3:]
+                launch(name, grid, block, self.state, *w.args(), _i32(w.rows), _i32(w.k),
+                       *tail, *extra, shared=shared)
+                return
+            chunks = w.rows * w.k // 16
+            launch(f'qdequant_{w.fmt}', (min(-(-chunks // 256), 8 * self.n_sm),), (256,),
+                   *w.args(), _i32(w.rows), _i32(w.k), self.dequantized)
+            grid, split = mm(units, w.k, kind)
+            if epilogue == 'qkv_rope':
+                args = (self.state, self.dequantized, _i32(w.rows), _i32(w.k), *tail[:3],
+                        _i32(units), *tail[3:], split)
+            else:
+                args = (self.state, self.dequantized, _i32(w.rows), _i32(w.k), *tail,
+                        _i32(units), _i32(0), split)
+            self._launch(kind + sfx, grid, block, *args)
+
         def matmul(kind, units, k, *args):
             """Return the residual or swiglu matmul.
 
             The staged kernel where it fits, else the _t1 or 16-token one. args: W, rows, K, x,
             norm_w, eps, out.
             """
+            if isinstance(args[0], DeviceQuant):
+                quant_matmul(kind, units, args[0], args[3:])
+                return
             plan = staged(units, k)
             if plan is not None:
                 blocks, per_block, shared = plan
@@ -541,30 +685,45 @@ class CudaBackend:
                               (PD_THREADS,), (self.state, self._pd_args), self._pd_shared(),
                               self.stream)
             return
-        self._launch('embed_gather', (n_max,), (256,), self.state, self.ids, self.embed, self.x,
-                     _i32(hid), _i32(1 if decode else 0))
+        if isinstance(self.embed, DeviceQuant):
+            self._launch(f'qembed_gather_{self.embed.fmt}', (n_max,), (256,), self.state,
+                         self.ids, *self.embed.args(), _i32(hid), self.x,
+                         _i32(1 if decode else 0))
+        else:
+            self._launch('embed_gather', (n_max,), (256,), self.state, self.ids, self.embed,
+                         self.x, _i32(hid), _i32(1 if decode else 0))
         qkv_rows = cfg.q_size + 2 * cfg.kv_size
         shapes = self._layer_matmuls()
         qkv_units = shapes['qkv'][0]
         for i, layer in enumerate(self.layers):
             kc, vc = self.k[i], self.v[i]
+            ksc, vsc = ((self.k_scale[i], self.v_scale[i]) if self.kv_int8 else (NULL, NULL))
+            # the int8 cache: q/k/v write the call's keys and values to the staging rows
+            kw, vw = (self.k_stage, self.v_stage) if self.kv_int8 else (kc, vc)
             qkv_args = (self.state, layer.wqkv, _i32(qkv_rows), _i32(hid), self.x,
                         layer.attn_norm, eps, _i32(qkv_units),
-                        layer.bqkv if layer.bqkv is not None else NULL, self.q, kc, vc,
+                        layer.bqkv if layer.bqkv is not None else NULL, self.q, kw, vw,
                         self.cos, self.sin, _i32(cfg.num_heads), _i32(cfg.num_kv_heads),
                         _i32(d), _i32(cap))
             plan = staged(*shapes['qkv'])
-            if plan is not None:
+            if isinstance(layer.wqkv, DeviceQuant):
+                quant_matmul('matmul_qkv_rope', qkv_units, layer.wqkv, qkv_args[4:7]
+                             + qkv_args[8:])
+            elif plan is not None:
                 blocks, per_block, shared = plan
                 launch('matmul_qkv_rope_sp', (blocks,), (SP_THREADS,), *qkv_args,
                        _i32(per_block), shared=shared)
             else:
                 grid, split = mm(*shapes['qkv'], 'matmul_qkv_rope')
                 launch('matmul_qkv_rope' + sfx, grid, block, *qkv_args, split)
+            if self.kv_int8:
+                launch('kv_quantize', (n_max,), (32 * min(cfg.num_kv_heads, 8),), self.state,
+                       self.k_stage, self.v_stage, kc, vc, ksc, vsc, _i32(cfg.num_kv_heads),
+                       _i32(d))
             scale = np.float32(1.0 / np.sqrt(d))
             if decode:   # the last split of each head merges them (no attn_combine)
                 launch('attn_decode', (cfg.num_heads, self.n_splits), (128,),
-                       self.state, self.q, kc, vc, self.scores_dec[i], self.part_ml,
+                       self.state, self.q, kc, vc, ksc, vsc, self.scores_dec[i], self.part_ml,
                        self.part_o, self.attn_out, self.ml_dec[i], self.counters,
                        _i32(cfg.num_heads),
                        _i32(cfg.num_kv_heads), _i32(d), _i32(cap), _i32(self.n_splits),
@@ -573,7 +732,7 @@ class CudaBackend:
                 rows = cfg.num_heads * n_max
                 split_blocks = min(self.n_splits, max(1, -(-ATT_PREFILL_BLOCKS // rows)))
                 launch('attn_partial', (rows, split_blocks), (128,),
-                       self.state, self.q, kc, vc, self.scores, self.part_ml,
+                       self.state, self.q, kc, vc, ksc, vsc, self.scores, self.part_ml,
                        self.part_o, _i32(n_max), _i32(cfg.num_heads),
                        _i32(cfg.num_kv_heads), _i32(d), _i32(cap), _i32(self.n_splits),
                        _i32(self.chunk), scale, shared=self.att_smem)
@@ -592,6 +751,10 @@ class CudaBackend:
             self._enqueue_mass(self.scores_dec, cfg.num_layers * cfg.num_heads, 1, first=True,
                                row_ml=self.ml_dec)
         vocab_units = (cfg.vocab_size + 1) // 2
+        if isinstance(self.lm_head, DeviceQuant):
+            quant_matmul('matmul_store', vocab_units, self.lm_head,
+                         (self.x, self.final_norm, eps, self.logits_buf), last_only=1)
+            return
         grid, split = mm(vocab_units, hid, 'matmul_store', one_token=True)   # last token only
         launch('matmul_store_t1', grid, block,
                self.state, self.lm_head, _i32(cfg.vocab_size), _i32(hid), self.x,
@@ -724,10 +887,14 @@ class CudaBackend:
             self.host_keep[:m] = keep
             self._to_device(self.keep, self.host_keep, m)
             grid = (m, cfg.num_layers)
-            self._launch('compact_gather', grid, (128,), self.keep, self.k, self.v, self.mass,
-                         self.k_tmp, self.v_tmp, self.mass_tmp, self.cos, self.sin,
+            scales = (self.k_scale, self.v_scale) if self.kv_int8 else (NULL, NULL)
+            scales_tmp = ((self.k_scale_tmp, self.v_scale_tmp) if self.kv_int8
+                          else (NULL, NULL))
+            self._launch('compact_gather', grid, (128,), self.keep, self.k, self.v, *scales,
+                         self.mass, self.k_tmp, self.v_tmp, *scales_tmp, self.mass_tmp,
+                         self.cos, self.sin, _i32(self.capacity), _i32(cfg.num_kv_heads),
+                         _i32(cfg.head_dim))
+            self._launch('compact_store', grid, (128,), self.k, self.v, *scales, self.mass,
+                         self.k_tmp, self.v_tmp, *scales_tmp, self.mass_tmp,
                          _i32(self.capacity), _i32(cfg.num_kv_heads), _i32(cfg.head_dim))
-            self._launch('compact_store', grid, (128,), self.k, self.v, self.mass, self.k_tmp,
-                         self.v_tmp, self.mass_tmp, _i32(self.capacity),
-                         _i32(cfg.num_kv_heads), _i32(cfg.head_dim))
         self.length = m

@@ -47,8 +47,11 @@ KERNELS = {
                   'matmul_qkv_rope_sp'),
     'attention.cu': ('attn_partial', 'attn_combine', 'attn_decode', 'attn_mass'),
     'argmax.cu': ('argmax_masked',),
-    'compact.cu': ('compact_gather', 'compact_store'),
+    'compact.cu': ('compact_gather', 'compact_store', 'kv_quantize'),
     'decode_persistent.cu': ('decode_persistent',),
+    'qmatmul.cu': tuple(f'{kind}_{fmt}' for fmt in ('i8', 'u4') for kind in (
+        'qmatvec_residual', 'qmatvec_store', 'qmatvec_swiglu', 'qmatvec_qkv_rope', 'qdequant',
+        'qembed_gather')),
 }
 
 
@@ -101,17 +104,22 @@ def program_source(files):
     return '\n'.join(parts) + '\n'
 
 
-def compile_options(arch, weight_dtype):
-    """NVRTC options for compute capability ``arch`` (e.g. 90) and a weight dtype."""
+def compile_options(arch, weight_dtype, kv_int8=False):
+    """NVRTC options for compute capability ``arch`` (e.g. 90), a weight dtype and the cache's.
+
+    ``kv_int8``: the KV cache holds int8 codes with a scale per token and kv head
+    (-DRT_KV_INT8), else fp32.
+    """
     if weight_dtype not in WEIGHT_DTYPES:
         raise KernelBuildError(f'no kernels for weight dtype {weight_dtype!r}')
     defines = [f'-D{name}={value}' for name, value in GEOMETRY.items()]
     return [f'--gpu-architecture=sm_{arch}', '--std=c++17', f'-DRT_WEIGHT_{weight_dtype}',
             *defines, f'-DMV_BATCH={MV_BATCH[weight_dtype]}',
-            f'-DMV_MIN_BLOCKS={MV_MIN_BLOCKS}', '--restrict', '-lineinfo']
+            f'-DMV_MIN_BLOCKS={MV_MIN_BLOCKS}', *(['-DRT_KV_INT8'] if kv_int8 else []),
+            '--restrict', '-lineinfo']
 
 
-def compile_cubin(arch, weight_dtype, files=None, folder=None):
+def compile_cubin(arch, weight_dtype, files=None, folder=None, kv_int8=False):
     """Compile ``files`` with NVRTC; return (cubin bytes, NVRTC log).
 
     ``files`` default to the runtime's program, the headers come from ``folder`` (default:
@@ -126,7 +134,7 @@ def compile_cubin(arch, weight_dtype, files=None, folder=None):
                                   [name.encode() for name in included])
     try:
         try:
-            nvrtc.compileProgram(program, compile_options(arch, weight_dtype))
+            nvrtc.compileProgram(program, compile_options(arch, weight_dtype, kv_int8))
         except nvrtc.NVRTCError as exc:
             raise KernelBuildError(f'NVRTC failed for sm_{arch} {weight_dtype}: {exc}\n'
                                    + nvrtc.getProgramLog(program)) from None
@@ -149,7 +157,7 @@ def kernel_cache_dir():
     return Path(base) / 'rt_llm_node' / 'kernels'
 
 
-def cached_cubin(arch, weight_dtype, files=None, folder=None, cache_dir=False):
+def cached_cubin(arch, weight_dtype, files=None, folder=None, cache_dir=False, kv_int8=False):
     """Compile the kernels once per build and device, cached on disk.
 
     ``compile_cubin``'s (cubin, log), kept on disk under a hash of the sources, the options and
@@ -164,11 +172,11 @@ def cached_cubin(arch, weight_dtype, files=None, folder=None, cache_dir=False):
     if cache_dir is False:
         cache_dir = kernel_cache_dir()
     if cache_dir is None:
-        return compile_cubin(arch, weight_dtype, files, folder)
+        return compile_cubin(arch, weight_dtype, files, folder, kv_int8)
     folder = Path(folder) if folder else source_dir()
     key = hashlib.sha256('\0'.join([
         program_source(files or runtime_sources(folder)), *headers(folder).values(),
-        *compile_options(arch, weight_dtype),
+        *compile_options(arch, weight_dtype, kv_int8),
         repr(nvrtc.getVersion())]).encode()).hexdigest()
     path = Path(cache_dir) / f'{key}.cubin'
     try:
@@ -179,7 +187,7 @@ def cached_cubin(arch, weight_dtype, files=None, folder=None, cache_dir=False):
             return cubin, log
     except (OSError, ValueError, UnicodeDecodeError):
         pass
-    cubin, log = compile_cubin(arch, weight_dtype, files, folder)
+    cubin, log = compile_cubin(arch, weight_dtype, files, folder, kv_int8)
     body = len(cubin).to_bytes(8, 'little') + cubin + log.encode()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,11 +206,11 @@ class KernelSet:
     ``names`` (compiled with the same options and headers).
     """
 
-    def __init__(self, weight_dtype, device_id=0, files=None, names=None):
+    def __init__(self, weight_dtype, device_id=0, files=None, names=None, kv_int8=False):
         import cupy
         device = cupy.cuda.Device(device_id)
         self.arch = int(device.compute_capability)  # '90' on Hopper, '87' on Orin
-        self.cubin, self.log = cached_cubin(self.arch, weight_dtype, files)
+        self.cubin, self.log = cached_cubin(self.arch, weight_dtype, files, kv_int8=kv_int8)
         self.module = cupy.cuda.function.Module()
         self.module.load(self.cubin)
         self.functions = {name: self.module.get_function(name)

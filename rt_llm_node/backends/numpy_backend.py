@@ -9,6 +9,7 @@ import numpy as np
 
 from rt_llm_node.backends import BackendError
 from rt_llm_node.backends import check_capacity
+from rt_llm_node.backends import check_kv_dtype
 from rt_llm_node.backends import compact_slots
 from rt_llm_node.backends import rollback_length
 from rt_llm_node.backends import token_ids
@@ -109,12 +110,83 @@ class LayerWeights:
         self.wdown = f(p + 'mlp.down_proj.weight')                          # [hidden, inter]
 
 
+def quantize_kv(x):
+    """Int8 codes and an fp32 scale per (token, head) of keys or values [n, n_kv, d].
+
+    scale = max|x| / 127 over the head's d values, code = round(x / scale) (half to even), in
+    fp32: the CUDA kernels compute the same.
+    """
+    scale = np.abs(x).max(axis=-1) / np.float32(127)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    codes = np.clip(np.rint(x / safe[..., None]), -127, 127).astype(np.int8)
+    return codes, scale.astype(np.float32)
+
+
+class KVStore:
+    """The cache's keys and values; every write and read goes through here.
+
+    fp32 (``native``), or int8 codes with a scale per token and kv head (``int8``).
+    """
+
+    def __init__(self, cfg, capacity, kv_dtype):
+        check_kv_dtype(kv_dtype)
+        self.kv_dtype = kv_dtype
+        shape = (cfg.num_layers, capacity, cfg.num_kv_heads, cfg.head_dim)
+        if kv_dtype == 'native':
+            self.k = np.zeros(shape, np.float32)    # [layers, capacity, n_kv_heads, head_dim]
+            self.v = np.zeros(shape, np.float32)
+        else:
+            self.k = np.zeros(shape, np.int8)
+            self.v = np.zeros(shape, np.int8)
+            self.k_scale = np.zeros(shape[:3], np.float32)   # [layers, capacity, n_kv_heads]
+            self.v_scale = np.zeros(shape[:3], np.float32)
+
+    def write(self, layer, start, k, v):
+        """Store keys and values [n, n_kv, d] at slots start .. start + n - 1."""
+        end = start + len(k)
+        if self.kv_dtype == 'native':
+            self.k[layer, start:end] = k
+            self.v[layer, start:end] = v
+        else:
+            self.k[layer, start:end], self.k_scale[layer, start:end] = quantize_kv(k)
+            self.v[layer, start:end], self.v_scale[layer, start:end] = quantize_kv(v)
+
+    def read(self, layer, end):
+        """Keys and values of slots 0 .. end - 1 as fp32 [end, n_kv, d]."""
+        if self.kv_dtype == 'native':
+            return self.k[layer, :end], self.v[layer, :end]
+        return (self.k[layer, :end] * self.k_scale[layer, :end, :, None],
+                self.v[layer, :end] * self.v_scale[layer, :end, :, None])
+
+    def move(self, layer, first, m, moved, cos, sin):
+        """Slots ``moved`` to first .. m - 1, keys re-rotated by (cos, sin).
+
+        Values move as stored; int8 keys are dequantized, rotated and quantized again.
+        """
+        if self.kv_dtype == 'native':
+            self.k[layer, first:m] = apply_rope(self.k[layer, moved], cos, sin)
+            self.v[layer, first:m] = self.v[layer, moved]
+            return
+        keys = self.k[layer, moved] * self.k_scale[layer, moved][:, :, None]
+        self.k[layer, first:m], self.k_scale[layer, first:m] = quantize_kv(
+            apply_rope(keys, cos, sin))
+        self.v[layer, first:m] = self.v[layer, moved]
+        self.v_scale[layer, first:m] = self.v_scale[layer, moved]
+
+    def bytes_per_token(self):
+        """Cache bytes one token takes over every layer (keys, values and their scales)."""
+        per = self.k[:, 0].nbytes + self.v[:, 0].nbytes
+        if self.kv_dtype == 'int8':
+            per += self.k_scale[:, 0].nbytes + self.v_scale[:, 0].nbytes
+        return int(per)
+
+
 class NumpyBackend:
     """Float32 numpy decoder with a preallocated KV cache (see ``rt_llm_node.backends``)."""
 
     name = 'numpy'
 
-    def __init__(self, checkpoint, capacity):
+    def __init__(self, checkpoint, capacity, kv_dtype='native'):
         cfg = checkpoint.config
         check_capacity(capacity, cfg)
         self.config = cfg
@@ -128,9 +200,8 @@ class NumpyBackend:
         # cos, sin: [2 * capacity, head_dim // 2] for positions -capacity .. capacity-1
         self.cos, self.sin = rope_tables(np.arange(-self.capacity, self.capacity),
                                          self.inv_freq)
-        shape = (cfg.num_layers, self.capacity, cfg.num_kv_heads, cfg.head_dim)
-        self.k = np.zeros(shape, np.float32)    # k: [layers, capacity, n_kv_heads, head_dim]
-        self.v = np.zeros(shape, np.float32)    # v: [layers, capacity, n_kv_heads, head_dim]
+        self.kv = KVStore(cfg, self.capacity, kv_dtype)
+        self.kv_dtype = kv_dtype
         self.length = 0
         self._logits = np.zeros(cfg.vocab_size, np.float32)                # [vocab]
         self._mass = np.zeros(0, np.float32)                                # [length]
@@ -154,10 +225,9 @@ class NumpyBackend:
                 qkv += layer.bqkv
             # q and k rotated in one call: [n, n_heads + n_kv_heads, head_dim]
             qk = apply_rope(qkv[:, :k_end].reshape(n, n_qk, cfg.head_dim), cos, sin)
-            self.k[i, start:end] = qk[:, cfg.num_heads:]
-            self.v[i, start:end] = qkv[:, k_end:].reshape(n, cfg.num_kv_heads, cfg.head_dim)
-            out, layer_mass = attention(qk[:, :cfg.num_heads], self.k[i, :end],
-                                        self.v[i, :end], start)
+            self.kv.write(i, start, qk[:, cfg.num_heads:],
+                          qkv[:, k_end:].reshape(n, cfg.num_kv_heads, cfg.head_dim))
+            out, layer_mass = attention(qk[:, :cfg.num_heads], *self.kv.read(i, end), start)
             mass += layer_mass
             if i == len(self.layers) - 1 and n > 1:
                 # past the last layer's attention only the last token matters (its logits);
@@ -184,6 +254,10 @@ class NumpyBackend:
     def decode(self, token_id):
         """Run one token at the next position."""
         self._forward([token_id])
+
+    def kv_bytes_per_token(self):
+        """Cache bytes one token takes over every layer (keys, values, their scales)."""
+        return self.kv.bytes_per_token()
 
     def logits(self):
         """Float32 logits [vocab] of the last token run."""
@@ -217,7 +291,6 @@ class NumpyBackend:
         cos, sin = self.cos[delta], self.sin[delta]                         # [m - first, d/2]
         if len(moved):
             for i in range(self.config.num_layers):
-                self.k[i, first:m] = apply_rope(self.k[i, moved], cos, sin)
-                self.v[i, first:m] = self.v[i, moved]
+                self.kv.move(i, first, m, moved, cos, sin)
         self.length = m
         self._mass = self._mass[keep]  # invariant: len(self._mass) == self.length

@@ -26,6 +26,7 @@ import time
 
 from rt_llm_node.admission import Admission
 from rt_llm_node.admission import CostModel
+from rt_llm_node.backends import KV_DTYPES
 from rt_llm_node.backends import make_backend
 from rt_llm_node.backends.numpy_backend import NumpyBackend
 from rt_llm_node.codec import scan_sectors
@@ -43,6 +44,8 @@ from rt_llm_node.engine import TickEngine
 from rt_llm_node.kvcache import POLICIES
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.embedded import default_model_path
+from rt_llm_node.model.quant import quantize_checkpoint
+from rt_llm_node.model.quant import WEIGHT_FORMATS
 
 HELD_OUT_SEED0 = 1_000_000      # training uses seeds below 100,000 x (training seed + 1)
 BUDGETS = (128, 256, 512, 'full')
@@ -63,10 +66,10 @@ class Actuation:
         return self.queue.popleft()
 
 
-def _checkpoint(path):
-    if path not in _CACHE:
-        _CACHE[path] = load_checkpoint(path)
-    return _CACHE[path]
+def _checkpoint(path, weight_format='native'):
+    if (path, weight_format) not in _CACHE:
+        _CACHE[path, weight_format] = quantize_checkpoint(load_checkpoint(path), weight_format)
+    return _CACHE[path, weight_format]
 
 
 def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_ticks=None,
@@ -163,16 +166,17 @@ _BACKENDS = {}
 def _job(job):
     """One episode in a worker process.
 
-    (model, policy, budget, seed, action delay, backend) -> its result dict.
+    (model, policy, budget, seed, action delay, backend, weight format, kv dtype) -> its
+    result dict.
     """
-    model, policy, budget, seed, delay, backend = job
-    checkpoint = _checkpoint(model)
+    model, policy, budget, seed, delay, backend, weight_format, kv_dtype = job
+    checkpoint = _checkpoint(model, weight_format)
     if policy == 'expert':
         return run_expert_episode(seed, delay)
     capacity = checkpoint.config.max_position_embeddings if budget == 'full' else int(budget)
-    key = (model, capacity)
+    key = (model, capacity, weight_format, kv_dtype)
     if key not in _BACKENDS:   # reused by this worker's later episodes (rolled back to 0)
-        _BACKENDS[key] = make_backend(backend, checkpoint, capacity)
+        _BACKENDS[key] = make_backend(backend, checkpoint, capacity, kv_dtype=kv_dtype)
     return run_model_episode(checkpoint, seed, policy, capacity, _BACKENDS[key],
                              action_delay=delay, inputs=model_inputs(model),
                              aim=model_aim(model))
@@ -268,6 +272,10 @@ def main(argv=None):
                              'float sums in another order can turn a near tie the other way, '
                              'so an episode may differ from the numpy one. Not faster with '
                              'many workers: one GPU serves them one launch at a time')
+    parser.add_argument('--weight-format', default='native', choices=tuple(WEIGHT_FORMATS),
+                        help="the policy's weights: native, or int8/int4 quantized on load")
+    parser.add_argument('--kv-dtype', default='native', choices=KV_DTYPES,
+                        help='the KV cache: native (fp32) or int8')
     parser.add_argument('--json', default=None, help='write the full table as JSON here')
     parser.add_argument('--plot', default=None, help='write the PNG here')
     args = parser.parse_args(argv)
@@ -294,7 +302,8 @@ def main(argv=None):
     for seed in seeds:
         for policy, budget in configs:
             owner = 'expert' if policy == 'expert' else f'{policy}@{budget}'
-            jobs[(model, policy, budget, seed, args.action_delay, args.backend)] = owner
+            jobs[(model, policy, budget, seed, args.action_delay, args.backend,
+                  args.weight_format, args.kv_dtype)] = owner
     started = time.time()
     gathered = {}
     # CUDA cannot be used in a child forked after the parent touched it (the check above)
@@ -316,7 +325,8 @@ def main(argv=None):
     header, rows = table_rows(table, budgets, policies)
     print_table(header, rows)
     print(f'{args.episodes} held-out episodes per row, action delay {args.action_delay} '
-          f'ticks, {args.backend} backend, {elapsed:.0f} s')
+          f'ticks, {args.backend} backend, weights {args.weight_format}, KV cache '
+          f'{args.kv_dtype}, {elapsed:.0f} s')
     if args.json:
         _write_json(args.json, table, complete=True, backend=args.backend)
     if args.plot:

@@ -283,7 +283,8 @@ def test_attention_and_mass(kit, start, n, d, split_blocks, rng):
     mass = cp.asarray(old)
     dq, dk, dv = cp.asarray(q), cp.asarray(kc), cp.asarray(vc)
     k.attn_partial((heads * n_max, split_blocks or splits), (128,), (
-        st, dq, dk, dv, scores, part_ml, part_o, i32(n_max), i32(heads), i32(kv), i32(d),
+        st, dq, dk, dv, NULL, NULL, scores, part_ml, part_o, i32(n_max), i32(heads), i32(kv),
+        i32(d),
         i32(cap), i32(splits), i32(chunk), np.float32(1 / np.sqrt(d))),
         shared_mem=(2 * chunk * d + chunk + d) * 4)
     k.attn_combine((heads * n_max,), (128,), (
@@ -317,7 +318,8 @@ def test_attn_decode_merges_splits_in_the_last_block(kit, start, d, kv, rng):
         out = poisoned(cp, (heads * d,))
         row_ml = poisoned(cp, (heads, 2))
         k.attn_decode((heads, splits), (128,), (
-            st, cp.asarray(q), cp.asarray(kc), cp.asarray(vc), scores, part_ml, part_o, out,
+            st, cp.asarray(q), cp.asarray(kc), cp.asarray(vc), NULL, NULL, scores, part_ml,
+            part_o, out,
             row_ml, counters, i32(heads), i32(kv), i32(d), i32(cap), i32(splits), i32(chunk),
             np.float32(1 / np.sqrt(d))))
         mass = poisoned(cp, (cap,))
@@ -385,11 +387,11 @@ def test_compact_rerotates_and_moves(kit, rng):
     keep = np.sort(rng.choice(length, 50, replace=False)).astype(np.int32)
     dk, dv, dm = cp.asarray(kk), cp.asarray(vv), cp.asarray(mass0)
     kt, vt, mt = poisoned(cp, kk.shape), poisoned(cp, vv.shape), poisoned(cp, (cap,))
-    args = (cp.asarray(keep), dk, dv, dm, kt, vt, mt, cp.asarray(cos), cp.asarray(sin),
-            i32(cap), i32(kv), i32(d))
+    args = (cp.asarray(keep), dk, dv, NULL, NULL, dm, kt, vt, NULL, NULL, mt, cp.asarray(cos),
+            cp.asarray(sin), i32(cap), i32(kv), i32(d))
     k.compact_gather((len(keep), layers), (128,), args)
     k.compact_store((len(keep), layers), (128,),
-                    (dk, dv, dm, kt, vt, mt, i32(cap), i32(kv), i32(d)))
+                    (dk, dv, NULL, NULL, dm, kt, vt, NULL, NULL, mt, i32(cap), i32(kv), i32(d)))
     m = len(keep)
     delta = cap + np.arange(m) - keep
     for layer in range(layers):

@@ -107,8 +107,8 @@ def test_deep_model_layer0_cache_equals_fresh_prefill(deep_checkpoint, rng):
     backend, ids, keep = compacted(deep_checkpoint, rng, 50, 30)
     fresh = NumpyBackend(deep_checkpoint, 64)
     fresh.prefill(ids[keep])
-    np.testing.assert_allclose(backend.k[0, :30], fresh.k[0, :30], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(backend.v[0, :30], fresh.v[0, :30], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(backend.kv.k[0, :30], fresh.kv.k[0, :30], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(backend.kv.v[0, :30], fresh.kv.v[0, :30], rtol=1e-5, atol=1e-5)
 
 
 def test_deep_model_rotation_round_trip_in_every_layer(deep_checkpoint, rng):
@@ -116,11 +116,11 @@ def test_deep_model_rotation_round_trip_in_every_layer(deep_checkpoint, rng):
     backend = NumpyBackend(deep_checkpoint, 64)
     backend.prefill(rng.integers(0, VOCAB, 40))
     keep = np.arange(20, 40)
-    before = backend.k[:, keep].copy()
+    before = backend.kv.k[:, keep].copy()
     backend.compact(keep)  # positions 20..39 -> 0..19
     from rt_llm_node.backends.numpy_backend import apply_rope
     from rt_llm_node.backends.numpy_backend import rope_tables
     cos, sin = rope_tables(keep - np.arange(20), backend.inv_freq)
     for layer in range(deep_checkpoint.config.num_layers):
-        restored = apply_rope(backend.k[layer, :20], cos, sin)
+        restored = apply_rope(backend.kv.k[layer, :20], cos, sin)
         np.testing.assert_allclose(restored, before[layer], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,319 @@
+// qmatmul.cu: matmuls on grouped integer weights (rt_llm_node/model/quant.py): a weight is
+// q * scale + offset, with one fp32 scale and offset per group of 2^gshift columns (16 or
+// 32) of a row; offsets may be null (all zero). Formats: _i8, a signed byte a code; _u4, two
+// codes a byte (0..15, the even column in the low nibble).
+//
+// qmatvec_<epilogue>_<fmt>: one token (decode, and the LM head's last token), the epilogues
+// of matvec.cuh. Geometry: block = 128 threads (4 warps), a warp a unit (two output rows),
+// grid-stride over the units (grid = at most what is resident); grid.y = one block row per
+// token (last_only: one). A lane takes 16-column chunks c = lane, lane + 32, ... of both
+// rows of its unit, QBATCH chunks a row in flight at a time (the first batch of the first
+// unit before the wait for the previous kernel, the norm weights copied into shared memory
+// then too). The block stages x * norm_w (or x) in shared memory with the sum of each chunk
+// of it, in one pass that also sums x^2, so a chunk costs
+//   y += scale * (q . xn) + offset * sum(xn),   then y *= 1 / rms(x)
+// Dynamic shared memory: K + K / 16 floats, and K more with a norm.
+//
+// qdequant_<fmt>: w = q * scale + offset into an fp32 [rows, K] matrix (the prefill tiles
+// read it); it waits for the previous kernel first, which may still read the buffer.
+// qembed_gather_<fmt>: x[t, :] = the dequantized row ids[t] (embed_gather's twin).
+// Needs K % 32 == 0 (the loader quantizes only such rows).
+#include "common.cuh"
+#include "matvec.cuh"
+#include "pdl.cuh"
+
+#define QFMT_I8 0
+#define QFMT_U4 1
+#define QCHUNK 16
+
+template <int FMT> struct qraw;
+template <> struct qraw<QFMT_I8> { uint4 a; };   // 16 codes, 16 bytes
+template <> struct qraw<QFMT_U4> { uint2 a; };   // 16 codes, 8 bytes
+
+// Chunks a lane loads per row before it multiplies: 64 bytes of codes a row either way.
+template <int FMT> struct qbatch { static constexpr int value = FMT == QFMT_I8 ? 4 : 8; };
+
+// The 16 codes of chunk c of a row (row_bytes apart).
+template <int FMT>
+__device__ __forceinline__ qraw<FMT> load_q(const unsigned char* row, int c) {
+  qraw<FMT> r;
+  if constexpr (FMT == QFMT_I8) {
+    r.a = __ldg(reinterpret_cast<const uint4*>(row) + c);
+  } else {
+    r.a = __ldg(reinterpret_cast<const uint2*>(row) + c);
+  }
+  return r;
+}
+
+// The 16 codes as floats, in column order, exactly. No int-to-float conversion (a quarter-
+// rate instruction, which set these kernels' pace): a code c in 0..255 placed in the low
+// byte of 0x4B000000 is the float 2^23 + c, and one subtraction leaves c. A signed byte
+// has its sign bit flipped first (c + 128), and 2^23 + 128 is subtracted.
+template <int FMT>
+__device__ __forceinline__ void q_floats(const qraw<FMT>& r, float* o) {
+  if constexpr (FMT == QFMT_I8) {
+    const unsigned u[4] = {r.a.x ^ 0x80808080u, r.a.y ^ 0x80808080u, r.a.z ^ 0x80808080u,
+                           r.a.w ^ 0x80808080u};
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)   // bytes: code j, 0x00, 0x00, 0x4B
+        o[4 * i + j] = __uint_as_float(__byte_perm(u[i], 0x4B000000u, j | 0x7440)) -
+                       8388736.f;
+  } else {
+    const unsigned u[2] = {r.a.x, r.a.y};
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        o[8 * i + j] = __uint_as_float(((u[i] >> (4 * j)) & 0xfu) | 0x4B000000u) - 8388608.f;
+  }
+}
+
+template <int FMT>
+__device__ __forceinline__ long long q_row_bytes(int K) {
+  return FMT == QFMT_I8 ? (long long)K : (long long)(K / 2);
+}
+
+template <int EPI, int FMT>
+__device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __restrict__ codes,
+                             const float* __restrict__ scales, const float* __restrict__ offsets,
+                             int gshift, int rows, int K, const float* __restrict__ x,
+                             const wt* __restrict__ norm_w, float eps, float* __restrict__ out,
+                             int units, int last_only, QkvArgs qa) {
+  constexpr int B = qbatch<FMT>::value;
+  extern __shared__ __align__(16) float q_smem[];
+  __shared__ float scratch[WARP];
+  float* xs = q_smem;                // [K] x * norm_w (x without a norm)
+  float* xsum = q_smem + K;          // [K / 16] sum of each chunk of it
+  float* nws = xsum + K / QCHUNK;    // [K] the norm weights (with a norm)
+  const int n = state[STATE_N], start = state[STATE_START];
+  const int tok = last_only ? n - 1 : blockIdx.y;
+  if (tok >= n) {  // the whole block leaves together
+    pdl_wait_then_release();
+    return;
+  }
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+  const int n_chunks = K / QCHUNK, groups = K >> gshift;
+  const long long row_bytes = q_row_bytes<FMT>(K);
+  const int stride = gridDim.x * warps;
+  int u = blockIdx.x * warps + warp;
+  int r0 = 0, r1 = 0, kind = 0;
+  // the norm weights of this thread's chunks (c = threadIdx.x, + blockDim.x, ...) copied
+  // into shared memory before the wait, the first batch of codes loaded
+  if (norm_w)
+    for (int c = threadIdx.x; c < n_chunks; c += blockDim.x)
+#pragma unroll
+      for (int j = 0; j < QCHUNK; j += 4) cp_async16(nws + c * QCHUNK + j, norm_w + c * QCHUNK + j);
+  // a batch: B chunks of both rows, their scales and offsets, all in flight together
+  qraw<FMT> wa[B], wb[B];
+  float sa[B], sb[B], oa[B], ob[B];
+  auto load_batch = [&](int b, int rr0, int rr1, int c) {
+    const int g = (c * QCHUNK) >> gshift;
+    wa[b] = load_q<FMT>(codes + rr0 * row_bytes, c);
+    wb[b] = load_q<FMT>(codes + rr1 * row_bytes, c);
+    sa[b] = __ldg(scales + (long long)rr0 * groups + g);
+    sb[b] = __ldg(scales + (long long)rr1 * groups + g);
+    oa[b] = offsets ? __ldg(offsets + (long long)rr0 * groups + g) : 0.f;
+    ob[b] = offsets ? __ldg(offsets + (long long)rr1 * groups + g) : 0.f;
+  };
+  if (u < units) {
+    unit_rows<EPI>(u, rows, qa, &r0, &r1, &kind);
+#pragma unroll
+    for (int b = 0; b < B; ++b)
+      if (lane + b * WARP < n_chunks) load_batch(b, r0, r1, lane + b * WARP);
+  }
+  pdl_wait_then_release();   // the codes are in flight; x comes from the previous kernel
+  // one pass over x: x * norm_w and its chunk sums into shared memory, the sum of squares
+  // for 1 / rms, which multiplies the row's dot products at the end (rmsnorm is linear)
+  const float* xt = x + (long long)tok * K;
+  if (norm_w) cp_async_wait_all();   // this thread's own chunks: no barrier needed
+  float ss = 0.f;
+  for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) {
+    float4 v[QCHUNK / 4];
+#pragma unroll
+    for (int j = 0; j < QCHUNK / 4; ++j)
+      v[j] = ld_cg4(reinterpret_cast<const float4*>(xt + c * QCHUNK) + j);
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < QCHUNK / 4; ++j) {
+      ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+      if (norm_w) {
+        const float4 w = *reinterpret_cast<const float4*>(nws + c * QCHUNK + 4 * j);
+        v[j] = make_float4(v[j].x * w.x, v[j].y * w.y, v[j].z * w.z, v[j].w * w.w);
+      }
+      *reinterpret_cast<float4*>(xs + c * QCHUNK + 4 * j) = v[j];
+      s += v[j].x + v[j].y + v[j].z + v[j].w;
+    }
+    xsum[c] = s;
+  }
+  // block_sum's barriers also publish xs and xsum
+  const float inv_rms = norm_w ? 1.f / sqrtf(block_sum(ss, scratch) / K + eps) : 1.f;
+  if (!norm_w) __syncthreads();
+  bool loaded = true;   // the first batch of unit u is in wa, wb
+  for (; u < units; u += stride) {
+    const int nu = u + stride;   // this warp's next unit: its first batch loads during the
+    int n0 = 0, n1 = 0, nkind = 0;   // last batch of this one
+    if (nu < units) unit_rows<EPI>(nu, rows, qa, &n0, &n1, &nkind);
+    float a0 = 0.f, a1 = 0.f;
+    for (int base = 0; base < n_chunks; base += B * WARP) {
+      if (!loaded) {
+#pragma unroll
+        for (int b = 0; b < B; ++b)
+          if (base + lane + b * WARP < n_chunks) load_batch(b, r0, r1, base + lane + b * WARP);
+      }
+      loaded = false;
+      const bool last = base + B * WARP >= n_chunks;
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const int c = base + lane + b * WARP, cn = lane + b * WARP;
+        float d0 = 0.f, d1 = 0.f, s0 = sa[b], s1 = sb[b], o0 = oa[b], o1 = ob[b];
+        if (c < n_chunks) {   // one row's codes converted at a time: 16 live floats
+          const float* xc = xs + c * QCHUNK;
+          float f[QCHUNK];
+          q_floats<FMT>(wa[b], f);
+#pragma unroll
+          for (int j = 0; j < QCHUNK; j += 4) {
+            const float4 xv = *reinterpret_cast<const float4*>(xc + j);
+            d0 = fmaf(f[j + 3], xv.w, fmaf(f[j + 2], xv.z, fmaf(f[j + 1], xv.y,
+                 fmaf(f[j], xv.x, d0))));
+          }
+          q_floats<FMT>(wb[b], f);
+#pragma unroll
+          for (int j = 0; j < QCHUNK; j += 4) {
+            const float4 xv = *reinterpret_cast<const float4*>(xc + j);
+            d1 = fmaf(f[j + 3], xv.w, fmaf(f[j + 2], xv.z, fmaf(f[j + 1], xv.y,
+                 fmaf(f[j], xv.x, d1))));
+          }
+        }
+        if (last && nu < units && cn < n_chunks) {   // the registers are free: refill them
+          load_batch(b, n0, n1, cn);
+          loaded = true;
+        }
+        if (c < n_chunks) {
+          a0 = fmaf(s0, d0, a0);
+          a1 = fmaf(s1, d1, a1);
+          if (offsets) {
+            const float sx = xsum[c];
+            a0 = fmaf(o0, sx, a0);
+            a1 = fmaf(o1, sx, a1);
+          }
+        }
+      }
+    }
+    a0 = warp_sum(a0) * inv_rms;
+    a1 = warp_sum(a1) * inv_rms;
+    if (lane == 0)
+      epilogue<EPI>(state, tok, u, rows, r0, r1, kind, a0, a1, out, last_only, start, qa);
+    r0 = n0; r1 = n1; kind = nkind;
+  }
+}
+
+#define QBOUNDS __launch_bounds__(128)
+#define QMATVEC_PLAIN(NAME, EPI, FMT)                                                        \
+  extern "C" __global__ void QBOUNDS                                                         \
+  NAME(int* state, const unsigned char* codes, const float* scales, const float* offsets,    \
+       int gshift, int rows, int K, const float* x, const wt* norm_w, float eps, float* out,  \
+       int units, int last_only) {                                                           \
+    QkvArgs none = {};                                                                       \
+    qmatvec_body<EPI, FMT>(state, codes, scales, offsets, gshift, rows, K, x, norm_w, eps,   \
+                           out, units, last_only, none);                                     \
+  }
+
+#define QMATVEC_QKV(NAME, FMT)                                                               \
+  extern "C" __global__ void QBOUNDS                                                         \
+  NAME(int* state, const unsigned char* codes, const float* scales, const float* offsets,    \
+       int gshift, int rows, int K, const float* x, const wt* norm_w, float eps, int units,   \
+       const wt* bias, float* q_out, float* k_cache, float* v_cache, const float* cos_t,      \
+       const float* sin_t, int n_heads, int n_kv, int head_dim, int cap) {                   \
+    QkvArgs qa = {bias, q_out, k_cache, v_cache, cos_t, sin_t, n_heads, n_kv, head_dim,      \
+                  cap};                                                                      \
+    qmatvec_body<EPI_QKV_ROPE, FMT>(state, codes, scales, offsets, gshift, rows, K, x,       \
+                                    norm_w, eps, nullptr, units, 0, qa);                     \
+  }
+
+QMATVEC_PLAIN(qmatvec_residual_i8, EPI_RESIDUAL, QFMT_I8)
+QMATVEC_PLAIN(qmatvec_residual_u4, EPI_RESIDUAL, QFMT_U4)
+QMATVEC_PLAIN(qmatvec_store_i8, EPI_STORE, QFMT_I8)
+QMATVEC_PLAIN(qmatvec_store_u4, EPI_STORE, QFMT_U4)
+QMATVEC_PLAIN(qmatvec_swiglu_i8, EPI_SWIGLU, QFMT_I8)
+QMATVEC_PLAIN(qmatvec_swiglu_u4, EPI_SWIGLU, QFMT_U4)
+QMATVEC_QKV(qmatvec_qkv_rope_i8, QFMT_I8)
+QMATVEC_QKV(qmatvec_qkv_rope_u4, QFMT_U4)
+
+// Chunk c of a row, dequantized into o[16].
+template <int FMT>
+__device__ __forceinline__ void dequant_chunk(const unsigned char* row, const float* s,
+                                              const float* off, int gshift, int c, float* o) {
+  q_floats<FMT>(load_q<FMT>(row, c), o);
+  const int g = (c * QCHUNK) >> gshift;
+  const float scale = s[g], offset = off ? off[g] : 0.f;
+#pragma unroll
+  for (int j = 0; j < QCHUNK; ++j) o[j] = fmaf(o[j], scale, offset);
+}
+
+template <int FMT>
+__device__ void qdequant_body(const unsigned char* __restrict__ codes,
+                              const float* __restrict__ scales,
+                              const float* __restrict__ offsets, int gshift, int rows, int K,
+                              float* __restrict__ out) {
+  pdl_wait_then_release();   // the previous kernel may still read `out`
+  const int n_chunks = K / QCHUNK, groups = K >> gshift;
+  const long long total = (long long)rows * n_chunks;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+       i += (long long)gridDim.x * blockDim.x) {
+    const int r = (int)(i / n_chunks), c = (int)(i % n_chunks);
+    float o[QCHUNK];
+    dequant_chunk<FMT>(codes + r * q_row_bytes<FMT>(K), scales + (long long)r * groups,
+                       offsets ? offsets + (long long)r * groups : nullptr, gshift, c, o);
+    float4* dst = reinterpret_cast<float4*>(out + (long long)r * K + c * QCHUNK);
+#pragma unroll
+    for (int j = 0; j < QCHUNK / 4; ++j)
+      dst[j] = make_float4(o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3]);
+  }
+}
+
+template <int FMT>
+__device__ void qembed_body(const int* __restrict__ state, const int* __restrict__ ids,
+                            const unsigned char* __restrict__ codes,
+                            const float* __restrict__ scales, const float* __restrict__ offsets,
+                            int gshift, int hidden, float* __restrict__ x, int from_state) {
+  pdl_wait_then_release();
+  const int t = blockIdx.x;
+  if (t >= state[STATE_N]) return;
+  const int id = from_state ? state[STATE_TOKEN] : ids[t];
+  const int groups = hidden >> gshift;
+  for (int c = threadIdx.x; c < hidden / QCHUNK; c += blockDim.x) {
+    float o[QCHUNK];
+    dequant_chunk<FMT>(codes + id * q_row_bytes<FMT>(hidden), scales + (long long)id * groups,
+                       offsets ? offsets + (long long)id * groups : nullptr, gshift, c, o);
+#pragma unroll
+    for (int j = 0; j < QCHUNK; ++j) x[(long long)t * hidden + c * QCHUNK + j] = o[j];
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+qdequant_i8(const unsigned char* codes, const float* scales, const float* offsets, int gshift,
+            int rows, int K, float* out) {
+  qdequant_body<QFMT_I8>(codes, scales, offsets, gshift, rows, K, out);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+qdequant_u4(const unsigned char* codes, const float* scales, const float* offsets, int gshift,
+            int rows, int K, float* out) {
+  qdequant_body<QFMT_U4>(codes, scales, offsets, gshift, rows, K, out);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+qembed_gather_i8(const int* state, const int* ids, const unsigned char* codes,
+                 const float* scales, const float* offsets, int gshift, int hidden, float* x,
+                 int from_state) {
+  qembed_body<QFMT_I8>(state, ids, codes, scales, offsets, gshift, hidden, x, from_state);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+qembed_gather_u4(const int* state, const int* ids, const unsigned char* codes,
+                 const float* scales, const float* offsets, int gshift, int hidden, float* x,
+                 int from_state) {
+  qembed_body<QFMT_U4>(state, ids, codes, scales, offsets, gshift, hidden, x, from_state);
+}

@@ -1,0 +1,164 @@
+"""Quantized weights on the CUDA backend: the same greedy tokens as the numpy backend.
+
+GGUF files of every quantized type (and a Q4_K_M-like mix whose fused projections change
+format), and HF checkpoints quantized on load (int8, int4), run by both backends on the
+same prompts. Runs where CuPy sees a GPU (``make gpu-test``); skipped with the reason
+elsewhere.
+"""
+
+import numpy as np
+import pytest
+
+from gguf_models import corpus  # noqa: I100
+from gguf_models import write_gguf
+
+from rt_llm_node.backends import cuda_available  # noqa: I100
+from rt_llm_node.backends.numpy_backend import NumpyBackend
+from rt_llm_node.model import load_checkpoint
+from rt_llm_node.model.quant import quantize_checkpoint
+from rt_llm_node.model.synthetic import write_random_checkpoint
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not cuda_available(), reason='no CUDA device (CuPy sees none)')]
+
+PROMPTS = 32
+NEW_TOKENS = 16
+REL = 2e-3   # max|cuda - numpy| / max|numpy| per step: the same weights, fp32 sums
+MIXED = {'*': 'Q4_K', 'attn_v.weight': 'Q6_K', 'ffn_down.weight': 'Q6_K',
+         'token_embd.weight': 'Q6_K'}
+CASES = ([(family, kind) for kind in ('Q8_0', 'Q4_0', 'Q4_1', 'Q4_K', 'Q5_K', 'Q6_K')
+          for family in ('llama', 'qwen2')] + [('llama', 'mixed'), ('qwen2', 'mixed')])
+
+
+def cuda_backend(checkpoint, capacity):
+    from rt_llm_node.backends.cuda_backend import CudaBackend
+    from rt_llm_node.backends.cuda_backend import CudaOptions
+    return CudaBackend(checkpoint, capacity, CudaOptions(decode_step='auto'))
+
+
+def prompts(tokenizer, count=PROMPTS):
+    out, sentences = [], iter(corpus(4000, seed=11))
+    rng = np.random.default_rng(5)
+    while len(out) < count:
+        want = int(rng.integers(32, 65))
+        ids = []
+        while len(ids) < want:
+            ids += tokenizer.encode(next(sentences) + ' ').ids
+        out.append(ids[:want])
+    return out
+
+
+def greedy(backend, ids, steps):
+    backend.rollback(0)
+    backend.prefill(ids)
+    logits, tokens = [], []
+    for _ in range(steps):
+        logits.append(np.asarray(backend.logits(), np.float64).reshape(-1))
+        tokens.append(int(backend.argmax()))
+        backend.decode(tokens[-1])
+    return logits, tokens
+
+
+def compare(checkpoint, prompt_list, steps=NEW_TOKENS, capacity=128):
+    cuda, ref = cuda_backend(checkpoint, capacity), NumpyBackend(checkpoint, capacity)
+    assert cuda.quantized and cuda.decode_step == 'kernels'
+    worst = 0.0
+    for ids in prompt_list:
+        got, want = greedy(cuda, ids, steps), greedy(ref, ids, steps)
+        assert got[1] == want[1], (ids, got[1], want[1])
+        for a, b in zip(got[0], want[0]):
+            worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))
+    assert worst <= REL, worst
+    return worst
+
+
+@pytest.fixture(scope='module')
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp('gguf')
+    return {case: write_gguf(folder / f'{case[0]}_{case[1]}.gguf', case[0],
+                             MIXED if case[1] == 'mixed' else case[1],
+                             tied=case[0] == 'llama') for case in CASES}
+
+
+@pytest.mark.parametrize('family, kind', CASES)
+def test_gguf_types_give_the_numpy_greedy_tokens(files, family, kind):
+    checkpoint = load_checkpoint(files[(family, kind)])
+    worst = compare(checkpoint, prompts(checkpoint.tokenizer))
+    print(f'{family} {kind}: worst relative logit difference {worst:.2e}')
+
+
+@pytest.mark.parametrize('weight_format', ['int8', 'int4'])
+@pytest.mark.parametrize('shape', ['smollm2-135m', 'qwen2.5-0.5b'])
+def test_on_load_quantization_gives_the_numpy_greedy_tokens(tmp_path, shape, weight_format):
+    checkpoint = quantize_checkpoint(
+        load_checkpoint(write_random_checkpoint(tmp_path / shape, shape, seed=5)),
+        weight_format)
+    rng = np.random.default_rng(8)
+    prompt_list = [rng.integers(0, checkpoint.config.vocab_size, n).tolist()
+                   for n in (1, 17, 48, 100)]
+    compare(checkpoint, prompt_list, steps=8, capacity=256)
+
+
+def test_quantized_weights_take_fewer_device_bytes(tmp_path):
+    path = write_random_checkpoint(tmp_path / 'm', 'smollm2-135m', seed=5)
+    sizes = {}
+    for fmt in ('int8', 'int4'):
+        backend = cuda_backend(quantize_checkpoint(load_checkpoint(path), fmt), 64)
+        sizes[fmt] = backend.weight_bytes()
+    native = load_checkpoint(path)
+    bf16 = sum(t.bits.nbytes for t in native.tensors.values())
+    assert sizes['int8'] < 0.6 * bf16 and sizes['int4'] < 0.4 * bf16, (sizes, bf16)
+
+
+def kv_backends(checkpoint, capacity):
+    from rt_llm_node.backends.cuda_backend import CudaBackend
+    from rt_llm_node.backends.cuda_backend import CudaOptions
+    return (CudaBackend(checkpoint, capacity, CudaOptions(decode_step='auto', kv_dtype='int8')),
+            NumpyBackend(checkpoint, capacity, kv_dtype='int8'))
+
+
+def run_with_compaction(backend, prompt, steps):
+    """Prefill, keep every other slot of the first half (keys re-rotated), decode greedily."""
+    backend.rollback(0)
+    backend.prefill(prompt)
+    n = len(prompt)
+    keep = np.concatenate([np.arange(0, n // 2, 2), np.arange(n // 2, n)])
+    backend.compact(keep)
+    logits, tokens = [], []
+    for _ in range(steps):
+        logits.append(np.asarray(backend.logits(), np.float64).reshape(-1))
+        tokens.append(int(backend.argmax()))
+        backend.decode(tokens[-1])
+    return logits, tokens
+
+
+@pytest.mark.parametrize('source', ['smollm2-135m', 'qwen2.5-0.5b', 'gguf-Q4_K'])
+def test_int8_kv_cache_gives_the_numpy_greedy_tokens(tmp_path, files, source):
+    """An int8 cache on both backends: the same tokens after prefill, decode and compaction."""
+    if source.startswith('gguf'):
+        checkpoint = load_checkpoint(files[('llama', 'Q4_K')])
+    else:
+        checkpoint = load_checkpoint(write_random_checkpoint(tmp_path / source, source, seed=5))
+    cuda, ref = kv_backends(checkpoint, 256)
+    assert cuda.decode_step == 'kernels'
+    assert cuda.kv_bytes_per_token() == ref.kv_bytes_per_token()
+    rng = np.random.default_rng(3)
+    worst = 0.0
+    for n in (1, 17, 48, 100):
+        prompt = rng.integers(0, checkpoint.config.vocab_size, n).tolist()
+        for run in (greedy, run_with_compaction) if n > 2 else (greedy,):
+            got, want = run(cuda, prompt, 8), run(ref, prompt, 8)
+            assert got[1] == want[1], (source, n, run.__name__, got[1], want[1])
+            for a, b in zip(got[0], want[0]):
+                worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))
+    assert worst <= REL, worst
+
+
+def test_int8_kv_cache_takes_at_most_55_percent_of_the_bytes(tmp_path):
+    checkpoint = load_checkpoint(write_random_checkpoint(tmp_path / 'm', 'smollm2-135m', seed=5))
+    from rt_llm_node.backends.cuda_backend import CudaBackend
+    from rt_llm_node.backends.cuda_backend import CudaOptions
+    native = CudaBackend(checkpoint, 64, CudaOptions(decode_step='kernels'))
+    int8 = CudaBackend(checkpoint, 64, CudaOptions(decode_step='kernels', kv_dtype='int8'))
+    assert int8.kv_bytes_per_token() <= 0.55 * native.kv_bytes_per_token()
+    assert int8.k.nbytes + int8.k_scale.nbytes <= 0.55 * native.k.nbytes
