@@ -17,10 +17,11 @@ from rt_llm_node.backends.cuda_kernels import source_dir  # noqa: E402
 from rt_llm_node.backends.cuda_kernels import WEIGHT_DTYPES  # noqa: E402
 
 
+@pytest.mark.parametrize('kv_int8', [False, True], ids=['kv_fp32', 'kv_int8'])
 @pytest.mark.parametrize('arch', [87, 90])
 @pytest.mark.parametrize('dtype', WEIGHT_DTYPES)
-def test_kernels_compile_without_warnings(arch, dtype):
-    cubin, log = compile_cubin(arch, dtype)
+def test_kernels_compile_without_warnings(arch, dtype, kv_int8):
+    cubin, log = compile_cubin(arch, dtype, kv_int8=kv_int8)
     assert log == '', f'NVRTC printed for sm_{arch} {dtype}:\n{log}'
     assert len(cubin) > 10000
     for name in kernel_names():  # every kernel the backend launches is in the binary
