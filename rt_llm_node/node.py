@@ -306,6 +306,13 @@ class RtLlmNode(LifecycleNode):
         if self._active:
             self._active = False
             self._publish_fallback(force_stop=True)
+            # the publisher (and, on a signal, the process) may go away next: wait until the
+            # subscribers have the stop, briefly (the middleware sends from its own threads)
+            try:
+                if self._action_pub is not None:
+                    self._action_pub.wait_for_all_acked(Duration(seconds=0.5))
+            except Exception as exc:   # best effort: the stop was published either way
+                self.get_logger().warning(f'stop action not acknowledged: {exc}')
 
     # -- the control loop ---------------------------------------------------------------
     def _reset_stats(self):
