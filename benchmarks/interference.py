@@ -3,14 +3,13 @@
     python benchmarks/interference.py [--ticks 34000] [--rate 100] [--write]
 
 Runs, one after another, the demo world (its own process) and the demo node (this process,
-numpy backend, the demo profile at ``--rate``; its control thread at SCHED_FIFO 50 and the
-threads that take Python's lock beside it at 49, as rt-llm-node runs them) quiet, beside
-busy-loop processes (one per core), and beside those plus a flood of messages on an input
-topic and an unrelated one. Per run: ticks, admitted, refused by reason, admitted but late
-(computed, then withheld: never published), skipped periods, and refusals whose message
-went out after their deadline (read back over DDS by a recorder node). A late action is
-never published; the figure that matters is how often the node still acts, and that every
-refusal is on time.
+numpy backend, the demo profile at ``--rate``: its control thread and calibration at
+SCHED_FIFO 50) quiet, beside busy-loop processes (one per core), and beside those plus a
+flood of messages on an input topic and an unrelated one. Per run: ticks, admitted,
+refused by reason, admitted but late (computed, then withheld: never published), skipped
+periods, and refusals whose message went out after their deadline (read back over DDS by a
+recorder node). A late action is never published; the figure that matters is how often the
+node still acts, and that every refusal is on time.
 """
 
 import argparse
@@ -82,7 +81,6 @@ def run(ticks, rate, hogs, flood_rate):
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.parameter import Parameter
     from rt_llm_node.demo.run import demo_parameters
-    from rt_llm_node.node import realtime_executor_thread
     from rt_llm_node.node import RtLlmNode
     context = multiprocessing.get_context('spawn')
     stop = context.Event()
@@ -113,15 +111,8 @@ def run(ticks, rate, hogs, flood_rate):
     executor = SingleThreadedExecutor()
     executor.add_node(node)
     executor.add_node(listener)
-
-    def spin():   # as rt-llm-node runs it: the executor thread one below the control thread
-        realtime_executor_thread(node)
-        executor.spin()
-    spinner = threading.Thread(target=spin, daemon=True)
+    spinner = threading.Thread(target=executor.spin, daemon=True)
     spinner.start()
-    # this thread polls the node once a second; it takes Python's lock too, so it must not
-    # be preempted by the hogs while it holds it
-    realtime_executor_thread(node)
     started = time.monotonic()
     try:
         node.trigger_configure()
@@ -132,8 +123,6 @@ def run(ticks, rate, hogs, flood_rate):
         node.trigger_deactivate()
         stats, refusals, latencies = node.stats()
     finally:
-        if hasattr(os, 'SCHED_OTHER'):   # processes started later must not inherit SCHED_FIFO
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         node._stop_loop()
         executor.shutdown()
         spinner.join(timeout=10)

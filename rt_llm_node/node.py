@@ -167,8 +167,9 @@ class RtLlmNode(LifecycleNode):
     def on_configure(self, state):
         self._values = self._current_values()
         try:
-            self._engine = configure_engine(self._values,
-                                            log=lambda text: self.get_logger().info(text))
+            self._engine = self._at_control_priority(
+                lambda: configure_engine(self._values,
+                                         log=lambda text: self.get_logger().info(text)))
         except Exception as exc:  # every failure is reported, never raised into rclpy
             self.last_error = f'configure failed: {exc}'
             self.get_logger().error(self.last_error)
@@ -326,6 +327,35 @@ class RtLlmNode(LifecycleNode):
     def _on_deadline_missed(self, event):
         with self._stats_lock:
             self._stats['qos_deadline_missed'] += event.total_count_change
+
+    def _at_control_priority(self, work):
+        """Run ``work()`` on a thread at the control thread's priority; return its result.
+
+        Configure's calibration times the backend: timed on the executor's normal-priority
+        thread beside busy processes it came out several times too slow, and the node then
+        refused every tick (its probes cannot recover a model that far off). With
+        ``realtime_priority`` 0 (or no permission) it runs here, as before.
+        """
+        priority = self._values['realtime_priority']
+        if not priority:
+            return work()
+        outcome = {}
+
+        def run():
+            try:
+                os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+            except (AttributeError, OSError):
+                pass   # the control thread will say so; calibrate at normal priority
+            try:
+                outcome['value'] = work()
+            except BaseException as exc:   # re-raised on the caller's thread
+                outcome['error'] = exc
+        thread = threading.Thread(target=run, name='rt_llm_configure')
+        thread.start()
+        thread.join()
+        if 'error' in outcome:
+            raise outcome['error']
+        return outcome['value']
 
     def _set_realtime(self, priority):
         """SCHED_FIFO for this (the control) thread; True when it took effect."""
@@ -536,26 +566,6 @@ def warn_unused_params_files(node, ros_args):
             f"top-level key must be the node's name ({node.get_name()}) or /**")
 
 
-def realtime_executor_thread(node):
-    """SCHED_FIFO one below the control thread for the thread that spins the executor.
-
-    With ``realtime_priority`` set (Linux). Configure's calibration runs on that thread: at
-    normal priority beside busy processes it measured a model several times too slow, and
-    the node then refused every tick. Both threads also take Python's lock, which a
-    preempted normal-priority thread would hold. Returns whether it took effect.
-    """
-    priority = node.get_parameter('realtime_priority').value
-    if priority < 2:
-        return False
-    try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority - 1))
-    except (AttributeError, OSError) as exc:
-        node.get_logger().warning(f'executor thread: SCHED_FIFO refused ({exc})')
-        return False
-    node.get_logger().info(f'executor thread: SCHED_FIFO priority {priority - 1}')
-    return True
-
-
 def main(args=None):
     """rt-llm-node [--autostart] [--ros-args --params-file FILE ...]."""
     argv = list(sys.argv if args is None else args)
@@ -568,7 +578,6 @@ def main(args=None):
 
     def autostart(node):
         warn_unused_params_files(node, ros_args)
-        realtime_executor_thread(node)
         if node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
             node.get_logger().error(f'autostart: {node.last_error}')
             return 2
@@ -577,7 +586,6 @@ def main(args=None):
 
     def check(node):
         warn_unused_params_files(node, ros_args)
-        realtime_executor_thread(node)
         return 0
 
     return spin_until_shutdown('rt-llm-node', ros_args, RtLlmNode,

@@ -91,9 +91,9 @@ PARAMETERS = (
           'for rt-llm-replay --cost-model); empty: not written'),
     Param('backend_error_limit', 5, 'consecutive backend errors before ErrorProcessing',
           1, 1000),
-    Param('realtime_priority', 0, 'SCHED_FIFO priority of the control thread (Linux; 0: '
-          'normal scheduling); rt-llm-node runs its executor thread one below; needs '
-          'CAP_SYS_NICE or an rtprio limit, else a warning', 0, 98),
+    Param('realtime_priority', 0, 'SCHED_FIFO priority of the control thread and of '
+          "configure's calibration (Linux; 0: normal scheduling); needs CAP_SYS_NICE or an "
+          'rtprio limit, else a warning', 0, 98),
 )
 BY_NAME = {p.name: p for p in PARAMETERS}
 LISTS = {'input_topics': str, 'input_types': str, 'input_max_age_s': float,

@@ -72,11 +72,13 @@ def _permute(w, n_head):
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def write_gguf(path, family='llama', kind='Q8_0', seed=0, tied=True, shape=None, **overrides):
+def write_gguf(path, family='llama', kind='Q8_0', seed=0, tied=True, shape=None, extra=None,
+               **overrides):
     """Write a random ``family`` model, its matrices in ``kind``; return the path.
 
     ``kind``: one type for every matrix, or {tensor name suffix: type} with a '*' default
     (a Q4_K_M-like mix: {'*': 'Q4_K', 'attn_v.weight': 'Q6_K', 'ffn_down.weight': 'Q6_K'}).
+    ``extra``: {name: float32 array} written beside the model's tensors.
 
     Norms (and Qwen2's biases) are F32, as llama.cpp writes them. ``overrides``: metadata
     values to replace (for error tests).
@@ -157,6 +159,8 @@ def write_gguf(path, family='llama', kind='Q8_0', seed=0, tied=True, shape=None,
         matrix(p + 'ffn_gate.weight', inter, h)
         matrix(p + 'ffn_up.weight', inter, h)
         matrix(p + 'ffn_down.weight', h, inter)
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, np.asarray(array, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

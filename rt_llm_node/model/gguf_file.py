@@ -258,6 +258,10 @@ def load_gguf(path):
     path = Path(path)
     reader = _open(path)
     meta = _metadata(reader, path)
+    arch = meta.get('general.architecture')
+    if arch not in ARCHITECTURES:   # before its tensor names, which other models name apart
+        raise CheckpointError(path, f"metadata 'general.architecture' = {arch!r} is not "
+                                    f'supported (supported: {", ".join(ARCHITECTURES)})')
     tensors = {}
     freq_factors = None
     for t in reader.tensors:

@@ -88,3 +88,23 @@ def test_a_missing_layer_is_refused(tmp_path):
     path = write_gguf(tmp_path / 'layers.gguf', 'llama', 'Q8_0',
                       **{'llama.block_count': (3, gguf.GGUFValueType.UINT32)})
     expect_error(path, 'layers')
+
+
+def test_another_architecture_is_named_before_its_tensors(tmp_path):
+    path = write_gguf(tmp_path / 'phi3.gguf', 'phi3', 'Q8_0',
+                      extra={'blk.0.attn_qkv.weight': np.zeros((8, 256))})
+    expect_error(path, 'general.architecture', 'phi3')
+
+
+def test_rope_frequency_factors_divide_the_frequencies(tmp_path):
+    """A Llama 3 file carries its rope scaling as rope_freqs.weight, one factor a pair."""
+    plain = load_checkpoint(write_gguf(tmp_path / 'plain.gguf', 'llama', 'Q8_0'))
+    head_dim = plain.config.head_dim
+    factors = np.linspace(1.0, 8.0, head_dim // 2)
+    scaled = load_checkpoint(write_gguf(tmp_path / 'scaled.gguf', 'llama', 'Q8_0',
+                                        extra={'rope_freqs.weight': factors}))
+    want = plain.config.rope.inv_freq(head_dim) / factors
+    np.testing.assert_allclose(scaled.config.rope.inv_freq(head_dim), want, rtol=1e-6)
+    bad = write_gguf(tmp_path / 'bad.gguf', 'llama', 'Q8_0',
+                     extra={'rope_freqs.weight': np.ones(3)})
+    expect_error(bad, 'rope_freqs.weight')
