@@ -227,8 +227,11 @@ def test_missing_input_gives_stale_input(rig):
 
 
 def test_undecodable_scans_are_dropped_and_refused_as_stale(rig, executor):
-    """Scans that do not decode (cut short on the wire) never reach the node: it refuses them
-    as stale input naming the topic, it does not crash and does not act on old data."""
+    """Scans that do not decode (cut short on the wire) never reach the node.
+
+    It refuses them as stale input naming the topic; it does not crash and does not act on
+    old data.
+    """
     from rclpy.serialization import serialize_message
     from sensor_msgs.msg import LaserScan
     world, recorder, make = rig
