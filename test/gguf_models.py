@@ -34,6 +34,19 @@ def corpus(n=3000, seed=0):
     return [' '.join(rng.choice(WORDS, size=int(rng.integers(4, 14)))) for _ in range(n)]
 
 
+def prompts(tokenizer, count=32):
+    """``count`` prompts of 32 to 64 tokens: sentences of the corpus joined, then cut."""
+    out, sentences = [], iter(corpus(4000, seed=11))
+    rng = np.random.default_rng(5)
+    while len(out) < count:
+        want = int(rng.integers(32, 65))
+        ids = []
+        while len(ids) < want:
+            ids += tokenizer.encode(next(sentences) + ' ').ids
+        out.append(ids[:want])
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def train_tokenizer(vocab_size=400):
     """Train a byte-level BPE (GPT-2 style) on the corpus, with an end-of-text token."""

@@ -9,7 +9,7 @@ elsewhere.
 import numpy as np
 import pytest
 
-from gguf_models import corpus  # noqa: I100
+from gguf_models import prompts  # noqa: I100
 from gguf_models import write_gguf
 
 from rt_llm_node.backends import cuda_available  # noqa: I100
@@ -36,21 +36,14 @@ def cuda_backend(checkpoint, capacity):
     return CudaBackend(checkpoint, capacity, CudaOptions(decode_step='auto'))
 
 
-def prompts(tokenizer, count=PROMPTS):
-    out, sentences = [], iter(corpus(4000, seed=11))
-    rng = np.random.default_rng(5)
-    while len(out) < count:
-        want = int(rng.integers(32, 65))
-        ids = []
-        while len(ids) < want:
-            ids += tokenizer.encode(next(sentences) + ' ').ids
-        out.append(ids[:want])
-    return out
-
-
 def greedy(backend, ids, steps):
     backend.rollback(0)
     backend.prefill(ids)
+    return decode_steps(backend, steps)
+
+
+def decode_steps(backend, steps):
+    """Greedy steps from the backend's state: (logits per step as float64, tokens)."""
     logits, tokens = [], []
     for _ in range(steps):
         logits.append(np.asarray(backend.logits(), np.float64).reshape(-1))
@@ -83,7 +76,7 @@ def files(tmp_path_factory):
 @pytest.mark.parametrize('family, kind', CASES)
 def test_gguf_types_give_the_numpy_greedy_tokens(files, family, kind):
     checkpoint = load_checkpoint(files[(family, kind)])
-    worst = compare(checkpoint, prompts(checkpoint.tokenizer))
+    worst = compare(checkpoint, prompts(checkpoint.tokenizer, PROMPTS))
     print(f'{family} {kind}: worst relative logit difference {worst:.2e}')
 
 
@@ -124,12 +117,7 @@ def run_with_compaction(backend, prompt, steps):
     n = len(prompt)
     keep = np.concatenate([np.arange(0, n // 2, 2), np.arange(n // 2, n)])
     backend.compact(keep)
-    logits, tokens = [], []
-    for _ in range(steps):
-        logits.append(np.asarray(backend.logits(), np.float64).reshape(-1))
-        tokens.append(int(backend.argmax()))
-        backend.decode(tokens[-1])
-    return logits, tokens
+    return decode_steps(backend, steps)
 
 
 @pytest.mark.parametrize('source', ['smollm2-135m', 'qwen2.5-0.5b', 'gguf-Q4_K'])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from gguf_models import corpus  # noqa: I100
+from gguf_models import prompts
 from gguf_models import TYPES
 from gguf_models import write_gguf
 
@@ -75,19 +76,6 @@ def files(tmp_path_factory):
                                      tied=case[0] == 'llama') for case in CASES}
 
 
-def prompts(tokenizer):
-    """PROMPTS prompts of 32 to 64 tokens: sentences of the corpus joined."""
-    out, sentences = [], iter(corpus(4000, seed=11))
-    rng = np.random.default_rng(5)
-    while len(out) < PROMPTS:
-        want = int(rng.integers(32, 65))
-        ids = []
-        while len(ids) < want:
-            ids += tokenizer.encode(next(sentences) + ' ').ids
-        out.append(ids[:want])
-    return out
-
-
 @pytest.mark.parametrize('family', ['llama', 'qwen2'])
 def test_the_tokenizer_matches_the_one_transformers_builds(files, family):
     folder, paths = files
@@ -114,7 +102,7 @@ def test_greedy_tokens_and_logits_match_transformers(files, family, kind):
         str(folder), gguf_file=path.name, dtype=torch.float32).eval()
     backend = NumpyBackend(checkpoint, 128)
     worst = 0.0
-    for ids in prompts(checkpoint.tokenizer):
+    for ids in prompts(checkpoint.tokenizer, PROMPTS):
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
                                  do_sample=False, output_logits=True,
