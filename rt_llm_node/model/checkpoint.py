@@ -70,12 +70,6 @@ class Checkpoint:
         """Return tensor ``name`` upcast to float32."""
         return self.tensors[name].to_float32()
 
-    @property
-    def weight_dtype(self):
-        """The dtype most float tensors are stored in ('BF16', 'F16' or 'F32')."""
-        dtypes = [t.dtype for t in self.tensors.values() if t.dtype != 'QUANT']
-        return max(set(dtypes), key=dtypes.count) if dtypes else 'F32'
-
     def describe_weights(self):
         """Say how the weights are held, e.g. 'BF16' or 'Q4_K x 96, Q6_K x 17, F32 x 45'."""
         kinds = Counter(t.source if t.dtype == 'QUANT' else t.dtype
@@ -83,11 +77,6 @@ class Checkpoint:
         if len(kinds) == 1:
             return next(iter(kinds))
         return ', '.join(f'{k} x {n}' for k, n in kinds.most_common())
-
-    @property
-    def quantized(self):
-        """Names of the tensors held in a runtime integer format."""
-        return sorted(n for n, t in self.tensors.items() if t.dtype == 'QUANT')
 
 
 def _read_safetensors(path):
