@@ -48,6 +48,7 @@ gpu-test:
 # machine's output folder, so the figures come back with the run).
 gpu-bench:
 	PYTHONPATH=. python3 benchmarks/bench_cuda.py --write
+	PYTHONPATH=. python3 benchmarks/bench_quant.py --write
 	$(if $(RESULTS_OUT),mkdir -p $(RESULTS_OUT) && cp benchmarks/RESULTS.md $(RESULTS_OUT)/)
 
 # The package as a ROS user builds and tests it: colcon build and colcon test in a
