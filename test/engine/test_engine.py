@@ -293,3 +293,30 @@ def test_input_caps_the_cache_cannot_hold_are_refused_at_configure():
     with pytest.raises(ConfigurationError, match='kv_capacity_tokens = 64 cannot hold'):
         configure_engine(values, clock=ModelClock(), log=lambda text: None,
                          cost_model=CostModel())
+
+
+@pytest.mark.parametrize('weight_format, kv_dtype', [('native', 'int8'), ('int4', 'native')])
+def test_a_gguf_model_runs_the_tick_as_configured(tmp_path, weight_format, kv_dtype):
+    """A GGUF model_path, an int8 cache or on-load int4 weights: configure and tick as usual."""
+    pytest.importorskip('gguf', reason='the gguf package reads GGUF files')
+    from gguf_models import write_gguf
+    from rt_llm_node.configure import configure_engine
+    kind = 'Q4_K' if weight_format == 'native' else 'F16'   # int4 quantizes float matrices
+    path = write_gguf(tmp_path / 'model.gguf', 'qwen2', kind)
+    lines = []
+    values = demo_values(backend='numpy', model_path=str(path), weight_format=weight_format,
+                         kv_dtype=kv_dtype)
+    engine = configure_engine(values, clock=ModelClock(), log=lines.append)
+    assert engine.backend.kv_dtype == kv_dtype
+    weights = next(line for line in lines if 'weights' in line)
+    assert ('Q4_K' if weight_format == 'native' else 'int4') in weights, weights
+    assert any(f'({kv_dtype}, ' in line for line in lines), lines
+    results = drive(engine, DemoWorld(3, messages=MessageFactory(ros=False)), 20)
+    grammar = engine.grammar
+    assert sum(r.action is not None for r in results) >= 10, [r.refusal for r in results]
+    for r in results:
+        assert (r.action is None) != (r.refusal is None)
+        if r.action is not None:   # a random model's action: parsed, within the limits
+            for field in grammar.fields:
+                value = r.action.values[field.name]
+                assert math.isfinite(value) and field.minimum <= value <= field.maximum
