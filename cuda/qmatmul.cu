@@ -4,15 +4,19 @@
 // codes a byte (0..15, the even column in the low nibble).
 //
 // qmatvec_<epilogue>_<fmt>: one token (decode, and the LM head's last token), the epilogues
-// of matvec.cuh. Geometry: block = 128 threads (4 warps), a warp a unit (two output rows),
-// grid-stride over the units (grid = at most what is resident); grid.y = one block row per
-// token (last_only: one). A lane takes 16-column chunks c = lane, lane + 32, ... of both
-// rows of its unit, QBATCH chunks a row in flight at a time (the first batch of the first
-// unit before the wait for the previous kernel, the norm weights copied into shared memory
-// then too). The block stages x * norm_w (or x) in shared memory with the sum of each chunk
-// of it, in one pass that also sums x^2, so a chunk costs
+// of matvec.cuh. Geometry: block = up to QMV_MAX_THREADS threads; a unit (two output rows)
+// goes to `split` warps (1, 2 or 4) of one block, each taking a contiguous share of K, their
+// sums added in shared memory; the blocks stride over the units (grid = at most what is
+// resident), every warp of a block running the same number of rounds. grid.y = one block
+// row per token (last_only: one). A chunk is what one 16-byte load of a row holds (16
+// columns of i8, 32 of u4, always inside one group: one scale and offset a chunk). A lane
+// takes the chunks c_begin + lane, + 32, ... of both rows of its unit, QBATCH chunks a row in
+// flight at a time (the first batch of the first unit before the wait for the previous
+// kernel, the norm weights copied into shared memory then too). The block stages x * norm_w (or x) in shared memory with the
+// sum of each 16 values of it, in one pass that also sums x^2 (few large blocks: x is read
+// from L2 once an SM, not once a small block), so a chunk costs
 //   y += scale * (q . xn) + offset * sum(xn),   then y *= 1 / rms(x)
-// Dynamic shared memory: K + K / 16 floats, and K more with a norm.
+// Dynamic shared memory: K + K / 16 floats, and K more with a norm. u4 groups are 32 columns.
 //
 // qdequant_<fmt>: w = q * scale + offset into an fp32 [rows, K] matrix (the prefill tiles
 // read it); it waits for the previous kernel first, which may still read the buffer.
@@ -24,36 +28,31 @@
 
 #define QFMT_I8 0
 #define QFMT_U4 1
-#define QCHUNK 16
+#define QSUB 16               // columns of x a chunk sum covers (xsum)
+#define QMV_MAX_THREADS 512
 
-template <int FMT> struct qraw;
-template <> struct qraw<QFMT_I8> { uint4 a; };   // 16 codes, 16 bytes
-template <> struct qraw<QFMT_U4> { uint2 a; };   // 16 codes, 8 bytes
+// A chunk: the columns one 16-byte load of a row holds (i8: 16, u4: 32), inside one group
+// (i8 groups are 16 or 32 columns, u4 groups 32).
+template <int FMT> struct qcols { static constexpr int value = FMT == QFMT_I8 ? 16 : 32; };
 
-// Chunks a lane loads per row before it multiplies: 64 bytes of codes a row either way.
-template <int FMT> struct qbatch { static constexpr int value = FMT == QFMT_I8 ? 4 : 8; };
+// Chunks a lane loads per row before it multiplies: 64 bytes of codes a row.
+#define QBATCH 4
 
-// The 16 codes of chunk c of a row (row_bytes apart).
-template <int FMT>
-__device__ __forceinline__ qraw<FMT> load_q(const unsigned char* row, int c) {
-  qraw<FMT> r;
-  if constexpr (FMT == QFMT_I8) {
-    r.a = __ldg(reinterpret_cast<const uint4*>(row) + c);
-  } else {
-    r.a = __ldg(reinterpret_cast<const uint2*>(row) + c);
-  }
-  return r;
+// The 16-byte chunk c of a row.
+__device__ __forceinline__ uint4 load_q(const unsigned char* row, int c) {
+  return __ldg(reinterpret_cast<const uint4*>(row) + c);
 }
 
-// The 16 codes as floats, in column order, exactly. No int-to-float conversion (a quarter-
-// rate instruction, which set these kernels' pace): a code c in 0..255 placed in the low
-// byte of 0x4B000000 is the float 2^23 + c, and one subtraction leaves c. A signed byte
-// has its sign bit flipped first (c + 128), and 2^23 + 128 is subtracted.
+// Sixteen codes of a chunk as floats, in column order, exactly: i8, the whole chunk (h = 0);
+// u4, its half h (words x, y or z, w). No int-to-float conversion (a quarter-rate
+// instruction, which set these kernels' pace): a code c in 0..255 placed in the low byte
+// of 0x4B000000 is the float 2^23 + c, and one subtraction leaves c. A signed byte has its
+// sign bit flipped first (c + 128), and 2^23 + 128 is subtracted.
 template <int FMT>
-__device__ __forceinline__ void q_floats(const qraw<FMT>& r, float* o) {
+__device__ __forceinline__ void q_floats(const uint4& r, int h, float* o) {
   if constexpr (FMT == QFMT_I8) {
-    const unsigned u[4] = {r.a.x ^ 0x80808080u, r.a.y ^ 0x80808080u, r.a.z ^ 0x80808080u,
-                           r.a.w ^ 0x80808080u};
+    const unsigned u[4] = {r.x ^ 0x80808080u, r.y ^ 0x80808080u, r.z ^ 0x80808080u,
+                           r.w ^ 0x80808080u};
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -61,7 +60,7 @@ __device__ __forceinline__ void q_floats(const qraw<FMT>& r, float* o) {
         o[4 * i + j] = __uint_as_float(__byte_perm(u[i], 0x4B000000u, j | 0x7440)) -
                        8388736.f;
   } else {
-    const unsigned u[2] = {r.a.x, r.a.y};
+    const unsigned u[2] = {h ? r.z : r.x, h ? r.w : r.y};
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -75,18 +74,29 @@ __device__ __forceinline__ long long q_row_bytes(int K) {
   return FMT == QFMT_I8 ? (long long)K : (long long)(K / 2);
 }
 
+// (q . x) over 16 codes and the 16 values of x at xc (shared memory).
+__device__ __forceinline__ float dot16(const float* f, const float* xc, float d) {
+#pragma unroll
+  for (int j = 0; j < 16; j += 4) {
+    const float4 xv = *reinterpret_cast<const float4*>(xc + j);
+    d = fmaf(f[j + 3], xv.w, fmaf(f[j + 2], xv.z, fmaf(f[j + 1], xv.y, fmaf(f[j], xv.x, d))));
+  }
+  return d;
+}
+
 template <int EPI, int FMT>
 __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __restrict__ codes,
                              const float* __restrict__ scales, const float* __restrict__ offsets,
                              int gshift, int rows, int K, const float* __restrict__ x,
                              const wt* __restrict__ norm_w, float eps, float* __restrict__ out,
-                             int units, int last_only, QkvArgs qa) {
-  constexpr int B = qbatch<FMT>::value;
+                             int units, int last_only, QkvArgs qa, int split) {
+  constexpr int B = QBATCH, COLS = qcols<FMT>::value, HALVES = COLS / QSUB;
   extern __shared__ __align__(16) float q_smem[];
   __shared__ float scratch[WARP];
+  __shared__ float2 part_sums[2][QMV_MAX_THREADS / WARP];
   float* xs = q_smem;                // [K] x * norm_w (x without a norm)
-  float* xsum = q_smem + K;          // [K / 16] sum of each chunk of it
-  float* nws = xsum + K / QCHUNK;    // [K] the norm weights (with a norm)
+  float* xsum = q_smem + K;          // [K / 16] sum of each 16 values of it
+  float* nws = xsum + K / QSUB;      // [K] the norm weights (with a norm)
   const int n = state[STATE_N], start = state[STATE_START];
   const int tok = last_only ? n - 1 : blockIdx.y;
   if (tok >= n) {  // the whole block leaves together
@@ -94,24 +104,29 @@ __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __res
     return;
   }
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
-  const int n_chunks = K / QCHUNK, groups = K >> gshift;
+  const int n_chunks = K / COLS, n_sub = K / QSUB, groups = K >> gshift;
   const long long row_bytes = q_row_bytes<FMT>(K);
-  const int stride = gridDim.x * warps;
-  int u = blockIdx.x * warps + warp;
+  const int per_group = warps / split, part = warp % split;
+  const int stride = gridDim.x * per_group;   // units between a warp's rounds
+  // this warp's chunks: [c_begin, c_end), a whole number of lanes' worth where possible
+  const int per_part = (n_chunks / split + WARP - 1) / WARP * WARP;
+  const int c_begin = min(n_chunks, part * per_part);
+  const int c_end = part == split - 1 ? n_chunks : min(n_chunks, c_begin + per_part);
+  int u = blockIdx.x * per_group + warp / split;
   int r0 = 0, r1 = 0, kind = 0;
-  // the norm weights of this thread's chunks (c = threadIdx.x, + blockDim.x, ...) copied
+  // the norm weights of this thread's 16 values (c = threadIdx.x, + blockDim.x, ...) copied
   // into shared memory before the wait, the first batch of codes loaded
   if (norm_w)
-    for (int c = threadIdx.x; c < n_chunks; c += blockDim.x)
+    for (int c = threadIdx.x; c < n_sub; c += blockDim.x)
 #pragma unroll
-      for (int j = 0; j < QCHUNK; j += 4) cp_async16(nws + c * QCHUNK + j, norm_w + c * QCHUNK + j);
+      for (int j = 0; j < QSUB; j += 4) cp_async16(nws + c * QSUB + j, norm_w + c * QSUB + j);
   // a batch: B chunks of both rows, their scales and offsets, all in flight together
-  qraw<FMT> wa[B], wb[B];
+  uint4 wa[B], wb[B];
   float sa[B], sb[B], oa[B], ob[B];
   auto load_batch = [&](int b, int rr0, int rr1, int c) {
-    const int g = (c * QCHUNK) >> gshift;
-    wa[b] = load_q<FMT>(codes + rr0 * row_bytes, c);
-    wb[b] = load_q<FMT>(codes + rr1 * row_bytes, c);
+    const int g = (c * COLS) >> gshift;
+    wa[b] = load_q(codes + rr0 * row_bytes, c);
+    wb[b] = load_q(codes + rr1 * row_bytes, c);
     sa[b] = __ldg(scales + (long long)rr0 * groups + g);
     sb[b] = __ldg(scales + (long long)rr1 * groups + g);
     oa[b] = offsets ? __ldg(offsets + (long long)rr0 * groups + g) : 0.f;
@@ -121,7 +136,7 @@ __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __res
     unit_rows<EPI>(u, rows, qa, &r0, &r1, &kind);
 #pragma unroll
     for (int b = 0; b < B; ++b)
-      if (lane + b * WARP < n_chunks) load_batch(b, r0, r1, lane + b * WARP);
+      if (c_begin + lane + b * WARP < c_end) load_batch(b, r0, r1, c_begin + lane + b * WARP);
   }
   pdl_wait_then_release();   // the codes are in flight; x comes from the previous kernel
   // one pass over x: x * norm_w and its chunk sums into shared memory, the sum of squares
@@ -129,20 +144,20 @@ __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __res
   const float* xt = x + (long long)tok * K;
   if (norm_w) cp_async_wait_all();   // this thread's own chunks: no barrier needed
   float ss = 0.f;
-  for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) {
-    float4 v[QCHUNK / 4];
+  for (int c = threadIdx.x; c < n_sub; c += blockDim.x) {
+    float4 v[QSUB / 4];
 #pragma unroll
-    for (int j = 0; j < QCHUNK / 4; ++j)
-      v[j] = ld_cg4(reinterpret_cast<const float4*>(xt + c * QCHUNK) + j);
+    for (int j = 0; j < QSUB / 4; ++j)
+      v[j] = ld_cg4(reinterpret_cast<const float4*>(xt + c * QSUB) + j);
     float s = 0.f;
 #pragma unroll
-    for (int j = 0; j < QCHUNK / 4; ++j) {
+    for (int j = 0; j < QSUB / 4; ++j) {
       ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
       if (norm_w) {
-        const float4 w = *reinterpret_cast<const float4*>(nws + c * QCHUNK + 4 * j);
+        const float4 w = *reinterpret_cast<const float4*>(nws + c * QSUB + 4 * j);
         v[j] = make_float4(v[j].x * w.x, v[j].y * w.y, v[j].z * w.z, v[j].w * w.w);
       }
-      *reinterpret_cast<float4*>(xs + c * QCHUNK + 4 * j) = v[j];
+      *reinterpret_cast<float4*>(xs + c * QSUB + 4 * j) = v[j];
       s += v[j].x + v[j].y + v[j].z + v[j].w;
     }
     xsum[c] = s;
@@ -151,73 +166,82 @@ __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __res
   const float inv_rms = norm_w ? 1.f / sqrtf(block_sum(ss, scratch) / K + eps) : 1.f;
   if (!norm_w) __syncthreads();
   bool loaded = true;   // the first batch of unit u is in wa, wb
-  for (; u < units; u += stride) {
+  // rounds: every warp of the block runs the same count (the split's barrier needs it)
+  for (int round = 0, base_u = blockIdx.x * per_group; base_u < units;
+       ++round, base_u += stride, u += stride) {
+    const bool active = u < units;
     const int nu = u + stride;   // this warp's next unit: its first batch loads during the
     int n0 = 0, n1 = 0, nkind = 0;   // last batch of this one
     if (nu < units) unit_rows<EPI>(nu, rows, qa, &n0, &n1, &nkind);
     float a0 = 0.f, a1 = 0.f;
-    for (int base = 0; base < n_chunks; base += B * WARP) {
+    for (int base = c_begin; active && base < c_end; base += B * WARP) {
       if (!loaded) {
 #pragma unroll
         for (int b = 0; b < B; ++b)
-          if (base + lane + b * WARP < n_chunks) load_batch(b, r0, r1, base + lane + b * WARP);
+          if (base + lane + b * WARP < c_end) load_batch(b, r0, r1, base + lane + b * WARP);
       }
       loaded = false;
-      const bool last = base + B * WARP >= n_chunks;
+      const bool last = base + B * WARP >= c_end;
 #pragma unroll
       for (int b = 0; b < B; ++b) {
-        const int c = base + lane + b * WARP, cn = lane + b * WARP;
+        const int c = base + lane + b * WARP, cn = c_begin + lane + b * WARP;
+        const bool have = c < c_end;
         float d0 = 0.f, d1 = 0.f, s0 = sa[b], s1 = sb[b], o0 = oa[b], o1 = ob[b];
-        if (c < n_chunks) {   // one row's codes converted at a time: 16 live floats
-          const float* xc = xs + c * QCHUNK;
-          float f[QCHUNK];
-          q_floats<FMT>(wa[b], f);
+        if (have) {   // 16 codes of one row converted at a time: 16 live floats
 #pragma unroll
-          for (int j = 0; j < QCHUNK; j += 4) {
-            const float4 xv = *reinterpret_cast<const float4*>(xc + j);
-            d0 = fmaf(f[j + 3], xv.w, fmaf(f[j + 2], xv.z, fmaf(f[j + 1], xv.y,
-                 fmaf(f[j], xv.x, d0))));
-          }
-          q_floats<FMT>(wb[b], f);
-#pragma unroll
-          for (int j = 0; j < QCHUNK; j += 4) {
-            const float4 xv = *reinterpret_cast<const float4*>(xc + j);
-            d1 = fmaf(f[j + 3], xv.w, fmaf(f[j + 2], xv.z, fmaf(f[j + 1], xv.y,
-                 fmaf(f[j], xv.x, d1))));
+          for (int h = 0; h < HALVES; ++h) {
+            const float* xc = xs + c * COLS + h * QSUB;
+            float f[QSUB];
+            q_floats<FMT>(wa[b], h, f);
+            d0 = dot16(f, xc, d0);
+            q_floats<FMT>(wb[b], h, f);
+            d1 = dot16(f, xc, d1);
           }
         }
-        if (last && nu < units && cn < n_chunks) {   // the registers are free: refill them
+        if (last && nu < units && cn < c_end) {   // the registers are free: refill them
           load_batch(b, n0, n1, cn);
           loaded = true;
         }
-        if (c < n_chunks) {
+        if (have) {
           a0 = fmaf(s0, d0, a0);
           a1 = fmaf(s1, d1, a1);
           if (offsets) {
-            const float sx = xsum[c];
+            const float sx = HALVES == 1 ? xsum[c] : xsum[2 * c] + xsum[2 * c + 1];
             a0 = fmaf(o0, sx, a0);
             a1 = fmaf(o1, sx, a1);
           }
         }
       }
     }
-    a0 = warp_sum(a0) * inv_rms;
-    a1 = warp_sum(a1) * inv_rms;
-    if (lane == 0)
-      epilogue<EPI>(state, tok, u, rows, r0, r1, kind, a0, a1, out, last_only, start, qa);
+    a0 = warp_sum(a0);
+    a1 = warp_sum(a1);
+    bool mine = active && lane == 0;
+    if (split > 1) {
+      if (lane == 0) part_sums[round & 1][warp] = make_float2(a0, a1);
+      __syncthreads();
+      mine = mine && part == 0;
+      if (mine)
+        for (int p = 1; p < split; ++p) {
+          a0 += part_sums[round & 1][warp + p].x;
+          a1 += part_sums[round & 1][warp + p].y;
+        }
+    }
+    if (mine)
+      epilogue<EPI>(state, tok, u, rows, r0, r1, kind, a0 * inv_rms, a1 * inv_rms, out,
+                    last_only, start, qa);
     r0 = n0; r1 = n1; kind = nkind;
   }
 }
 
-#define QBOUNDS __launch_bounds__(128)
+#define QBOUNDS __launch_bounds__(QMV_MAX_THREADS)
 #define QMATVEC_PLAIN(NAME, EPI, FMT)                                                        \
   extern "C" __global__ void QBOUNDS                                                         \
   NAME(int* state, const unsigned char* codes, const float* scales, const float* offsets,    \
        int gshift, int rows, int K, const float* x, const wt* norm_w, float eps, float* out,  \
-       int units, int last_only) {                                                           \
+       int units, int last_only, int split) {                                                \
     QkvArgs none = {};                                                                       \
     qmatvec_body<EPI, FMT>(state, codes, scales, offsets, gshift, rows, K, x, norm_w, eps,   \
-                           out, units, last_only, none);                                     \
+                           out, units, last_only, none, split);                              \
   }
 
 #define QMATVEC_QKV(NAME, FMT)                                                               \
@@ -225,11 +249,11 @@ __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __res
   NAME(int* state, const unsigned char* codes, const float* scales, const float* offsets,    \
        int gshift, int rows, int K, const float* x, const wt* norm_w, float eps, int units,   \
        const wt* bias, float* q_out, float* k_cache, float* v_cache, const float* cos_t,      \
-       const float* sin_t, int n_heads, int n_kv, int head_dim, int cap) {                   \
+       const float* sin_t, int n_heads, int n_kv, int head_dim, int cap, int split) {        \
     QkvArgs qa = {bias, q_out, k_cache, v_cache, cos_t, sin_t, n_heads, n_kv, head_dim,      \
                   cap};                                                                      \
     qmatvec_body<EPI_QKV_ROPE, FMT>(state, codes, scales, offsets, gshift, rows, K, x,       \
-                                    norm_w, eps, nullptr, units, 0, qa);                     \
+                                    norm_w, eps, nullptr, units, 0, qa, split);              \
   }
 
 QMATVEC_PLAIN(qmatvec_residual_i8, EPI_RESIDUAL, QFMT_I8)
@@ -241,15 +265,19 @@ QMATVEC_PLAIN(qmatvec_swiglu_u4, EPI_SWIGLU, QFMT_U4)
 QMATVEC_QKV(qmatvec_qkv_rope_i8, QFMT_I8)
 QMATVEC_QKV(qmatvec_qkv_rope_u4, QFMT_U4)
 
-// Chunk c of a row, dequantized into o[16].
+// Chunk c of a row, dequantized into o[qcols<FMT>].
 template <int FMT>
 __device__ __forceinline__ void dequant_chunk(const unsigned char* row, const float* s,
                                               const float* off, int gshift, int c, float* o) {
-  q_floats<FMT>(load_q<FMT>(row, c), o);
-  const int g = (c * QCHUNK) >> gshift;
+  const uint4 r = load_q(row, c);
+  const int g = (c * qcols<FMT>::value) >> gshift;
   const float scale = s[g], offset = off ? off[g] : 0.f;
 #pragma unroll
-  for (int j = 0; j < QCHUNK; ++j) o[j] = fmaf(o[j], scale, offset);
+  for (int h = 0; h < qcols<FMT>::value / QSUB; ++h) {
+    q_floats<FMT>(r, h, o + h * QSUB);
+#pragma unroll
+    for (int j = 0; j < QSUB; ++j) o[h * QSUB + j] = fmaf(o[h * QSUB + j], scale, offset);
+  }
 }
 
 template <int FMT>
@@ -258,17 +286,18 @@ __device__ void qdequant_body(const unsigned char* __restrict__ codes,
                               const float* __restrict__ offsets, int gshift, int rows, int K,
                               float* __restrict__ out) {
   pdl_wait_then_release();   // the previous kernel may still read `out`
-  const int n_chunks = K / QCHUNK, groups = K >> gshift;
+  constexpr int COLS = qcols<FMT>::value;
+  const int n_chunks = K / COLS, groups = K >> gshift;
   const long long total = (long long)rows * n_chunks;
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
        i += (long long)gridDim.x * blockDim.x) {
     const int r = (int)(i / n_chunks), c = (int)(i % n_chunks);
-    float o[QCHUNK];
+    float o[COLS];
     dequant_chunk<FMT>(codes + r * q_row_bytes<FMT>(K), scales + (long long)r * groups,
                        offsets ? offsets + (long long)r * groups : nullptr, gshift, c, o);
-    float4* dst = reinterpret_cast<float4*>(out + (long long)r * K + c * QCHUNK);
+    float4* dst = reinterpret_cast<float4*>(out + (long long)r * K + c * COLS);
 #pragma unroll
-    for (int j = 0; j < QCHUNK / 4; ++j)
+    for (int j = 0; j < COLS / 4; ++j)
       dst[j] = make_float4(o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3]);
   }
 }
@@ -282,13 +311,14 @@ __device__ void qembed_body(const int* __restrict__ state, const int* __restrict
   const int t = blockIdx.x;
   if (t >= state[STATE_N]) return;
   const int id = from_state ? state[STATE_TOKEN] : ids[t];
+  constexpr int COLS = qcols<FMT>::value;
   const int groups = hidden >> gshift;
-  for (int c = threadIdx.x; c < hidden / QCHUNK; c += blockDim.x) {
-    float o[QCHUNK];
+  for (int c = threadIdx.x; c < hidden / COLS; c += blockDim.x) {
+    float o[COLS];
     dequant_chunk<FMT>(codes + id * q_row_bytes<FMT>(hidden), scales + (long long)id * groups,
                        offsets ? offsets + (long long)id * groups : nullptr, gshift, c, o);
 #pragma unroll
-    for (int j = 0; j < QCHUNK; ++j) x[(long long)t * hidden + c * QCHUNK + j] = o[j];
+    for (int j = 0; j < COLS; ++j) x[(long long)t * hidden + c * COLS + j] = o[j];
   }
 }
 

@@ -1,11 +1,12 @@
 """Where a CUDA decode step spends its time: per kernel (CUDA events), graph replay, host calls.
 
     PYTHONPATH=. python3 dev/cuda/profile_cuda.py [--shape smollm2-135m] [--context 256]
-        [--prefill]
+        [--prefill] [--format i8/32]
 
 The decode graph's replay as the persistent step (where the shape allows it) and as a kernel
 per phase; host calls; then each kernel of the first layer and the LM head timed in a
-graph-captured chain of its own kind; the 48-token prefill.
+graph-captured chain of its own kind; the 48-token prefill. ``--format``: the weights in a
+runtime integer format of benchmarks/bench_quant.py (bf16: as stored).
 """
 
 import argparse
@@ -14,7 +15,10 @@ import time
 
 import numpy as np
 
-from devkit import time_decode_replay  # noqa: I100
+from devkit import time_decode_replay  # noqa: I100  (puts benchmarks/ on the path)
+from bench_quant import FORMATS  # noqa: I100,I201
+from bench_quant import to_format  # noqa: I100
+
 from rt_llm_node.backends.cuda_backend import CudaBackend
 from rt_llm_node.backends.cuda_backend import CudaOptions
 from rt_llm_node.model import load_checkpoint
@@ -28,10 +32,12 @@ def main():
     parser.add_argument('--repeats', type=int, default=50)
     parser.add_argument('--prefill', action='store_true', help='profile a 48-token prefill')
     parser.add_argument('--chain', type=int, default=32, help='launches per kernel graph')
+    parser.add_argument('--format', default='bf16', choices=sorted(FORMATS))
     args = parser.parse_args()
     import cupy as cp
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = load_checkpoint(write_random_checkpoint(tmp, args.shape))
+    checkpoint = to_format(checkpoint, FORMATS[args.format][1])
     if CudaBackend(checkpoint, 64, CudaOptions('kernels')).persistent_decode_problem() is None:
         persistent = CudaBackend(checkpoint, 1088, CudaOptions('persistent'))
         persistent.prefill(np.random.default_rng(0).integers(0, checkpoint.config.vocab_size,
@@ -88,7 +94,7 @@ def main():
     per_layer = (len(recorded) - (3 if n_max == 1 else 2)) // checkpoint.config.num_layers
     picked = recorded[1:1 + per_layer] + recorded[-1:]   # first layer, then the LM head
     total_us = 0.0
-    for name, grid, block, a, kw in picked:
+    for i, (name, grid, block, a, kw) in enumerate(picked):
         backend.rollback(args.context)
         backend._write_state(7, args.context, n, 0)
         with stream:
@@ -105,11 +111,16 @@ def main():
             stop.synchronize()
             times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / args.chain)
         us = float(np.median(times))
-        count = checkpoint.config.num_layers if name not in ('matmul_store_t1',) else 1
+        count = 1 if i == len(picked) - 1 else checkpoint.config.num_layers   # the LM head once
         total_us += us * count
         line = f'  kernel {name:22s} grid {str(tuple(grid)):12s} {us:8.2f} us'
+        mbytes = None
         if name.startswith('matmul'):
             mbytes = a[1].nbytes / 1e6   # the weight matrix, in its stored dtype
+        elif name.startswith('qmatvec'):   # codes, scales and offsets
+            mbytes = sum(getattr(w, 'nbytes', 0) for w in a[1:4]) / 1e6
+            line += f' block {block[0]} split {int(a[-1])}'
+        if mbytes is not None:
             line += f'  weights {mbytes:7.2f} MB  {mbytes / us:6.2f} TB/s'
         print(line + f'  x{count}')
     print(f'  sum over the forward {total_us:.1f} us (each kernel timed in a chain of its own)')

@@ -41,6 +41,9 @@ STATE_WORDS = 8
 
 NULL = np.uint64(0)  # a null device pointer argument
 MATMUL_WARPS = 4     # warps per block of the matmul kernels
+# threads a block of the one-token quantized matmuls (qmatmul.cu, at most QMV_MAX_THREADS):
+# large blocks stage the input vector in shared memory once an SM, not once a small block
+QMV_THREADS = 512
 T16_UNITS = GEOMETRY['T16_UNITS']      # units (row pairs) of a 16-token prefill tile's block
 T16_TOKENS = GEOMETRY['T16_TOKENS']
 PD_THREADS, PD_KEYS = GEOMETRY['PD_THREADS'], GEOMETRY['PD_KEYS']   # decode_persistent
@@ -126,6 +129,24 @@ def matvec_split(units, k, mv_batch, n_sm, warps=MATMUL_WARPS):
     return split
 
 
+def qmatvec_plan(units, chunks, n_sm, resident, threads=QMV_THREADS):
+    """(grid, split) of a one-token quantized matmul (qmatmul.cu) over ``units`` row pairs.
+
+    ``chunks``: 16-byte chunks a row (K / 16 for i8, K / 32 for u4); ``resident``: blocks
+    of ``threads`` an SM. A unit's chunks go to 1, 2 or 4 warps: doubled while every warp
+    keeps at least a chunk a lane and the warps still fit what is resident at once (so
+    every SM streams, not a few warps of it); the grid is whole blocks of ``threads``
+    covering units * split warps, at most what is resident.
+    """
+    warps = threads // 32
+    capacity = warps * max(1, resident) * n_sm
+    split = 1
+    while split < 4 and chunks // (2 * split) >= 32 and units * 2 * split <= capacity:
+        split *= 2
+    blocks = -(-units * split // warps)
+    return min(blocks, max(1, resident) * n_sm), split
+
+
 def _device_errors():
     """Return the exception types of a failing CUDA call (driver, runtime, out of memory)."""
     from cupy.cuda.memory import OutOfMemoryError
@@ -160,6 +181,10 @@ class DeviceQuant:
         self.scales = cp.asarray(tensor.scales)
         self.offsets = None if tensor.offsets is None else cp.asarray(tensor.offsets)
         self.nbytes = tensor.nbytes
+        self.chunk_cols = 16 if self.fmt == 'i8' else 32   # columns of a 16-byte load
+        if tensor.group < self.chunk_cols:
+            raise BackendError(f'the {self.fmt} kernels need groups of at least '
+                               f'{self.chunk_cols} columns, not {tensor.group}')
 
     def args(self):
         """(codes, scales, offsets, gshift): the kernels' first weight arguments."""
@@ -642,15 +667,16 @@ class CudaBackend:
                 name = f'qmatvec_{epilogue}_{w.fmt}'
                 has_norm = tail[1] is not NULL
                 shared = 4 * (w.k + w.k // 16 + (w.k if has_norm else 0))
-                resident = max(1, self._resident_blocks(name, 128, shared)) * self.n_sm
-                grid = (min((units + warps - 1) // warps, resident), 1)
+                resident = self._resident_blocks(name, QMV_THREADS, shared)
+                blocks, split = qmatvec_plan(units, w.k // w.chunk_cols, self.n_sm, resident,
+                                             QMV_THREADS)
                 extra = (_i32(units), _i32(last_only)) if epilogue != 'qkv_rope' else ()
                 if epilogue == 'qkv_rope':
                     tail = tail[:3] + (_i32(units),) + tail[3:]
-                launch(name, grid, block, self.state, *w.args(), _i32(w.rows), _i32(w.k),
-                       *tail, *extra, shared=shared)
+                launch(name, (blocks, 1), (QMV_THREADS,), self.state, *w.args(), _i32(w.rows),
+                       _i32(w.k), *tail, *extra, _i32(split), shared=shared)
                 return
-            chunks = w.rows * w.k // 16
+            chunks = w.rows * w.k // w.chunk_cols
             launch(f'qdequant_{w.fmt}', (min(-(-chunks // 256), 8 * self.n_sm),), (256,),
                    *w.args(), _i32(w.rows), _i32(w.k), self.dequantized)
             grid, split = mm(units, w.k, kind)

@@ -53,7 +53,8 @@ class QuantTensor:
 
     def __post_init__(self):
         rows, k = self.shape
-        if self.fmt not in FORMATS or k % self.group:
+        if (self.fmt not in FORMATS or self.group not in (16, 32) or k % self.group
+                or (self.fmt == 'u4' and self.group != 32)):
             raise ValueError(f'bad runtime format {self.fmt}/{self.group} for {self.shape}')
 
     def int_codes(self):

@@ -112,6 +112,22 @@ def test_staged_plan(units, k, wbytes, expected):
     assert staged_plan(units, k, wbytes, n_sm=132) == expected
 
 
+@pytest.mark.parametrize('units,chunks,resident,expected', [
+    (1024, 512, 1, (128, 2)),    # Llama-3.2 down, i8: 2048 warps fit 132 SMs x 16
+    (1024, 256, 1, (128, 2)),    # the same in u4 (32 columns a chunk)
+    (1024, 128, 1, (128, 2)),    # Llama-3.2 o
+    (1536, 128, 1, (96, 1)),     # Llama-3.2 qkv: 3072 warps would not all be resident
+    (8192, 128, 1, (132, 1)),    # Llama-3.2 gate/up: more units than warps, grid-stride
+    (448, 304, 1, (112, 4)),     # Qwen2.5 down: 76 chunks a quarter, 1792 warps
+    (288, 36, 1, (18, 1)),       # SmolLM2 o: a half of 36 chunks is under a lane's 32
+    (1024, 512, 2, (256, 4)),    # two blocks an SM: room for 4096 warps
+])
+def test_qmatvec_plan(units, chunks, resident, expected):
+    """Grid and K split of qmatmul.cu's one-token kernels in blocks of 512 threads."""
+    from rt_llm_node.backends.cuda_backend import qmatvec_plan
+    assert qmatvec_plan(units, chunks, 132, resident, 512) == expected
+
+
 @pytest.mark.parametrize('bad', [{'decode_step': 'ring'}, {'decode_step': None},
                                  {'dependent_launch': 'yes'}, {'staged_decode': 1.5}])
 def test_cuda_options_refuse_nonsense(bad):
