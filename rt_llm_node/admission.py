@@ -83,6 +83,14 @@ class CostModel:
         c0, c1 = self.compact
         return c0 + c1 * kept
 
+    def verify_ms(self, n, cache_length):
+        """Raw predicted time of a verify pass of ``n`` tokens over ``cache_length`` cached.
+
+        Priced as the ``n`` decode steps it stands for: a row-exact verify (the numpy
+        backend's) does the work of those steps, sharing only the per-call overhead.
+        """
+        return sum(self.decode_ms(cache_length + i + 1) for i in range(n))
+
     def tick_ms(self, n_prefill, cache_length, n_decode, kept=None):
         """Raw predicted time of a whole tick (compaction if ``kept`` is given)."""
         total = 0.0

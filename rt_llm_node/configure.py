@@ -130,7 +130,8 @@ def configure_engine(values, clock=None, log=print, cost_model=None):
                           quantile=values['admission_quantile'])
     engine = TickEngine(backend, checkpoint.tokenizer, specs, grammar, admission,
                         policy=values['eviction_policy'], system_prompt=values['system_prompt'],
-                        clock=clock, stamp_tolerance_s=values['input_stamp_tolerance_s'])
+                        clock=clock, stamp_tolerance_s=values['input_stamp_tolerance_s'],
+                        speculative_tokens=values['speculative_tokens'])
     check_room(engine, specs, grammar, backend.capacity)
     engine.start()
     log(f'configured in {time.monotonic() - started:.1f} s')

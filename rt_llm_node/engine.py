@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Optional
 
+import numpy as np
+
 from rt_llm_node.backends import BackendError
 from rt_llm_node.codec import ObservationCodec
 from rt_llm_node.codec import RenderError
@@ -95,6 +97,10 @@ class TickRecord:
     total_ms: float = 0.0
     late: bool = False             # admitted, then ran past the deadline
     probe: bool = False            # admitted as a probe of a pessimistic cost model
+    n_fed: int = 0                 # action tokens run after the prefill (kept ones)
+    drafted: int = 0               # speculative decoding: tokens drafted, kept, verify passes
+    accepted: int = 0
+    verify_passes: int = 0
 
 
 @dataclass
@@ -149,7 +155,8 @@ class TickEngine:
     """Run ticks against one backend, tokenizer, set of inputs and action grammar."""
 
     def __init__(self, backend, tokenizer, inputs, grammar, admission, policy='meaning',
-                 system_prompt='', decay=0.9, clock=None, stamp_tolerance_s=0.5):
+                 system_prompt='', decay=0.9, clock=None, stamp_tolerance_s=0.5,
+                 speculative_tokens=0):
         self.backend = backend
         self.tokenizer = tokenizer
         self.inputs = list(inputs)
@@ -171,6 +178,11 @@ class TickEngine:
         # when none is recent); a longer action than predicted is caught by the watchdog
         self.typical_decodes = max(0, grammar.typical_decode_tokens() - 1)
         self.recent_decodes = deque()  # (tick index, decode calls) of admitted ticks
+        # speculative decoding: at most this many drafted tokens verified in one pass, where
+        # the backend verifies row-exactly (the output stays exactly greedy); 0: off
+        self.speculative_tokens = (int(speculative_tokens)
+                                   if hasattr(backend, 'verify') else 0)
+        self.last_action_ids = []      # the last action's chosen tokens (a draft source)
         self.ready = False
 
     def expected_decodes(self, index):
@@ -320,32 +332,123 @@ class TickEngine:
         return mark, segments[-1]
 
     def _decode_action(self, run, plan, segment, mark):
-        """Greedy decode under the grammar.
+        """Greedy decode under the grammar, several tokens a pass where drafts are right.
 
-        Returns (grammar state, chosen tokens), or an ``overrun_abort`` refusal, rolled back, when
-        the watchdog sees the deadline pass.
+        Each chosen token is run (a decode step), except the last, which is deferred. With
+        speculative decoding a token and the tokens drafted to follow it run in one verify
+        pass; the drafts are kept up to the first one greedy decoding would not have chosen,
+        the rest rolled back, so the tokens, the cache and its scores are exactly those of
+        plain greedy decoding (the backend's verify is row-exact). Returns (grammar state,
+        chosen tokens), or an ``overrun_abort`` refusal, rolled back, when the watchdog sees
+        the deadline pass.
         """
         grammar, record = self.grammar, run.record
         state, chosen = grammar.start(), []
+        token = self._choose(state)
         while True:
-            allowed = grammar.allowed(state)
-            token = int(allowed[0]) if len(allowed) == 1 else self.backend.argmax(allowed)
             state = grammar.advance(state, token)
             chosen.append(token)
             if grammar.done(state):
                 return state, chosen
+            drafts = self._drafts(state, chosen)
             remaining = grammar.min_remaining(state)
-            if not self._can_finish(run, plan, remaining):
+            # a verify pass runs the drafts too, whether they are kept or not
+            if not self._can_finish(run, plan, remaining + len(drafts)):
                 self.session.rollback(mark)
                 run.lap('decode_ms')
                 # what ran so far is evidence too: a slow prefill raises the scale
-                self.admission.observe(plan.n_prefill, plan.length, record.n_decode,
+                self.admission.observe(plan.n_prefill, plan.length, record.n_fed,
                                        plan.kept, run.ms_since_admit(), record.probe,
                                        in_time=False)
                 return run.refuse('overrun_abort', plan.predicted,
                                   f'{remaining} decode steps left would pass the deadline')
-            self.session.decode(segment, token)
             record.n_decode += 1
+            if not drafts:
+                self.session.decode(segment, token)
+                record.n_fed += 1
+                token = self._choose(state)
+                continue
+            token, state = self._verify(record, segment, state, chosen, token, drafts)
+            if token is None:   # the drafts finished the action
+                return state, chosen
+
+    def _choose(self, state):
+        """Return the greedy token the grammar allows at ``state`` (the only one if forced)."""
+        allowed = self.grammar.allowed(state)
+        return int(allowed[0]) if len(allowed) == 1 else self.backend.argmax(allowed)
+
+    def _drafts(self, state, chosen):
+        """Return tokens likely to follow ``chosen``, each allowed by the grammar.
+
+        At most ``speculative_tokens``, none past the action's end, only where the cache has
+        room for them without eviction. Sources, in order: the last action from this point
+        on (actions at a control rate change slowly); else what followed the most recent
+        earlier occurrence of the last two tokens in the cache (prompt lookup); then tokens
+        the grammar forces.
+        """
+        limit = min(self.speculative_tokens,
+                    self.backend.capacity - self.session.length - 1)   # no eviction mid-pass
+        if limit <= 0:
+            return []
+        n = len(chosen)
+        if self.last_action_ids[:n] == chosen:
+            source = self.last_action_ids[n:]
+        else:
+            source = self._lookup(list(self.grammar.prefix_ids) + chosen)
+        grammar, drafts = self.grammar, []
+        for t in list(source) + [None] * limit:
+            if len(drafts) >= limit or grammar.done(state):
+                break
+            allowed = grammar.allowed(state)
+            if t is None or not _contains(allowed, t):
+                if len(allowed) != 1:
+                    break
+                t = int(allowed[0])   # forced: certain
+            drafts.append(int(t))
+            state = grammar.advance(state, t)
+        return drafts
+
+    def _lookup(self, sequence, n=2, span=16):
+        """Return up to ``span`` tokens that followed the latest ``sequence[-n:]`` in the cache."""
+        if len(sequence) < n:
+            return []
+        ids = self.session.cache.token_ids[:self.session.length]
+        key = np.asarray(sequence[-n:], np.int64)
+        for at in range(len(ids) - n, -1, -1):   # the latest first
+            if ids[at + n - 1] == key[-1] and np.array_equal(ids[at:at + n], key):
+                following = ids[at + n:at + n + span]
+                if len(following):
+                    return following.tolist()
+        return []
+
+    def _verify(self, record, segment, state, chosen, token, drafts):
+        """Run ``token`` and ``drafts`` in one pass and keep what greedy decoding would.
+
+        Returns (the next token to choose from, or None when the action is complete, and
+        the grammar state), having appended the kept drafts to ``chosen``.
+        """
+        grammar = self.grammar
+        states = [state]
+        for t in drafts:
+            states.append(grammar.advance(states[-1], t))
+        allowed = [None if grammar.done(s) else grammar.allowed(s) for s in states]
+        feed = [token] + drafts
+        predicted = self.session.verify(feed, allowed)
+        kept = 0
+        while kept < len(drafts) and int(predicted[kept]) == drafts[kept]:
+            kept += 1
+        record.drafted += len(drafts)
+        record.accepted += kept
+        record.verify_passes += 1
+        chosen.extend(drafts[:kept])
+        state = states[kept]
+        if grammar.done(state):   # its last token is deferred like any action's last
+            self.session.keep_verified(segment, feed, kept)
+            record.n_fed += kept
+            return None, state
+        self.session.keep_verified(segment, feed, kept + 1)
+        record.n_fed += kept + 1
+        return int(predicted[kept]), state
 
     def _can_finish(self, run, plan, remaining):
         """Tell whether the action can still finish by the deadline (the watchdog).
@@ -370,7 +473,7 @@ class TickEngine:
         record = run.record
         run.lap('decode_ms')
         in_time = run.now() <= run.deadline
-        self.admission.observe(plan.n_prefill, plan.length, record.n_decode, plan.kept,
+        self.admission.observe(plan.n_prefill, plan.length, record.n_fed, plan.kept,
                                run.ms_since_admit(), record.probe, in_time=in_time)
         if not in_time:
             record.late = True
@@ -379,7 +482,8 @@ class TickEngine:
         self.session.defer(segment, [chosen[-1], *self.grammar.end_ids])
         for ids, kind, topic, part_stamp in parts[:-1]:
             self.rendered[topic] = part_stamp
-        self.recent_decodes.append((record.tick, record.n_decode))
+        self.recent_decodes.append((record.tick, record.n_fed))
+        self.last_action_ids = list(chosen)
         self.session.decay_scores()
         record.decision = 'action'
         record.cache_length = self.session.length
@@ -387,6 +491,12 @@ class TickEngine:
         prefix = list(self.grammar.prefix_ids)
         action = self.grammar.action(state, prefix + chosen + list(self.grammar.end_ids))
         return TickResult(action, None, record)
+
+
+def _contains(sorted_ids, token):
+    """Tell whether ``token`` is in the sorted id array ``sorted_ids``."""
+    at = int(np.searchsorted(sorted_ids, token))
+    return at < len(sorted_ids) and int(sorted_ids[at]) == token
 
 
 @dataclass
@@ -455,7 +565,7 @@ class ModelTimedBackend:
     """A backend whose work advances a ``ModelClock`` by the cost model's prediction of it.
 
     Under the model clock (replay, evaluation) time is what admission predicts: compaction,
-    prefill and decode each charge their scaled cost as they run, so the tick itself never
+    prefill, decode and verify each charge their scaled cost as they run, so the tick itself never
     charges time. Everything else passes through to the wrapped backend.
     """
 
@@ -480,3 +590,9 @@ class ModelTimedBackend:
     def decode(self, token_id):
         self._backend.decode(token_id)
         self._charge(self._admission.model.decode_ms(self._backend.length))
+
+    def verify(self, token_ids, allowed):
+        start = self._backend.length
+        predicted = self._backend.verify(token_ids, allowed)
+        self._charge(self._admission.model.verify_ms(len(token_ids), start))
+        return predicted

@@ -95,6 +95,26 @@ class KVSession:
         self.cache.extend(segment, np.asarray([token_id], dtype=np.int64))
         self.cache.add_attention(self.backend.attention_mass())
 
+    def verify(self, token_ids, allowed):
+        """Run ``token_ids`` in one verify pass; returns the greedy token after each.
+
+        The backend holds them until ``keep_verified`` says how many to keep; the caller
+        makes sure they fit without eviction.
+        """
+        return self.backend.verify(np.asarray(token_ids, dtype=np.int64), allowed)
+
+    def keep_verified(self, segment, token_ids, n):
+        """Keep the first ``n`` tokens of the last verify in ``segment``, forget the rest.
+
+        The bookkeeping (slots, attention scores) is what ``n`` decode calls would leave:
+        each kept row's attention mass is added in turn.
+        """
+        start = self.cache.length
+        self.backend.rollback(start + n)
+        for r in range(n):
+            self.cache.extend(segment, np.asarray(token_ids[r:r + 1], dtype=np.int64))
+            self.cache.add_attention(self.backend.row_mass(r))
+
     def defer(self, segment, token_ids):
         """Keep ``token_ids`` of ``segment`` pending until the next append."""
         self.pending = (segment, list(token_ids))

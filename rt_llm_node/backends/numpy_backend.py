@@ -205,9 +205,14 @@ class NumpyBackend:
         self.length = 0
         self._logits = np.zeros(cfg.vocab_size, np.float32)                # [vocab]
         self._mass = np.zeros(0, np.float32)                                # [length]
+        self._rows = None   # the last verify's (start, row logits, row masses)
 
     # -- the forward pass ------------------------------------------------------------
-    def _forward(self, token_ids_in):
+    def _forward(self, token_ids_in, rows=False):
+        """Run the tokens; ``rows``: row by row as decode steps would (see ``verify``).
+
+        Returns the logits of every row (``rows``) or of the last token.
+        """
         cfg = self.config
         ids = token_ids(token_ids_in, self.length, self.capacity, cfg.vocab_size)
         n, start = len(ids), self.length
@@ -215,37 +220,55 @@ class NumpyBackend:
         cos = self.cos[self.capacity + start:self.capacity + end]           # [n, d/2]
         sin = self.sin[self.capacity + start:self.capacity + end]
         x = self.embed[ids]                                                 # [n, hidden]
-        mass = np.zeros(end, np.float32)                                    # [T]
+        masses = [np.zeros(start + r + 1, np.float32) for r in range(n)] if rows \
+            else [np.zeros(end, np.float32)]                                # [T] each
         k_end = cfg.q_size + cfg.kv_size
         n_qk = cfg.num_heads + cfg.num_kv_heads
+
+        def mm(a, w):   # a @ w.T, one-row products where rows must match decode steps
+            if not rows or len(a) == 1:
+                return a @ w.T
+            return np.concatenate([a[r:r + 1] @ w.T for r in range(len(a))])
         for i, layer in enumerate(self.layers):
             h = rmsnorm(x, layer.attn_norm, cfg.rms_norm_eps)
-            qkv = h @ layer.wqkv.T                                          # [n, q+2kv]
+            qkv = mm(h, layer.wqkv)                                         # [n, q+2kv]
             if layer.bqkv is not None:
                 qkv += layer.bqkv
             # q and k rotated in one call: [n, n_heads + n_kv_heads, head_dim]
             qk = apply_rope(qkv[:, :k_end].reshape(n, n_qk, cfg.head_dim), cos, sin)
             self.kv.write(i, start, qk[:, cfg.num_heads:],
                           qkv[:, k_end:].reshape(n, cfg.num_kv_heads, cfg.head_dim))
-            out, layer_mass = attention(qk[:, :cfg.num_heads], *self.kv.read(i, end), start)
-            mass += layer_mass
-            if i == len(self.layers) - 1 and n > 1:
+            if rows:   # each row over its own prefix, as its decode step would see it
+                outs = []
+                for r in range(n):
+                    o, m = attention(qk[r:r + 1, :cfg.num_heads],
+                                     *self.kv.read(i, start + r + 1), start + r)
+                    masses[r] += m
+                    outs.append(o)
+                out = np.concatenate(outs)
+            else:
+                out, layer_mass = attention(qk[:, :cfg.num_heads], *self.kv.read(i, end),
+                                            start)
+                masses[0] += layer_mass
+            if i == len(self.layers) - 1 and n > 1 and not rows:
                 # past the last layer's attention only the last token matters (its logits);
                 # the others' keys, values and attention mass are already in hand
                 x, out = x[-1:], out[-1:]
-            x += out.reshape(len(x), cfg.q_size) @ layer.wo.T
+            x += mm(out.reshape(len(x), cfg.q_size), layer.wo)
             h = rmsnorm(x, layer.mlp_norm, cfg.rms_norm_eps)
-            gate_up = h @ layer.wgate_up.T                                  # [., 2*inter]
+            gate_up = mm(h, layer.wgate_up)                                 # [., 2*inter]
             act = silu(gate_up[:, :cfg.intermediate_size])
             act *= gate_up[:, cfg.intermediate_size:]
-            x += act @ layer.wdown.T
-        last = rmsnorm(x[-1:], self.final_norm, cfg.rms_norm_eps)[0]        # [hidden]
-        logits = self.lm_head @ last                                        # [vocab]
-        if not np.all(np.isfinite(logits)):
+            x += mm(act, layer.wdown)
+        logits = [self.lm_head @ rmsnorm(x[r:r + 1], self.final_norm, cfg.rms_norm_eps)[0]
+                  for r in (range(n) if rows else [len(x) - 1])]            # [vocab] each
+        if not all(np.all(np.isfinite(row)) for row in logits):
             raise BackendError('the model produced non-finite logits')
         self.length = end
-        self._logits = logits
-        self._mass = mass
+        self._logits = logits[-1]
+        self._mass = masses[-1]
+        self._rows = (start, logits, masses) if rows else None
+        return logits
 
     def prefill(self, token_ids):
         """Run token_ids: [n] at the next n positions, writing their keys and values."""
@@ -254,6 +277,29 @@ class NumpyBackend:
     def decode(self, token_id):
         """Run one token at the next position."""
         self._forward([token_id])
+
+    def verify(self, token_ids, allowed):
+        """Run ``token_ids`` [k] in one call, row by row exactly as k decode() calls would.
+
+        Every row's products are one-row matmuls and its attention runs over its own prefix,
+        the calls a decode step makes, so the cache and each row's logits equal those of k
+        decode() calls bit for bit (what speculative decoding needs to stay exactly greedy);
+        the rest of the per-step work is shared. ``allowed[i]``: sorted permitted ids after
+        row i, or None. Returns int64 [k]: the greedy token after each row. The cache keeps
+        all k tokens; ``rollback`` to fewer restores that row's logits and ``row_mass(i)``
+        gives row i's attention mass (what its decode step's ``attention_mass`` would be).
+        """
+        logits = self._forward(token_ids, rows=True)
+        if len(allowed) != len(logits):
+            raise BackendError(f'verify got {len(allowed)} allowed sets for {len(logits)} rows')
+        return np.array([int(np.argmax(row)) if ok is None else int(ok[np.argmax(row[ok])])
+                         for row, ok in zip(logits, allowed)], np.int64)
+
+    def row_mass(self, i):
+        """Float32 [start + i + 1]: the attention mass of row ``i`` of the last verify."""
+        if self._rows is None or not 0 <= i < len(self._rows[2]):
+            raise BackendError(f'no row {i} of a verify to read')
+        return self._rows[2][i].copy()
 
     def kv_bytes_per_token(self):
         """Cache bytes one token takes over every layer (keys, values, their scales)."""
@@ -275,9 +321,19 @@ class NumpyBackend:
 
     # -- cache maintenance ----------------------------------------------------------
     def rollback(self, length):
-        """Forget every token at or after ``length``."""
+        """Forget every token at or after ``length``.
+
+        Back into the rows of the last verify, the logits and mass become that row's.
+        """
         self.length = rollback_length(length, self.length)
         self._mass = self._mass[:length]
+        if self._rows is not None:
+            start, logits, masses = self._rows
+            if start < length <= start + len(logits):
+                self._logits, self._mass = logits[length - start - 1], masses[length - start - 1]
+                self._rows = (start, logits[:length - start], masses[:length - start])
+            else:
+                self._rows = None
 
     def compact(self, keep):
         """Move slots ``keep`` (ascending) to 0..m-1, re-rotating keys by (new - old) position."""
@@ -294,3 +350,4 @@ class NumpyBackend:
                 self.kv.move(i, first, m, moved, cos, sin)
         self.length = m
         self._mass = self._mass[keep]  # invariant: len(self._mass) == self.length
+        self._rows = None

@@ -74,7 +74,7 @@ def _checkpoint(path, weight_format='native'):
 
 def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_ticks=None,
                       observe=None, expert_drives=False, action_delay=0, inputs=INPUTS,
-                      aim=False):
+                      aim=False, speculative_tokens=0):
     """Run one closed-loop episode of the model.
 
     One closed-loop episode; returns dict(results, ticks, agree, refusals, executed, pose,
@@ -92,7 +92,10 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
     (``executed`` holds what the robot executed, so replays need no delay). ``inputs``: the
     input specs the engine renders, those the policy was trained on (``model_inputs``);
     ``aim``: the policy states its aim first (``model_aim``; the '_aim' plan field).
-
+    ``speculative_tokens``: the engine's speculative decoding (0: off); ``passes`` lists
+    each action's forward passes (its prefill, decode steps and verify passes), ``drafted``
+    and ``accepted`` sum its drafts, ``actions`` holds each tick's action tokens (None on a
+    refusal).
     """
     actuate = Actuation(action_delay)
     backend = backend or NumpyBackend(checkpoint, capacity)
@@ -102,13 +105,15 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
     clock = ModelClock()
     engine = TickEngine(backend, checkpoint.tokenizer, inputs, grammar,
                         Admission(CostModel(), margin_ms=0.0), policy=policy,
-                        system_prompt=SYSTEM_PROMPT, clock=clock)
+                        system_prompt=SYSTEM_PROMPT, clock=clock,
+                        speculative_tokens=speculative_tokens)
     engine.start()
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
     dt = world.config.dt
     snapshot, instruction = {}, ''
     agree = refusals = 0
-    executed = []
+    executed, passes, actions = [], [], []
+    drafted = accepted = 0
     last = (0.0, 0.0)   # the command given last tick: the newest action in the context
     while not world.done and (max_ticks is None or world.tick < max_ticks):
         now = world.tick * dt
@@ -123,10 +128,14 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
                                 last[1])
         expert = (fv.quantize(ev), fw.quantize(ew))
         result = engine.tick(snapshot, now, now + dt)
+        actions.append(None if result.action is None else result.action.token_ids)
         if result.action is None:
             refusals += 1
             model = None
         else:
+            passes.append(1 + result.record.n_decode)
+            drafted += result.record.drafted
+            accepted += result.record.accepted
             model = (result.action.values['linear.x'], result.action.values['angular.z'])
             agree += model == expert
         if observe is not None:
@@ -137,7 +146,8 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
         world.step(*command)
     return {'results': world.results, 'ticks': world.tick, 'agree': agree,
             'refusals': refusals, 'executed': executed,
-            'pose': (world.x, world.y, world.yaw), 'collisions': world.collisions}
+            'pose': (world.x, world.y, world.yaw), 'collisions': world.collisions,
+            'passes': passes, 'drafted': drafted, 'accepted': accepted, 'actions': actions}
 
 
 def run_expert_episode(seed, action_delay=0):
