@@ -36,22 +36,31 @@ from dataclasses import dataclass
 import json
 import math
 import time
+from typing import Optional
 
 import numpy as np
 
 
 @dataclass
 class CostModel:
-    """Coefficients of the three linear cost terms (milliseconds)."""
+    """Coefficients of the linear cost terms (milliseconds).
+
+    ``verify`` (a speculative verify pass) may be None: the backend has none, or the model
+    was written before it; a pass is then priced as the decode steps it stands for.
+    """
 
     prefill: tuple = (0.0, 0.0, 0.0)   # a0, a1 (per token), a2 (per token x cached token)
     decode: tuple = (0.0, 0.0)         # b0, b1 (per cached token)
     compact: tuple = (0.0, 0.0)        # c0, c1 (per kept token)
+    verify: Optional[tuple] = None     # v0, v1 (per token), v2 (per token x cached token)
 
     def to_json(self):
         """Return the coefficients as JSON text (what rt-llm-replay --cost-model reads)."""
-        return json.dumps({'prefill': list(self.prefill), 'decode': list(self.decode),
-                           'compact': list(self.compact)}, indent=2) + '\n'
+        data = {'prefill': list(self.prefill), 'decode': list(self.decode),
+                'compact': list(self.compact)}
+        if self.verify is not None:
+            data['verify'] = list(self.verify)
+        return json.dumps(data, indent=2) + '\n'
 
     @classmethod
     def from_json(cls, text):
@@ -60,13 +69,17 @@ class CostModel:
             data = json.loads(text)
             model = cls(prefill=tuple(float(v) for v in data['prefill']),
                         decode=tuple(float(v) for v in data['decode']),
-                        compact=tuple(float(v) for v in data['compact']))
-        except (ValueError, KeyError, TypeError) as exc:
+                        compact=tuple(float(v) for v in data['compact']),
+                        verify=(None if data.get('verify') is None
+                                else tuple(float(v) for v in data['verify'])))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f'not a cost model ({type(exc).__name__}: {exc})') from None
-        if (len(model.prefill), len(model.decode), len(model.compact)) != (3, 2, 2) or not all(
-                math.isfinite(v) for v in model.prefill + model.decode + model.compact):
-            raise ValueError('not a cost model (prefill needs 3 finite coefficients, decode '
-                             'and compact 2)')
+        verify = model.verify or (0.0, 0.0, 0.0)
+        if (len(model.prefill), len(model.decode), len(model.compact), len(verify)) != (
+                3, 2, 2, 3) or not all(math.isfinite(v) for v in model.prefill + model.decode
+                                       + model.compact + verify):
+            raise ValueError('not a cost model (prefill and verify need 3 finite '
+                             'coefficients, decode and compact 2)')
         return model
 
     def prefill_ms(self, n, cache_length):
@@ -86,10 +99,12 @@ class CostModel:
     def verify_ms(self, n, cache_length):
         """Raw predicted time of a verify pass of ``n`` tokens over ``cache_length`` cached.
 
-        Priced as the ``n`` decode steps it stands for: a row-exact verify (the numpy
-        backend's) does the work of those steps, sharing only the per-call overhead.
+        The calibrated term, or without one the ``n`` decode steps the pass stands for.
         """
-        return sum(self.decode_ms(cache_length + i + 1) for i in range(n))
+        if self.verify is None:
+            return sum(self.decode_ms(cache_length + i) for i in range(n))
+        v0, v1, v2 = self.verify
+        return v0 + v1 * n + v2 * n * cache_length
 
     def tick_ms(self, n_prefill, cache_length, n_decode, kept=None):
         """Raw predicted time of a whole tick (compaction if ``kept`` is given)."""
@@ -117,7 +132,8 @@ def _fit(features, targets):
 
 
 def calibrate(backend, vocab_size, quantile=0.9, repeats=5, prefill_lengths=(1, 8, 24, 48),
-              cache_fractions=(0.0, 0.5, 0.9), log=None, clock=time.perf_counter, rounds=3):
+              cache_fractions=(0.0, 0.5, 0.9), log=None, clock=time.perf_counter, rounds=3,
+              verify_sizes=(2, 5, 9)):
     """Time ``backend`` over a grid and fit a CostModel to the upper ``quantile``.
 
     The whole grid is timed ``rounds`` times over, ``repeats`` samples a point a round;
@@ -126,7 +142,8 @@ def calibrate(backend, vocab_size, quantile=0.9, repeats=5, prefill_lengths=(1, 
     not the fit: with one pass, a 0.3 s stall during one point's samples set the decode
     intercept to 5 ms instead of 1.8 and the node refused every tick of its run (no tick
     ran, so the admission scale, which learns from admitted ticks, could not correct it).
-    Leaves the backend's cache empty. ``log(text)`` receives progress lines.
+    A backend with speculative verify passes is timed on passes of ``verify_sizes`` tokens
+    too. Leaves the backend's cache empty. ``log(text)`` receives progress lines.
     """
     if rounds < 1 or repeats < 1:
         raise ValueError('calibration needs at least one round and one repeat')
@@ -165,6 +182,11 @@ def calibrate(backend, vocab_size, quantile=0.9, repeats=5, prefill_lengths=(1, 
                     lambda: backend.prefill(prefill_ids[n]), lambda: backend.rollback(length)))
             figures['decode', (1.0, length)].append(timed(
                 lambda: backend.decode(1), lambda: backend.rollback(length)))
+            sizes = verify_sizes if hasattr(backend, 'verify') else ()
+            for n in [n for n in sizes if n <= max_prefill and length + n < capacity]:
+                figures['verify', (1.0, n, n * length)].append(timed(
+                    lambda: backend.verify(prefill_ids[max_prefill][:n], [None] * n),
+                    lambda: backend.rollback(length)))
             if length > 1:
                 keep = np.arange(0, length, 2)
                 figures['compact', (1.0, len(keep))].append(timed(
@@ -182,7 +204,7 @@ def calibrate(backend, vocab_size, quantile=0.9, repeats=5, prefill_lengths=(1, 
         points = [(list(x), y) for (kind, x), y in median.items() if kind == what]
         return _fit([x for x, _ in points], [y for _, y in points]) if points else None
     return CostModel(prefill=fit('prefill'), decode=fit('decode'),
-                     compact=fit('compact') or (0.0, 0.0))
+                     compact=fit('compact') or (0.0, 0.0), verify=fit('verify'))
 
 
 class Admission:
@@ -238,6 +260,10 @@ class Admission:
         """Pessimistic prediction of a tick's model time, margin included."""
         raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept)
         return raw * self.scale + self.margin_ms
+
+    def verify_ms(self, n, cache_length, scale=None):
+        """Pessimistic prediction of a verify pass of ``n`` tokens (for the watchdog)."""
+        return self.model.verify_ms(n, cache_length) * (self.scale if scale is None else scale)
 
     def step_ms(self, cache_length, scale=None):
         """Pessimistic prediction of one decode step (for the watchdog), margin excluded.

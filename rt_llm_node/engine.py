@@ -352,8 +352,11 @@ class TickEngine:
                 return state, chosen
             drafts = self._drafts(state, chosen)
             remaining = grammar.min_remaining(state)
-            # a verify pass runs the drafts too, whether they are kept or not
-            if not self._can_finish(run, plan, remaining + len(drafts)):
+            # a verify pass runs the drafts too, whether they are kept or not: only as many
+            # as leave time to finish if none is kept
+            while drafts and not self._can_finish(run, plan, remaining, len(drafts)):
+                drafts.pop()
+            if not self._can_finish(run, plan, remaining):
                 self.session.rollback(mark)
                 run.lap('decode_ms')
                 # what ran so far is evidence too: a slow prefill raises the scale
@@ -450,19 +453,25 @@ class TickEngine:
         record.n_fed += kept + 1
         return int(predicted[kept]), state
 
-    def _can_finish(self, run, plan, remaining):
+    def _can_finish(self, run, plan, remaining, drafts=0):
         """Tell whether the action can still finish by the deadline (the watchdog).
 
-        The watchdog: can decoding this token and choosing ``remaining`` more (the last of them
-        deferred) still end by the deadline, with the admission margin kept as a guard band? A
-        probe tick judges by what it has measured, not by the learned scale.
+        The watchdog: can running this token (with ``drafts`` drafted tokens in one verify
+        pass, none of them kept at worst) and choosing ``remaining`` more (the last of them
+        deferred) still end by the deadline, with the admission margin kept as a guard band?
+        A probe tick judges by what it has measured, not by the learned scale.
         """
         admission = self.admission
-        scale = (admission.probe_scale(plan.n_prefill, plan.length, run.record.n_decode,
+        scale = (admission.probe_scale(plan.n_prefill, plan.length, run.record.n_fed,
                                        plan.kept, run.ms_since_admit())
                  if run.record.probe else None)
-        step = admission.step_ms(self.session.length, scale)
-        return run.now() + (remaining * step + admission.margin_ms) / 1e3 <= run.deadline
+        length = self.session.length
+        step = admission.step_ms(length, scale)
+        if drafts:
+            need = admission.verify_ms(drafts + 1, length, scale) + (remaining - 1) * step
+        else:
+            need = remaining * step
+        return run.now() + (need + admission.margin_ms) / 1e3 <= run.deadline
 
     def _commit(self, run, plan, parts, segment, mark, state, chosen):
         """Teach admission what the tick cost.

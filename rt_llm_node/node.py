@@ -423,6 +423,11 @@ class RtLlmNode(LifecycleNode):
                     self._refusals[result.refusal.reason] += 1
                 self._stats['late'] += int(rec.late)
                 self._stats['probes'] += int(rec.probe)
+                if result.action:
+                    self._stats['forward_passes'] += 1 + rec.n_decode
+                self._stats['drafted'] += rec.drafted
+                self._stats['drafts_kept'] += rec.accepted
+                self._stats['verify_passes'] += rec.verify_passes
                 self._admission_scale = engine.admission.scale
                 self._latencies.append((time.monotonic() - start) * 1e3)
                 self._cache_occupancy = rec.cache_length / max(1, rec.capacity)
@@ -529,7 +534,14 @@ class RtLlmNode(LifecycleNode):
                  'tick_ms_max': f'{latencies[-1] if latencies else 0.0:.2f}',
                  'cache_occupancy': f'{occupancy:.3f}',
                  'admission_scale': f'{scale:.3f}',
-                 'admission_probes': stats.get('probes', 0)}
+                 'admission_probes': stats.get('probes', 0),
+                 # speculative decoding: forward passes an action (its prefill included),
+                 # tokens drafted and kept, verify passes
+                 'forward_passes_per_action':
+                     f"{stats.get('forward_passes', 0) / max(1, stats.get('actions', 0)):.2f}",
+                 'drafted_tokens': stats.get('drafted', 0),
+                 'drafted_tokens_kept': stats.get('drafts_kept', 0),
+                 'verify_passes': stats.get('verify_passes', 0)}
         pairs.update({f'refusals_{k}': v for k, v in refusals.items()})
         if refusals:
             status.level = DiagnosticStatus.WARN

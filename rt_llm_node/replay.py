@@ -310,6 +310,14 @@ def summarize(records, bag_seconds, wall_s, clock_mode):
         'refusals_by_reason': dict(sorted(reasons.items())),
         'late': sum(r.late for r in records),
         'probes': sum(r.probe for r in records),
+        # speculative decoding: forward passes an action (prefill, decode steps and verify
+        # passes), drafted tokens and those kept, verify passes
+        'forward_passes_per_action': round(
+            sum(1 + r.n_decode for r in records if r.decision == 'action')
+            / max(1, sum(r.decision == 'action' for r in records)), 3),
+        'drafted': sum(r.drafted for r in records),
+        'drafted_kept': sum(r.accepted for r in records),
+        'verify_passes': sum(r.verify_passes for r in records),
         'latency_ms': {'p50': round(float(np.percentile(latencies, 50)), 3),
                        'p99': round(float(np.percentile(latencies, 99)), 3),
                        'max': round(float(latencies.max()), 3)},

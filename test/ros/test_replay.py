@@ -390,3 +390,27 @@ def test_a_late_start_still_knows_the_instruction_sent_at_the_beginning(tmp_path
     summary = json.loads((tmp_path / 'o' / 'summary.json').read_text())
     assert summary['ticks'] == 31
     assert 'stale_input' not in summary['refusals_by_reason'], summary
+
+
+def test_speculative_decoding_replays_the_same_decisions_in_fewer_passes(bags, tmp_path,
+                                                                         capsys):
+    """The demo profile drafts (speculative_tokens by default); off, the actions are the same."""
+    import yaml
+    params = yaml.safe_load(Path(DEMO_PARAMS).read_text())
+    params['rt_llm_node']['ros__parameters']['speculative_tokens'] = 0
+    plain_params = tmp_path / 'plain.yaml'
+    plain_params.write_text(yaml.safe_dump(params))
+    runs = {}
+    for name, path in (('spec', DEMO_PARAMS), ('plain', str(plain_params))):
+        code, _, err = run([bags['mcap'], '--params', path, '--out', tmp_path / name], capsys)
+        assert code == 0, err
+        lines = (tmp_path / name / 'actions.jsonl').read_text().splitlines()
+        decisions = [(d['decision'], d.get('values'), d.get('reason'))
+                     for d in map(json.loads, lines)]
+        runs[name] = (decisions,
+                      json.loads((tmp_path / name / 'summary.json').read_text()))
+    (spec, spec_summary), (plain, plain_summary) = runs['spec'], runs['plain']
+    assert spec == plain
+    assert plain_summary['drafted'] == 0 and plain_summary['verify_passes'] == 0
+    assert spec_summary['drafted_kept'] > 0 and spec_summary['verify_passes'] > 0
+    assert spec_summary['forward_passes_per_action'] < plain_summary['forward_passes_per_action']

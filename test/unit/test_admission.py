@@ -30,6 +30,16 @@ def test_a_tick_costs_compaction_prefill_and_each_decode_step_at_its_length():
 def test_a_cost_model_reads_back_what_it_wrote_and_refuses_anything_else():
     model = CostModel(prefill=(1.0, 0.5, 0.01), decode=(2.0, 0.001), compact=(0.3, 0.002))
     assert CostModel.from_json(model.to_json()) == model
+    with_verify = CostModel(model.prefill, model.decode, model.compact, (0.2, 0.1, 0.0001))
+    assert CostModel.from_json(with_verify.to_json()) == with_verify
+    assert with_verify.verify_ms(5, 100) == pytest.approx(0.2 + 0.5 + 0.05)
+    # a model without the verify term prices a pass as the decode steps it stands for
+    assert model.verify is None
+    assert model.verify_ms(3, 100) == pytest.approx(3 * 2.0 + 0.001 * (100 + 101 + 102))
+    bad_verify = json.loads(with_verify.to_json())
+    bad_verify['verify'] = [1, 2]
+    with pytest.raises(ValueError, match='not a cost model'):
+        CostModel.from_json(json.dumps(bad_verify))
     for bad in ('not json', '[]', json.dumps({'prefill': [1, 2, 3], 'decode': [1]}),
                 json.dumps({'prefill': [1, 2], 'decode': [1, 2], 'compact': [1, 2]}),
                 json.dumps({'prefill': [1, 2, 'x'], 'decode': [1, 2], 'compact': [1, 2]}),
@@ -134,6 +144,7 @@ def test_calibration_shrugs_off_a_host_stall(tmp_path):
     clean = calibrate(backend, tiny.config.vocab_size, repeats=3, clock=stalled_clock(0, 0))
     assert clean.decode_ms(100) == pytest.approx(0.5, abs=1e-6)
     assert clean.prefill_ms(48, 100) == pytest.approx(0.5, abs=1e-6)
+    assert clean.verify_ms(5, 100) == pytest.approx(0.5, abs=1e-6)   # numpy verifies
     # a stall over the 8 samples of round one's second grid point and the ones after it
     stall = (8, 24)
     once = calibrate(backend, tiny.config.vocab_size, repeats=3, rounds=1,
