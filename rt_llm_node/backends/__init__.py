@@ -15,6 +15,13 @@ offers the same calls:
   their keys, so positions stay below ``capacity``;
 - ``rollback(length)``: forget every token at or after ``length``.
 
+Optionally (speculative decoding; the numpy backend has them):
+
+- ``verify(token_ids, allowed)``: run ``k`` tokens in one call and return the greedy token
+  after each (among ``allowed[i]``), row-exact: every row's logits, attention mass and cache
+  entries equal those of ``k`` decode calls bit for bit;
+- ``row_mass(i)``: row ``i``'s attention mass from the last verify.
+
 The argument checks of that contract live here, once, for both backends.
 """
 
