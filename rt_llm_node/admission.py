@@ -207,6 +207,31 @@ def calibrate(backend, vocab_size, quantile=0.9, repeats=5, prefill_lengths=(1, 
                      compact=fit('compact') or (0.0, 0.0), verify=fit('verify'))
 
 
+CHECK_TOLERANCE = 1.5   # a stored cost model is kept while every checked point is within 1.5x
+
+
+def check_cost_model(backend, model, vocab_size, repeats=5, tolerance=CHECK_TOLERANCE,
+                     clock=time.perf_counter):
+    """Check a stored cost model against this device: (ok, one line saying what was found).
+
+    Times a few points of the calibration grid (a decode step and a 24-token prefill over an
+    empty and a half-full cache, one round) and compares each with the model's prediction:
+    ok when every measured / predicted ratio lies within [1 / tolerance, tolerance].
+    """
+    quick = calibrate(backend, vocab_size, repeats=repeats, prefill_lengths=(24,),
+                      cache_fractions=(0.0, 0.5), rounds=1, verify_sizes=(), clock=clock)
+    capacity = backend.capacity
+    lengths = sorted({max(0, min(int(f * capacity), capacity - 25)) for f in (0.0, 0.5)})
+    ratios = []
+    for length in lengths:
+        for measured, predicted in ((quick.decode_ms(length), model.decode_ms(length)),
+                                    (quick.prefill_ms(24, length), model.prefill_ms(24, length))):
+            ratios.append(measured / predicted if predicted > 0 else float('inf'))
+    ok = all(1 / tolerance <= r <= tolerance for r in ratios)
+    return ok, (f'measured / predicted {", ".join(f"{r:.2f}" for r in ratios)} at '
+                f'{len(ratios)} points (kept within {1 / tolerance:.2f}..{tolerance:.2f})')
+
+
 class Admission:
     """Decides admit/refuse from the cost model, a learned worst-case scale and a margin."""
 

@@ -7,6 +7,7 @@ import time
 
 from rt_llm_node.admission import Admission
 from rt_llm_node.admission import calibrate
+from rt_llm_node.admission import check_cost_model
 from rt_llm_node.backends import make_backend
 from rt_llm_node.codec import InputSpec
 from rt_llm_node.codec import joint_trajectory_grammar
@@ -18,6 +19,9 @@ from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.embedded import default_model_path
 from rt_llm_node.model.quant import quantize_checkpoint
 from rt_llm_node.params import validate
+from rt_llm_node.state_store import fingerprint
+from rt_llm_node.state_store import host_description
+from rt_llm_node.state_store import StateStore
 
 
 class ConfigurationError(ValueError):
@@ -111,15 +115,23 @@ def configure_engine(values, clock=None, log=print, cost_model=None):
         log(f"decode step: {values['cuda_decode_step']} (set by cuda_decode_step)")
     grammar = action_grammar(values, checkpoint.tokenizer)
     specs = input_specs(values)
+    store = fields = None
+    if values['state_dir']:
+        store = StateStore(values['state_dir'], values['state_max_mb'] << 20, log)
+        fields = fingerprint(path, backend, values['weight_format'])
     if cost_model is None:
-        log('warming up and calibrating the cost model on this device')
-        model = calibrate(backend, cfg.vocab_size, repeats=values['calibration_repeats'],
-                          log=log)
+        model = _stored_cost_model(store, fields, backend, cfg, values, log)
+        if model is None:
+            log('warming up and calibrating the cost model on this device')
+            model = calibrate(backend, cfg.vocab_size, repeats=values['calibration_repeats'],
+                              log=log)
+            if store is not None:
+                store.save_cost_model(_cost_fields(fields, backend, values), model)
     else:
         log('using the given cost model (no calibration)')
         model = cost_model
     log(f'cost model: prefill {model.prefill}, decode {model.decode}, '
-        f'compact {model.compact}')
+        f'compact {model.compact}, verify {model.verify}')
     # model time (replay --clock model) is the cost model's own prediction: a probe could
     # only ever measure the model against itself, so there are none
     admission = Admission(model, margin_ms=values['deadline_margin_ms'],
@@ -133,6 +145,30 @@ def configure_engine(values, clock=None, log=print, cost_model=None):
                         clock=clock, stamp_tolerance_s=values['input_stamp_tolerance_s'],
                         speculative_tokens=values['speculative_tokens'])
     check_room(engine, specs, grammar, backend.capacity)
-    engine.start()
+    if engine.start(store, fields, log):
+        log(f'system prompt: {len(engine.system_ids)} tokens of KV state restored from '
+            f'{values["state_dir"]}')
+    engine.state = (store, fields) if store is not None else None
     log(f'configured in {time.monotonic() - started:.1f} s')
     return engine
+
+
+def _cost_fields(fields, backend, values):
+    """Return what a stored cost model must match: the prefix fields, host, capacity, repeats."""
+    return {**fields, 'host': host_description(backend), 'capacity': backend.capacity,
+            'calibration_repeats': values['calibration_repeats']}
+
+
+def _stored_cost_model(store, fields, backend, cfg, values, log):
+    """Return the stored cost model if it passes a short check on this device, else None."""
+    if store is None:
+        return None
+    stored = store.load_cost_model(_cost_fields(fields, backend, values))
+    if stored is None:
+        return None
+    started = time.monotonic()
+    ok, detail = check_cost_model(backend, stored, cfg.vocab_size,
+                                  repeats=values['calibration_repeats'])
+    log(f'stored cost model {"kept" if ok else "disagrees with this device"}: {detail}, '
+        f'checked in {time.monotonic() - started:.2f} s')
+    return stored if ok else None

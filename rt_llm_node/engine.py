@@ -183,6 +183,8 @@ class TickEngine:
         self.speculative_tokens = (int(speculative_tokens)
                                    if hasattr(backend, 'verify') else 0)
         self.last_action_ids = []      # the last action's chosen tokens (a draft source)
+        self._system_state = None      # (KV tensors, attention mass) of the prompt's prefill
+        self.state = None              # (StateStore, fields) where the node keeps its state
         self.ready = False
 
     def expected_decodes(self, index):
@@ -191,14 +193,45 @@ class TickEngine:
             self.recent_decodes.popleft()
         return max([n for _, n in self.recent_decodes], default=self.typical_decodes)
 
-    def start(self):
-        """Prefill the system prompt (pinned) and get ready for ticks."""
+    def start(self, state_store=None, state_fields=None, log=None):
+        """Prefill the system prompt (pinned), or restore it, and get ready for ticks.
+
+        With a ``state_store`` (state_store.StateStore) and a backend that exports its cache,
+        the system prompt's KV state stored under ``state_fields`` (model, formats, backend)
+        is restored instead of prefilled when it matches exactly, and a fresh prefill is
+        stored. Returns True when the prompt was restored.
+        """
+        restored = False
         if self.system_ids:
             if len(self.system_ids) >= self.backend.capacity // 2:
                 raise ValueError(f'the system prompt ({len(self.system_ids)} tokens) needs less '
                                  f'than half the KV capacity ({self.backend.capacity})')
-            self.session.append(self.system_ids, kind=SYSTEM)
+            stores = state_store is not None and hasattr(self.backend, 'import_prefix')
+            if state_store is not None and not stores and log:
+                log(f'the {self.backend.name} backend cannot store its KV state: prefilling')
+            found = state_store.load_prefix(state_fields, self.system_ids) if stores else None
+            if found is not None:
+                try:
+                    self.backend.import_prefix(found[0])
+                    self.session.restore(self.system_ids, SYSTEM, found[1])
+                    restored = True
+                except BackendError as exc:
+                    if log:
+                        log(f'stored KV state not used: {exc}; prefilling')
+                    self.backend.rollback(0)
+            if not restored:
+                self.session.append(self.system_ids, kind=SYSTEM)
+                if stores:
+                    self._system_state = (self.backend.export_prefix(len(self.system_ids)),
+                                          self.backend.attention_mass())
+                    self.save_state(state_store, state_fields)
         self.ready = True
+        return restored
+
+    def save_state(self, state_store, state_fields):
+        """Store the system prompt's KV state as its prefill left it (if this engine made one)."""
+        if self._system_state is not None:
+            state_store.save_prefix(state_fields, self.system_ids, *self._system_state)
 
     # -- inputs -------------------------------------------------------------------------
     def stale_inputs(self, snapshot, now):

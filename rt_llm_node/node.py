@@ -249,6 +249,7 @@ class RtLlmNode(LifecycleNode):
 
     def on_deactivate(self, state):
         self._leave_active()
+        self._save_state()
         if self._diagnostics_timer is not None:
             self.destroy_timer(self._diagnostics_timer)
             self._diagnostics_timer = None
@@ -258,13 +259,25 @@ class RtLlmNode(LifecycleNode):
 
     def on_cleanup(self, state):
         self._leave_active()
+        self._save_state()
         self._release()
         return TransitionCallbackReturn.SUCCESS
 
     def on_shutdown(self, state):
         self._leave_active()
+        self._save_state()
         self._release()
         return TransitionCallbackReturn.SUCCESS
+
+    def _save_state(self):
+        """Keep the system prompt's KV state in state_dir (a failure is a warning)."""
+        engine = self._engine
+        if engine is None or engine.state is None:
+            return
+        try:
+            engine.save_state(*engine.state)
+        except Exception as exc:   # a full disk must not stop a transition
+            self.get_logger().warning(f'state not saved to {self._values["state_dir"]}: {exc}')
 
     def on_error(self, state):
         self.get_logger().error(f'error processing ({self.last_error}): releasing the model')

@@ -91,6 +91,11 @@ PARAMETERS = (
           'exactly the greedy one; used where the backend verifies row-exactly (numpy); 0: '
           'off', 0, 16),
     Param('calibration_repeats', 5, 'timings per calibration grid point', 2, 50),
+    Param('state_dir', '', "folder where the node keeps the system prompt's KV state and its "
+          'calibrated cost model across restarts (used again only on an exact match of '
+          'model, formats, backend and host); empty: off'),
+    Param('state_max_mb', 256, 'size bound of state_dir (least recently used entries go '
+          'first)', 1, 1_000_000),
     Param('cost_model_path', '', 'configure writes the calibrated cost model here (JSON, '
           'for rt-llm-replay --cost-model); empty: not written'),
     Param('backend_error_limit', 5, 'consecutive backend errors before ErrorProcessing',

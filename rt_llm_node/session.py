@@ -84,6 +84,19 @@ class KVSession:
         self.make_room(len(ids) + reserve, kind, topic)
         return self.append_segments([(ids, kind, topic, stamp)])[0]
 
+    def restore(self, token_ids, kind, mass):
+        """Take a prefix the backend holds (its ``import_prefix``) into an empty cache's books.
+
+        As ``append`` would have left them after prefilling it: one segment, the prefill's
+        attention ``mass`` added.
+        """
+        if self.cache.length or self.pending:
+            raise ValueError('a prefix is restored into an empty cache only')
+        segment = self.cache.open_segment(kind, '', 0.0)
+        self.cache.extend(segment, np.asarray(token_ids, dtype=np.int64))
+        self.cache.add_attention(mass)
+        return segment
+
     def open_segment(self, kind=OTHER, topic='', stamp=0.0, pinned=None):
         """Start an empty segment to decode into (room is made token by token)."""
         return self.cache.open_segment(kind, topic, stamp, pinned)

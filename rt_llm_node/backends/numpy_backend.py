@@ -173,6 +173,28 @@ class KVStore:
         self.v[layer, first:m] = self.v[layer, moved]
         self.v_scale[layer, first:m] = self.v_scale[layer, moved]
 
+    def export(self, n):
+        """Return copies of slots 0 .. n-1: keys and values (and their scales), by name."""
+        names = ('k', 'v') if self.kv_dtype == 'native' else ('k', 'v', 'k_scale', 'v_scale')
+        return {name: getattr(self, name)[:, :n].copy() for name in names}
+
+    def load(self, tensors):
+        """Write what ``export`` gave into slots 0 .. n-1; returns n (ValueError if foreign)."""
+        names = ('k', 'v') if self.kv_dtype == 'native' else ('k', 'v', 'k_scale', 'v_scale')
+        if set(tensors) != set(names):
+            raise ValueError(f'expected tensors {sorted(names)}, got {sorted(tensors)}')
+        n = tensors['k'].shape[1] if tensors['k'].ndim > 1 else -1
+        for name in names:
+            mine, theirs = getattr(self, name), tensors[name]
+            if (theirs.dtype != mine.dtype or theirs.shape[:1] + theirs.shape[2:]
+                    != mine.shape[:1] + mine.shape[2:] or theirs.shape[1] != n
+                    or not 0 < n <= mine.shape[1]):
+                raise ValueError(f'{name}: {theirs.dtype} {theirs.shape} does not fit this '
+                                 f'cache ({mine.dtype}, {mine.shape})')
+        for name in names:
+            getattr(self, name)[:, :n] = tensors[name]
+        return n
+
     def bytes_per_token(self):
         """Cache bytes one token takes over every layer (keys, values and their scales)."""
         per = self.k[:, 0].nbytes + self.v[:, 0].nbytes
@@ -300,6 +322,28 @@ class NumpyBackend:
         if self._rows is None or not 0 <= i < len(self._rows[2]):
             raise BackendError(f'no row {i} of a verify to read')
         return self._rows[2][i].copy()
+
+    def export_prefix(self, n):
+        """Return the cache's slots 0 .. n-1 as named numpy arrays (for ``import_prefix``)."""
+        if not 0 < n <= self.length:
+            raise BackendError(f'cannot export {n} slots of a cache of {self.length}')
+        return self.kv.export(n)
+
+    def import_prefix(self, tensors):
+        """Make the cache exactly the exported prefix: slots 0 .. n-1, length n.
+
+        The cache then holds what prefilling those tokens from empty left; the logits are
+        those of no token until the next call. A foreign layout is a BackendError.
+        """
+        try:
+            n = self.kv.load(tensors)
+        except (ValueError, KeyError, AttributeError) as exc:
+            raise BackendError(f'the stored KV state does not fit this cache: {exc}') from None
+        self.length = n
+        self._logits = np.zeros(self.config.vocab_size, np.float32)
+        self._mass = np.zeros(n, np.float32)
+        self._rows = None
+        return n
 
     def kv_bytes_per_token(self):
         """Cache bytes one token takes over every layer (keys, values, their scales)."""
