@@ -418,6 +418,9 @@ def build_parser():
     parser.add_argument('--out', default='out/replay', help='output directory')
     parser.add_argument('--clock', choices=('model', 'wall'), default='model')
     parser.add_argument('--cost-model', help='cost_model.json to use instead of calibrating')
+    parser.add_argument('--state-dir', help="a node's state_dir (overrides the parameter): "
+                        'start from its stored system prompt KV state and cost model, as the '
+                        'robot restarted warm')
     parser.add_argument('--expect', metavar='GOLDEN_DIR',
                         help='compare with an earlier --out directory; exit 1 on differences')
     parser.add_argument('--tolerance', type=float, default=1e-6,
@@ -445,6 +448,8 @@ def main(argv=None):
             live(args.bag, remaps, args.publish_clock, args.rate, args.delay)
             return 0
         values = load_params(args.params)
+        if args.state_dir is not None:
+            values['state_dir'] = args.state_dir
         cost_model = choose_cost_model(args, values)
         replay(args.bag, values, args.out, args.clock, cost_model, args.start, args.end,
                remaps)

@@ -414,3 +414,17 @@ def test_speculative_decoding_replays_the_same_decisions_in_fewer_passes(bags, t
     assert plain_summary['drafted'] == 0 and plain_summary['verify_passes'] == 0
     assert spec_summary['drafted_kept'] > 0 and spec_summary['verify_passes'] > 0
     assert spec_summary['forward_passes_per_action'] < plain_summary['forward_passes_per_action']
+
+
+def test_a_replay_can_start_warm_from_a_state_folder(bags, tmp_path, capsys):
+    """--state-dir: the second replay restores the prompt's KV state, and decides the same."""
+    outputs = []
+    for name in ('cold', 'warm'):
+        code, out, err = run([bags['mcap'], '--params', DEMO_PARAMS, '--out', tmp_path / name,
+                              '--state-dir', str(tmp_path / 'state')], capsys)
+        assert code == 0, err
+        outputs.append((tmp_path / name / 'actions.jsonl').read_bytes())
+        restored = 'KV state restored' in out + err
+        assert restored == (name == 'warm'), out + err
+    assert outputs[0] == outputs[1]
+    assert list((tmp_path / 'state').glob('prefix-*.safetensors'))
