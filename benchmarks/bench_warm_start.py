@@ -13,6 +13,7 @@ tens of milliseconds on a CPU).
 """
 
 import argparse
+from pathlib import Path
 import sys
 import tempfile
 import time
@@ -29,7 +30,7 @@ from rt_llm_node.model.synthetic import shape_config
 from rt_llm_node.model.synthetic import write_checkpoint
 from rt_llm_node.replay import load_params
 
-DEMO_PARAMS = 'config/demo.yaml'
+DEMO_PARAMS = str(Path(__file__).resolve().parents[1] / 'config' / 'demo.yaml')
 RATES = {'demo': 30.0, 'smollm2-135m': 2.0}
 
 
