@@ -12,21 +12,14 @@ import re
 import shlex
 import sys
 
+from rt_llm_node.state_store import cpu_model
+
 RESULTS_MD = Path(__file__).resolve().parent / 'RESULTS.md'
 
 
 def machine_description():
-    """One line: CPU model and cores, or the GPU when one is in use."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open('/proc/cpuinfo') as f:
-            for line in f:
-                if line.startswith('model name'):
-                    cpu = line.split(':', 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f'{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}'
+    """One line: CPU model and cores, and the Python version."""
+    return f'{cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}'
 
 
 def markdown_table(header, rows):

@@ -51,21 +51,25 @@ def model_files(path):
                    or p.name.endswith('.safetensors.index.json')])
 
 
-def host_description(backend):
-    """Return the device a backend times on: its GPU's name, or the CPU model and cores."""
-    device = getattr(backend, 'device_name', None)
-    if device:
-        return str(device)
+def cpu_model():
+    """Return the CPU's model name (from /proc/cpuinfo where there is one)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open('/proc/cpuinfo', encoding='utf-8') as f:
             for line in f:
                 if line.startswith('model name'):
-                    cpu = line.split(':', 1)[1].strip()
-                    break
+                    return line.split(':', 1)[1].strip()
     except OSError:
         pass
-    return f'{cpu}, {os.cpu_count()} cores'
+    return cpu
+
+
+def host_description(backend):
+    """Return the device a backend times on: its GPU's name, or the CPU model and cores."""
+    device = getattr(backend, 'device_name', None)
+    if device:
+        return str(device)
+    return f'{cpu_model()}, {os.cpu_count()} cores'
 
 
 def backend_build(backend):
