@@ -74,8 +74,11 @@ def world(stop):
     rclpy.shutdown()
 
 
-def run(ticks, rate, hogs, flood_rate):
-    """Run the node for ``ticks`` ticks beside the given interference; return its figures."""
+def run(ticks, rate, hogs, flood_rate, overrides=None):
+    """Run the node for ``ticks`` ticks beside the given interference; return its figures.
+
+    ``overrides``: node parameters set over the demo profile's.
+    """
     import rclpy
     from diagnostic_msgs.msg import DiagnosticArray
     from rclpy.executors import SingleThreadedExecutor
@@ -104,7 +107,7 @@ def run(ticks, rate, hogs, flood_rate):
             late_by.append(over_ms)
 
     params = demo_parameters()
-    params.update(backend='numpy', rate_hz=float(rate))
+    params.update(backend='numpy', rate_hz=float(rate), **(overrides or {}))
     node = RtLlmNode(parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
     listener = rclpy.create_node('interference_recorder')
     listener.create_subscription(DiagnosticArray, '/rt_llm_node/refusal', on_refusal, 100)
@@ -144,6 +147,9 @@ def run(ticks, rate, hogs, flood_rate):
             'refusals_late_reasons': dict(late_refusals),
             'late_by_max_ms': max(late_by, default=0.0),
             'p99': latencies[int(0.99 * (len(latencies) - 1))] if latencies else 0.0,
+            'p50': latencies[int(0.5 * (len(latencies) - 1))] if latencies else 0.0,
+            'forward_passes': stats.get('forward_passes', 0),
+            'drafted': stats.get('drafted', 0), 'drafts_kept': stats.get('drafts_kept', 0),
             'seconds': time.monotonic() - started}
 
 

@@ -86,10 +86,10 @@ PARAMETERS = (
           'runs as a probe of a cost model calibrated on a slow host (0: never)', 0, 100000),
     Param('admission_min_scale', 0.25, 'the least fraction of the calibrated cost a probe '
           'may teach admission to expect', 0.01, 1.0),
-    Param('speculative_tokens', 4, 'speculative action decoding: tokens drafted (from the '
+    Param('speculative_tokens', 0, 'speculative action decoding: tokens drafted (from the '
           'last action, the cache, the grammar) and verified in one pass; the action stays '
-          'exactly the greedy one; used where the backend verifies row-exactly (numpy); 0: '
-          'off', 0, 16),
+          'exactly the greedy one; used where the backend verifies row-exactly (numpy, where '
+          'it saves passes but not time); 0: off', 0, 16),
     Param('calibration_repeats', 5, 'timings per calibration grid point', 2, 50),
     Param('state_dir', '', "folder where the node keeps the system prompt's KV state and its "
           'calibrated cost model across restarts (used again only on an exact match of '

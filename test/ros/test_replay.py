@@ -394,14 +394,16 @@ def test_a_late_start_still_knows_the_instruction_sent_at_the_beginning(tmp_path
 
 def test_speculative_decoding_replays_the_same_decisions_in_fewer_passes(bags, tmp_path,
                                                                          capsys):
-    """The demo profile drafts (speculative_tokens by default); off, the actions are the same."""
+    """The demo profile with speculative_tokens 4 and 0: the same decisions."""
     import yaml
-    params = yaml.safe_load(Path(DEMO_PARAMS).read_text())
-    params['rt_llm_node']['ros__parameters']['speculative_tokens'] = 0
-    plain_params = tmp_path / 'plain.yaml'
-    plain_params.write_text(yaml.safe_dump(params))
+    paths = {}
+    for name, tokens in (('spec', 4), ('plain', 0)):
+        params = yaml.safe_load(Path(DEMO_PARAMS).read_text())
+        params['rt_llm_node']['ros__parameters']['speculative_tokens'] = tokens
+        paths[name] = tmp_path / f'{name}.yaml'
+        paths[name].write_text(yaml.safe_dump(params))
     runs = {}
-    for name, path in (('spec', DEMO_PARAMS), ('plain', str(plain_params))):
+    for name, path in paths.items():
         code, _, err = run([bags['mcap'], '--params', path, '--out', tmp_path / name], capsys)
         assert code == 0, err
         lines = (tmp_path / name / 'actions.jsonl').read_text().splitlines()
