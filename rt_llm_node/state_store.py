@@ -66,9 +66,15 @@ def cpu_model():
 
 def host_description(backend):
     """Return the device a backend times on: its GPU's name, or the CPU model and cores."""
-    device = getattr(backend, 'device_name', None)
-    if device:
-        return str(device)
+    if backend.name == 'cuda':
+        device_id = getattr(getattr(backend, 'options', None), 'device_id', 0)
+        try:
+            import cupy
+            name = cupy.cuda.runtime.getDeviceProperties(device_id)['name']
+            name = name.decode() if isinstance(name, bytes) else str(name)
+        except Exception:   # the key then names no model: a weaker match, never an error
+            name = 'unnamed'
+        return f'CUDA device {device_id}: {name}'
     return f'{cpu_model()}, {os.cpu_count()} cores'
 
 
