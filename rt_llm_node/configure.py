@@ -148,7 +148,6 @@ def configure_engine(values, clock=None, log=print, cost_model=None):
     if engine.start(store, fields, log):
         log(f'system prompt: {len(engine.system_ids)} tokens of KV state restored from '
             f'{values["state_dir"]}')
-    engine.state = (store, fields) if store is not None else None
     log(f'configured in {time.monotonic() - started:.1f} s')
     return engine
 

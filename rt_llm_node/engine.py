@@ -184,7 +184,7 @@ class TickEngine:
                                    if hasattr(backend, 'verify') else 0)
         self.last_action_ids = []      # the last action's chosen tokens (a draft source)
         self._system_state = None      # (KV tensors, attention mass) of the prompt's prefill
-        self.state = None              # (StateStore, fields) where the node keeps its state
+        self.state = None              # (StateStore, fields) where the prompt's state is kept
         self.ready = False
 
     def expected_decodes(self, index):
@@ -219,6 +219,8 @@ class TickEngine:
                     if log:
                         log(f'stored KV state not used: {exc}; prefilling')
                     self.backend.rollback(0)
+            if stores:
+                self.state = (state_store, state_fields)
             if not restored:
                 self.session.append(self.system_ids, kind=SYSTEM)
                 if stores:
@@ -449,13 +451,15 @@ class TickEngine:
         if len(sequence) < n:
             return []
         ids = self.session.cache.token_ids[:self.session.length]
-        key = np.asarray(sequence[-n:], np.int64)
-        for at in range(len(ids) - n, -1, -1):   # the latest first
-            if ids[at + n - 1] == key[-1] and np.array_equal(ids[at:at + n], key):
-                following = ids[at + n:at + n + span]
-                if len(following):
-                    return following.tolist()
-        return []
+        if len(ids) <= n:
+            return []
+        # windows that match, then the latest of them with a token after it
+        windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
+        hits = np.flatnonzero((windows == np.asarray(sequence[-n:], np.int64)).all(axis=1))
+        if not len(hits):
+            return []
+        at = int(hits[-1]) + n
+        return ids[at:at + span].tolist()
 
     def _verify(self, record, segment, state, chosen, token, drafts):
         """Run ``token`` and ``drafts`` in one pass and keep what greedy decoding would.
