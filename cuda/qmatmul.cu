@@ -30,13 +30,19 @@
 #define QFMT_U4 1
 #define QSUB 16               // columns of x a chunk sum covers (xsum)
 #define QMV_MAX_THREADS 512
+#ifndef QMV_MIN_BLOCKS        // blocks of QMV_MAX_THREADS an SM must hold (caps registers)
+#define QMV_MIN_BLOCKS 1
+#endif
 
 // A chunk: the columns one 16-byte load of a row holds (i8: 16, u4: 32), inside one group
 // (i8 groups are 16 or 32 columns, u4 groups 32).
 template <int FMT> struct qcols { static constexpr int value = FMT == QFMT_I8 ? 16 : 32; };
 
-// Chunks a lane loads per row before it multiplies: 64 bytes of codes a row.
-#define QBATCH 4
+// Chunks a lane loads per row before it multiplies: 32 bytes of codes a row (with 512
+// threads, 32 KiB an SM in flight, the next unit's batch loading during this one's last).
+#ifndef QBATCH
+#define QBATCH 2
+#endif
 
 // The 16-byte chunk c of a row.
 __device__ __forceinline__ uint4 load_q(const unsigned char* row, int c) {
@@ -233,7 +239,7 @@ __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __res
   }
 }
 
-#define QBOUNDS __launch_bounds__(QMV_MAX_THREADS)
+#define QBOUNDS __launch_bounds__(QMV_MAX_THREADS, QMV_MIN_BLOCKS)
 #define QMATVEC_PLAIN(NAME, EPI, FMT)                                                        \
   extern "C" __global__ void QBOUNDS                                                         \
   NAME(int* state, const unsigned char* codes, const float* scales, const float* offsets,    \

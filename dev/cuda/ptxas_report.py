@@ -1,6 +1,7 @@
 """Registers, spills and shared memory of every kernel, with no GPU: NVRTC to PTX, then ptxas.
 
     python dev/cuda/ptxas_report.py [--arch 90] [--dtype BF16] [--ptxas PATH] [--match NAME]
+        [--define NAME=VALUE ...]
 
 NVRTC compiles the program as the backend does (same options) but to PTX for
 compute_ARCH; the CUDA toolkit's ptxas (`/usr/local/cuda*/bin/ptxas`) assembles it for
@@ -30,9 +31,10 @@ def find_ptxas():
     return found[-1] if found else None
 
 
-def ptx_for(arch, dtype):
+def ptx_for(arch, dtype, defines=()):
     from cupy_backends.cuda.libs import nvrtc
     options = [o for o in compile_options(arch, dtype) if not o.startswith('--gpu-architecture')]
+    options += [f'-D{d}' for d in defines]
     options.append(f'--gpu-architecture=compute_{arch}')
     included = headers()
     program = nvrtc.createProgram(program_source(runtime_sources()), 'rt_llm_node.cu',
@@ -77,11 +79,13 @@ def main():
     parser.add_argument('--ptxas', default=None, help='default: the newest /usr/local/cuda*')
     parser.add_argument('--isa', default='9.0', help='PTX ISA version the ptxas reads')
     parser.add_argument('--match', default='', help='only kernels whose name contains this')
+    parser.add_argument('--define', action='append', default=[], metavar='NAME=VALUE',
+                        help='an extra -D option (a macro with a default, e.g. QBATCH=2)')
     args = parser.parse_args()
     ptxas = args.ptxas or find_ptxas()
     if not ptxas:
         raise SystemExit('no ptxas found: install the CUDA toolkit or pass --ptxas')
-    rows = report(ptx_for(args.arch, args.dtype), args.arch, ptxas, args.isa)
+    rows = report(ptx_for(args.arch, args.dtype, args.define), args.arch, ptxas, args.isa)
     print(f'sm_{args.arch} {args.dtype} ({ptxas})')
     print(f"{'kernel':28s} {'registers':>9s} {'spill bytes':>11s} {'smem bytes':>10s}")
     for name, r in sorted(rows.items()):

@@ -1,12 +1,16 @@
 """Side by side: the quantized one-token matmuls with other block sizes and K splits.
 
     PYTHONPATH=. python3 dev/cuda/sweep_qmatvec.py [--shapes llama-3.2-1b]
-        [--formats i8/32,u4/32+offset] [--variants 512,256,512:1]
+        [--formats i8/32,u4/32+offset] [--variants auto,512,256,512:1,512+QBATCH=4]
 
-A variant T runs qmatmul.cu's qmatvec kernels in blocks of T threads with the backend's split
-of K (cuda_backend.qmatvec_plan); T:S with S warps a unit for every matrix; each
-row is one decode-graph replay (CUDA events, median of --repeats) at --context cached
-tokens, with the registers of qmatvec_swiglu and its resident blocks an SM.
+A variant T[:S][@R][+NAME=VALUE...] runs qmatmul.cu's qmatvec kernels in blocks of T threads
+('auto': the backend's block size per matrix, cuda_backend.QMV_THREADS) with the backend's
+split of K (cuda_backend.qmatvec_plan), or S warps a unit for every matrix (:S); @R plans
+the grid as if R blocks fit an SM (fewer than fit leaves room for the next kernel's blocks to
+start early); +NAME=VALUE compiles with -DNAME=VALUE (qmatmul.cu's QBATCH, QMV_MIN_BLOCKS).
+Each row is one decode-graph replay (CUDA events, median of --repeats) at --context cached
+tokens, with the registers of qmatvec_swiglu and its resident blocks an SM (of the first
+block size).
 """
 
 import argparse
@@ -19,6 +23,7 @@ from bench_quant import FORMATS  # noqa: I100,I201
 from bench_quant import to_format  # noqa: I100
 
 from rt_llm_node.backends import cuda_backend
+from rt_llm_node.backends import cuda_kernels
 from rt_llm_node.backends.cuda_backend import CudaBackend
 from rt_llm_node.backends.cuda_backend import CudaOptions
 from rt_llm_node.model import load_checkpoint
@@ -29,13 +34,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument('--shapes', default='llama-3.2-1b')
     parser.add_argument('--formats', default='i8/32,u4/32+offset')
-    parser.add_argument('--variants', default='512,256,512:1')
+    parser.add_argument('--variants', default='auto,512,256')
     parser.add_argument('--context', type=int, default=256)
     parser.add_argument('--repeats', type=int, default=100)
     args = parser.parse_args()
     from cupy_backends.cuda.api import driver
-    plan = cuda_backend.qmatvec_plan
-    print('| shape | format | threads | split | decode us (p90) | regs | resident |')
+    plan, sizes = cuda_backend.qmatvec_plan, cuda_backend.QMV_THREADS
+    options = cuda_kernels.compile_options
+    print('| shape | format | variant | split | decode us (p90) | regs | resident |')
     print('|---|---|---|---|---|---|---|')
     for shape in args.shapes.split(','):
         for fmt in args.formats.split(','):
@@ -45,15 +51,21 @@ def main():
             ids = np.random.default_rng(0).integers(0, checkpoint.config.vocab_size,
                                                     args.context)
             for variant in args.variants.split(','):
-                threads, _, forced = variant.partition(':')
-                cuda_backend.QMV_THREADS = int(threads)
-                if forced:
-                    def fixed(units, chunks, n_sm, resident, threads, s=int(forced)):
-                        blocks = -(-units * s // (threads // 32))
-                        return min(blocks, max(1, resident) * n_sm), s
-                    cuda_backend.qmatvec_plan = fixed
-                else:
-                    cuda_backend.qmatvec_plan = plan
+                geometry, *defines = variant.split('+')
+                geometry, _, cap = geometry.partition('@')
+                threads, _, forced = geometry.partition(':')
+                cuda_backend.QMV_THREADS = sizes if threads == 'auto' else (int(threads),)
+                cuda_kernels.compile_options = (
+                    lambda *a, d=tuple(defines): options(*a) + [f'-D{x}' for x in d])
+
+                def planned(units, chunks, n_sm, resident, threads, s=int(forced or 0),
+                            cap=int(cap or 0)):
+                    resident = min(resident, cap) if cap else resident
+                    if not s:
+                        return plan(units, chunks, n_sm, resident, threads)
+                    blocks = -(-units * s // (threads // 32))
+                    return min(blocks, max(1, resident) * n_sm), s
+                cuda_backend.qmatvec_plan = planned
                 backend = CudaBackend(checkpoint, 1088, CudaOptions('kernels'))
                 backend.prefill(ids)
                 times = time_decode_replay(backend, args.context, args.repeats) * 1e3
@@ -61,11 +73,12 @@ def main():
                 regs = driver.funcGetAttribute(4, backend.kernels.functions[name].ptr)
                 resident = {k[1]: v for k, v in backend._resident.items()
                             if k[0] == name}
-                print(f'| {shape} | {fmt} | {threads} | {forced or "plan"} | '
+                print(f'| {shape} | {fmt} | {variant} | {forced or "plan"} | '
                       f'{np.median(times):.0f} ({np.percentile(times, 90):.0f}) | {regs} | '
                       f'{resident} |', flush=True)
                 del backend
-    cuda_backend.qmatvec_plan = plan
+    cuda_backend.qmatvec_plan, cuda_backend.QMV_THREADS = plan, sizes
+    cuda_kernels.compile_options = options
 
 
 if __name__ == '__main__':

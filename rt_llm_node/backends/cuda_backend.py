@@ -41,9 +41,11 @@ STATE_WORDS = 8
 
 NULL = np.uint64(0)  # a null device pointer argument
 MATMUL_WARPS = 4     # warps per block of the matmul kernels
-# threads a block of the one-token quantized matmuls (qmatmul.cu, at most QMV_MAX_THREADS):
-# large blocks stage the input vector in shared memory once an SM, not once a small block
-QMV_THREADS = 512
+# block sizes of the one-token quantized matmuls (qmatmul.cu, at most QMV_MAX_THREADS), the
+# largest first: a matrix takes the largest whose grid still covers every SM. Large blocks
+# stage the input vector in shared memory once an SM, not once a small block; a small matrix
+# in large blocks would leave SMs idle, and a one-token matmul is bound by how many SMs stream.
+QMV_THREADS = (512, 256, 128)
 T16_UNITS = GEOMETRY['T16_UNITS']      # units (row pairs) of a 16-token prefill tile's block
 T16_TOKENS = GEOMETRY['T16_TOKENS']
 PD_THREADS, PD_KEYS = GEOMETRY['PD_THREADS'], GEOMETRY['PD_KEYS']   # decode_persistent
@@ -129,7 +131,7 @@ def matvec_split(units, k, mv_batch, n_sm, warps=MATMUL_WARPS):
     return split
 
 
-def qmatvec_plan(units, chunks, n_sm, resident, threads=QMV_THREADS):
+def qmatvec_plan(units, chunks, n_sm, resident, threads):
     """(grid, split) of a one-token quantized matmul (qmatmul.cu) over ``units`` row pairs.
 
     ``chunks``: 16-byte chunks a row (K / 16 for i8, K / 32 for u4); ``resident``: blocks
@@ -145,6 +147,19 @@ def qmatvec_plan(units, chunks, n_sm, resident, threads=QMV_THREADS):
         split *= 2
     blocks = -(-units * split // warps)
     return min(blocks, max(1, resident) * n_sm), split
+
+
+def qmatvec_geometry(units, chunks, n_sm, resident):
+    """Return (grid, split, threads) of a one-token quantized matmul.
+
+    ``qmatvec_plan`` in the largest block size of QMV_THREADS whose grid covers all ``n_sm``
+    SMs (else the smallest); ``resident(threads)``: blocks of that size an SM holds.
+    """
+    for threads in QMV_THREADS:
+        blocks, split = qmatvec_plan(units, chunks, n_sm, resident(threads), threads)
+        if blocks >= n_sm:
+            break
+    return blocks, split, threads
 
 
 def _device_errors():
@@ -667,13 +682,13 @@ class CudaBackend:
                 name = f'qmatvec_{epilogue}_{w.fmt}'
                 has_norm = tail[1] is not NULL
                 shared = 4 * (w.k + w.k // 16 + (w.k if has_norm else 0))
-                resident = self._resident_blocks(name, QMV_THREADS, shared)
-                blocks, split = qmatvec_plan(units, w.k // w.chunk_cols, self.n_sm, resident,
-                                             QMV_THREADS)
+                blocks, split, threads = qmatvec_geometry(
+                    units, w.k // w.chunk_cols, self.n_sm,
+                    lambda threads: self._resident_blocks(name, threads, shared))
                 extra = (_i32(units), _i32(last_only)) if epilogue != 'qkv_rope' else ()
                 if epilogue == 'qkv_rope':
                     tail = tail[:3] + (_i32(units),) + tail[3:]
-                launch(name, (blocks, 1), (QMV_THREADS,), self.state, *w.args(), _i32(w.rows),
+                launch(name, (blocks, 1), (threads,), self.state, *w.args(), _i32(w.rows),
                        _i32(w.k), *tail, *extra, _i32(split), shared=shared)
                 return
             chunks = w.rows * w.k // w.chunk_cols

@@ -128,6 +128,22 @@ def test_qmatvec_plan(units, chunks, resident, expected):
     assert qmatvec_plan(units, chunks, 132, resident, 512) == expected
 
 
+@pytest.mark.parametrize('units,chunks,expected', [
+    (8192, 128, (132, 1, 512)),   # Llama-3.2 gate/up, i8: large blocks fill every SM
+    (1024, 128, (256, 2, 256)),   # Llama-3.2 o: 128 blocks of 512 would leave 4 SMs idle
+    (1536, 128, (192, 1, 256)),   # Llama-3.2 qkv: 96 blocks of 512 would leave 36 idle
+    (480, 36, (120, 1, 128)),     # SmolLM2 qkv: even blocks of 128 leave 12 SMs idle
+    (24576, 36, (132, 1, 512)),   # SmolLM2 LM head
+])
+def test_qmatvec_geometry(units, chunks, expected):
+    """The block size of a one-token quantized matmul: the largest that covers the SMs."""
+    from rt_llm_node.backends.cuda_backend import qmatvec_geometry
+
+    def resident(threads):   # 96 registers a thread
+        return 65536 // (96 * threads)
+    assert qmatvec_geometry(units, chunks, 132, resident) == expected
+
+
 @pytest.mark.parametrize('bad', [{'decode_step': 'ring'}, {'decode_step': None},
                                  {'dependent_launch': 'yes'}, {'staged_decode': 1.5}])
 def test_cuda_options_refuse_nonsense(bad):
