@@ -38,10 +38,10 @@
 // (i8 groups are 16 or 32 columns, u4 groups 32).
 template <int FMT> struct qcols { static constexpr int value = FMT == QFMT_I8 ? 16 : 32; };
 
-// Chunks a lane loads per row before it multiplies: 32 bytes of codes a row (with 512
-// threads, 32 KiB an SM in flight, the next unit's batch loading during this one's last).
+// Chunks a lane loads per row before it multiplies: 64 bytes of codes a row (with 512
+// threads, 64 KiB an SM in flight, the next unit's batch loading during this one's last).
 #ifndef QBATCH
-#define QBATCH 2
+#define QBATCH 4
 #endif
 
 // The 16-byte chunk c of a row.

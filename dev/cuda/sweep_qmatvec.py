@@ -4,7 +4,8 @@
         [--formats i8/32,u4/32+offset] [--variants auto,512,256,512:1,512+QBATCH=4]
 
 A variant T[:S][@R][+NAME=VALUE...] runs qmatmul.cu's qmatvec kernels in blocks of T threads
-('auto': the backend's block size per matrix, cuda_backend.QMV_THREADS) with the backend's
+('auto' or 'auto/F': the backend's block size per matrix, cuda_backend.QMV_THREADS, the
+smallest grid covering F of the SMs, default cuda_backend.QMV_FILL) with the backend's
 split of K (cuda_backend.qmatvec_plan), or S warps a unit for every matrix (:S); @R plans
 the grid as if R blocks fit an SM (fewer than fit leaves room for the next kernel's blocks to
 start early); +NAME=VALUE compiles with -DNAME=VALUE (qmatmul.cu's QBATCH, QMV_MIN_BLOCKS).
@@ -40,6 +41,7 @@ def main():
     args = parser.parse_args()
     from cupy_backends.cuda.api import driver
     plan, sizes = cuda_backend.qmatvec_plan, cuda_backend.QMV_THREADS
+    default_fill = cuda_backend.QMV_FILL
     options = cuda_kernels.compile_options
     print('| shape | format | variant | split | decode us (p90) | regs | resident |')
     print('|---|---|---|---|---|---|---|')
@@ -54,7 +56,9 @@ def main():
                 geometry, *defines = variant.split('+')
                 geometry, _, cap = geometry.partition('@')
                 threads, _, forced = geometry.partition(':')
+                threads, _, fill = threads.partition('/')
                 cuda_backend.QMV_THREADS = sizes if threads == 'auto' else (int(threads),)
+                cuda_backend.QMV_FILL = float(fill or default_fill)
                 cuda_kernels.compile_options = (
                     lambda *a, d=tuple(defines): options(*a) + [f'-D{x}' for x in d])
 
@@ -78,6 +82,7 @@ def main():
                       f'{resident} |', flush=True)
                 del backend
     cuda_backend.qmatvec_plan, cuda_backend.QMV_THREADS = plan, sizes
+    cuda_backend.QMV_FILL = default_fill
     cuda_kernels.compile_options = options
 
 

@@ -42,10 +42,12 @@ STATE_WORDS = 8
 NULL = np.uint64(0)  # a null device pointer argument
 MATMUL_WARPS = 4     # warps per block of the matmul kernels
 # block sizes of the one-token quantized matmuls (qmatmul.cu, at most QMV_MAX_THREADS), the
-# largest first: a matrix takes the largest whose grid still covers every SM. Large blocks
-# stage the input vector in shared memory once an SM, not once a small block; a small matrix
-# in large blocks would leave SMs idle, and a one-token matmul is bound by how many SMs stream.
+# largest first: a matrix takes the largest whose grid covers at least QMV_FILL of the SMs.
+# Large blocks stage the input vector in shared memory once an SM, not once a small block;
+# a small matrix in large blocks leaves SMs idle, and a one-token matmul is bound by how
+# many SMs stream (on the H200, SmolLM2's qkv in blocks of 512 ran on 30 SMs of 132).
 QMV_THREADS = (512, 256, 128)
+QMV_FILL = 0.5
 T16_UNITS = GEOMETRY['T16_UNITS']      # units (row pairs) of a 16-token prefill tile's block
 T16_TOKENS = GEOMETRY['T16_TOKENS']
 PD_THREADS, PD_KEYS = GEOMETRY['PD_THREADS'], GEOMETRY['PD_KEYS']   # decode_persistent
@@ -152,12 +154,12 @@ def qmatvec_plan(units, chunks, n_sm, resident, threads):
 def qmatvec_geometry(units, chunks, n_sm, resident):
     """Return (grid, split, threads) of a one-token quantized matmul.
 
-    ``qmatvec_plan`` in the largest block size of QMV_THREADS whose grid covers all ``n_sm``
-    SMs (else the smallest); ``resident(threads)``: blocks of that size an SM holds.
+    ``qmatvec_plan`` in the largest block size of QMV_THREADS whose grid covers QMV_FILL of
+    the ``n_sm`` SMs (else the smallest); ``resident(threads)``: blocks of that size an SM holds.
     """
     for threads in QMV_THREADS:
         blocks, split = qmatvec_plan(units, chunks, n_sm, resident(threads), threads)
-        if blocks >= n_sm:
+        if blocks >= QMV_FILL * n_sm:
             break
     return blocks, split, threads
 

@@ -130,13 +130,13 @@ def test_qmatvec_plan(units, chunks, resident, expected):
 
 @pytest.mark.parametrize('units,chunks,expected', [
     (8192, 128, (132, 1, 512)),   # Llama-3.2 gate/up, i8: large blocks fill every SM
-    (1024, 128, (256, 2, 256)),   # Llama-3.2 o: 128 blocks of 512 would leave 4 SMs idle
-    (1536, 128, (192, 1, 256)),   # Llama-3.2 qkv: 96 blocks of 512 would leave 36 idle
-    (480, 36, (120, 1, 128)),     # SmolLM2 qkv: even blocks of 128 leave 12 SMs idle
+    (1536, 128, (96, 1, 512)),    # Llama-3.2 qkv: 96 SMs of 132 stream
+    (480, 36, (120, 1, 128)),     # SmolLM2 qkv: 30 blocks of 512, 60 of 256, 120 of 128
+    (288, 96, (72, 2, 256)),      # SmolLM2 down, i8: split in two, 36 blocks of 512
     (24576, 36, (132, 1, 512)),   # SmolLM2 LM head
 ])
 def test_qmatvec_geometry(units, chunks, expected):
-    """The block size of a one-token quantized matmul: the largest that covers the SMs."""
+    """The block size of a one-token quantized matmul: the largest that fills half the SMs."""
     from rt_llm_node.backends.cuda_backend import qmatvec_geometry
 
     def resident(threads):   # 96 registers a thread
