@@ -206,13 +206,13 @@ class TickEngine:
             if len(self.system_ids) >= self.backend.capacity // 2:
                 raise ValueError(f'the system prompt ({len(self.system_ids)} tokens) needs less '
                                  f'than half the KV capacity ({self.backend.capacity})')
-            stores = state_store is not None and hasattr(self.backend, 'import_prefix')
+            stores = state_store is not None and hasattr(self.backend, 'import_kv')
             if state_store is not None and not stores and log:
                 log(f'the {self.backend.name} backend cannot store its KV state: prefilling')
             found = state_store.load_prefix(state_fields, self.system_ids) if stores else None
             if found is not None:
                 try:
-                    self.backend.import_prefix(found[0])
+                    self.backend.import_kv(found[0])
                     self.session.restore(self.system_ids, SYSTEM, found[1])
                     restored = True
                 except BackendError as exc:
@@ -224,7 +224,7 @@ class TickEngine:
             if not restored:
                 self.session.append(self.system_ids, kind=SYSTEM)
                 if stores:
-                    self._system_state = (self.backend.export_prefix(len(self.system_ids)),
+                    self._system_state = (self.backend.export_kv(0, len(self.system_ids)),
                                           self.backend.attention_mass())
                     self.save_state(state_store, state_fields)
         self.ready = True

@@ -85,7 +85,7 @@ class KVSession:
         return self.append_segments([(ids, kind, topic, stamp)])[0]
 
     def restore(self, token_ids, kind, mass):
-        """Take a prefix the backend holds (its ``import_prefix``) into an empty cache's books.
+        """Take a prefix the backend holds (its ``import_kv`` at 0) into an empty cache's books.
 
         As ``append`` would have left them after prefilling it: one segment, the prefill's
         attention ``mass`` added.

@@ -73,6 +73,33 @@ def compact_slots(keep, length):
     return keep
 
 
+def kv_slot_count(tensors, cache, start):
+    """Slots that ``tensors`` (an export of slots) fill from ``start`` in ``cache``.
+
+    ``cache``: name -> the backend's array [layers, capacity, ...] for each exported name;
+    ``tensors`` must hold the same names, dtypes and shapes but for the slot count, which
+    must fit from ``start``. Raises ValueError naming what does not fit.
+    """
+    if set(tensors) != set(cache):
+        raise ValueError(f'expected tensors {sorted(cache)}, got {sorted(tensors)}')
+    n = tensors['k'].shape[1] if getattr(tensors['k'], 'ndim', 0) > 1 else -1
+    for name, mine in cache.items():
+        theirs = tensors[name]
+        if (getattr(theirs, 'dtype', None) != mine.dtype
+                or theirs.shape[:1] + theirs.shape[2:] != mine.shape[:1] + mine.shape[2:]
+                or theirs.shape[1] != n or not 0 < n <= mine.shape[1] - start):
+            raise ValueError(f'{name}: {getattr(theirs, "dtype", None)} {theirs.shape} does '
+                             f'not fit this cache ({mine.dtype}, {mine.shape}) from slot {start}')
+    return n
+
+
+def kv_slot_range(start, stop, length):
+    """(start, stop) as ints after checking they name cached slots, at least one."""
+    if not 0 <= start < stop <= length:
+        raise BackendError(f'cannot export slots {start}..{stop - 1} of a cache of {length}')
+    return int(start), int(stop)
+
+
 BACKENDS = ('auto', 'numpy', 'cuda')
 # the KV cache: fp32 as computed, or int8 codes with an fp32 scale per token and kv head
 KV_DTYPES = ('native', 'int8')

@@ -19,6 +19,8 @@ from rt_llm_node.backends import check_capacity
 from rt_llm_node.backends import check_kv_dtype
 from rt_llm_node.backends import compact_slots
 from rt_llm_node.backends import DECODE_STEPS
+from rt_llm_node.backends import kv_slot_count
+from rt_llm_node.backends import kv_slot_range
 from rt_llm_node.backends import rollback_length
 from rt_llm_node.backends import token_ids
 from rt_llm_node.backends.cuda_kernels import ATT_MAX_SPLITS
@@ -919,6 +921,50 @@ class CudaBackend:
     def rollback(self, length):
         """Forget every token at or after ``length``."""
         self.length = rollback_length(length, self.length)
+
+    def _kv_arrays(self):
+        names = {'k': self.k, 'v': self.v}
+        if self.kv_int8:
+            names.update(k_scale=self.k_scale, v_scale=self.v_scale)
+        return names
+
+    @reports_device_errors
+    def export_kv(self, start, stop):
+        """Return the cache's slots start .. stop - 1 as named host arrays (for ``import_kv``).
+
+        The numpy backend's names and layout: k, v [layers, n, kv heads, head dim] (fp32, or
+        int8 with k_scale, v_scale [layers, n, kv heads]).
+        """
+        import cupy as cp
+        start, stop = kv_slot_range(start, stop, self.length)
+        with self.stream:
+            out = {name: cp.asnumpy(a[:, start:stop], stream=self.stream)
+                   for name, a in self._kv_arrays().items()}
+        self.stream.synchronize()
+        return out
+
+    @reports_device_errors
+    def import_kv(self, tensors, start=0):
+        """Put exported slots at ``start`` .. and make the cache end after them.
+
+        As the numpy backend's: slots before ``start`` stay, the logits are those of no token
+        until the next call, a foreign layout is a BackendError. Returns the new length.
+        """
+        import cupy as cp
+        if not 0 <= start <= self.length:
+            raise BackendError(f'cannot import at slot {start} of a cache of {self.length}')
+        try:
+            n = kv_slot_count(tensors, self._kv_arrays(), start)
+        except (ValueError, KeyError, AttributeError) as exc:
+            raise BackendError(f'the stored KV state does not fit this cache: {exc}') from None
+        with self.stream:
+            for name, a in self._kv_arrays().items():
+                a[:, start:start + n] = cp.asarray(np.ascontiguousarray(tensors[name]))
+            self.mass[start:start + n] = 0
+        self.stream.synchronize()
+        self.length = start + n
+        self._logits_valid = False
+        return self.length
 
     @reports_device_errors
     def compact(self, keep):

@@ -11,6 +11,8 @@ from rt_llm_node.backends import BackendError
 from rt_llm_node.backends import check_capacity
 from rt_llm_node.backends import check_kv_dtype
 from rt_llm_node.backends import compact_slots
+from rt_llm_node.backends import kv_slot_count
+from rt_llm_node.backends import kv_slot_range
 from rt_llm_node.backends import rollback_length
 from rt_llm_node.backends import token_ids
 
@@ -173,26 +175,23 @@ class KVStore:
         self.v[layer, first:m] = self.v[layer, moved]
         self.v_scale[layer, first:m] = self.v_scale[layer, moved]
 
-    def export(self, n):
-        """Return copies of slots 0 .. n-1: keys and values (and their scales), by name."""
+    def arrays(self):
+        """Name -> array [layers, capacity, ...] of what the cache holds (codes and scales)."""
         names = ('k', 'v') if self.kv_dtype == 'native' else ('k', 'v', 'k_scale', 'v_scale')
-        return {name: getattr(self, name)[:, :n].copy() for name in names}
+        return {name: getattr(self, name) for name in names}
 
-    def load(self, tensors):
-        """Write what ``export`` gave into slots 0 .. n-1; returns n (ValueError if foreign)."""
-        names = ('k', 'v') if self.kv_dtype == 'native' else ('k', 'v', 'k_scale', 'v_scale')
-        if set(tensors) != set(names):
-            raise ValueError(f'expected tensors {sorted(names)}, got {sorted(tensors)}')
-        n = tensors['k'].shape[1] if tensors['k'].ndim > 1 else -1
-        for name in names:
-            mine, theirs = getattr(self, name), tensors[name]
-            if (theirs.dtype != mine.dtype or theirs.shape[:1] + theirs.shape[2:]
-                    != mine.shape[:1] + mine.shape[2:] or theirs.shape[1] != n
-                    or not 0 < n <= mine.shape[1]):
-                raise ValueError(f'{name}: {theirs.dtype} {theirs.shape} does not fit this '
-                                 f'cache ({mine.dtype}, {mine.shape})')
-        for name in names:
-            getattr(self, name)[:, :n] = tensors[name]
+    def export(self, start, stop):
+        """Return copies of slots start .. stop - 1: keys and values (and their scales)."""
+        return {name: a[:, start:stop].copy() for name, a in self.arrays().items()}
+
+    def load(self, tensors, start=0):
+        """Write what ``export`` gave into slots from ``start``; returns their count.
+
+        ValueError if the tensors do not fit.
+        """
+        n = kv_slot_count(tensors, self.arrays(), start)
+        for name, a in self.arrays().items():
+            a[:, start:start + n] = tensors[name]
         return n
 
     def bytes_per_token(self):
@@ -323,27 +322,30 @@ class NumpyBackend:
             raise BackendError(f'no row {i} of a verify to read')
         return self._rows[2][i].copy()
 
-    def export_prefix(self, n):
-        """Return the cache's slots 0 .. n-1 as named numpy arrays (for ``import_prefix``)."""
-        if not 0 < n <= self.length:
-            raise BackendError(f'cannot export {n} slots of a cache of {self.length}')
-        return self.kv.export(n)
+    def export_kv(self, start, stop):
+        """Return the cache's slots start .. stop - 1 as named numpy arrays (for ``import_kv``)."""
+        start, stop = kv_slot_range(start, stop, self.length)
+        return self.kv.export(start, stop)
 
-    def import_prefix(self, tensors):
-        """Make the cache exactly the exported prefix: slots 0 .. n-1, length n.
+    def import_kv(self, tensors, start=0):
+        """Put exported slots at ``start`` .. and make the cache end after them.
 
-        The cache then holds what prefilling those tokens from empty left; the logits are
-        those of no token until the next call. A foreign layout is a BackendError.
+        Slots before ``start`` stay. The cache then holds what running those tokens after
+        its first ``start`` left, when the export came from the same prefix (for ``start``
+        0: from empty); the logits are those of no token until the next call. A foreign
+        layout is a BackendError. Returns the new length.
         """
+        if not 0 <= start <= self.length:
+            raise BackendError(f'cannot import at slot {start} of a cache of {self.length}')
         try:
-            n = self.kv.load(tensors)
+            n = self.kv.load(tensors, start)
         except (ValueError, KeyError, AttributeError) as exc:
             raise BackendError(f'the stored KV state does not fit this cache: {exc}') from None
-        self.length = n
+        self.length = start + n
         self._logits = np.zeros(self.config.vocab_size, np.float32)
-        self._mass = np.zeros(n, np.float32)
+        self._mass = np.concatenate([self._mass[:start], np.zeros(n, np.float32)])
         self._rows = None
-        return n
+        return self.length
 
     def kv_bytes_per_token(self):
         """Cache bytes one token takes over every layer (keys, values, their scales)."""

@@ -400,3 +400,32 @@ def test_generate_cli_and_engine_on_cuda(capsys):
         v, w = result.action.values['linear.x'], result.action.values['angular.z']
         assert math.isfinite(v + w)
         world.step(v, w)
+
+
+@pytest.mark.parametrize('kv_dtype', ['native', 'int8'])
+def test_imported_slots_give_the_prefill_bit_for_bit(tmp_path, kv_dtype):
+    """Slots exported and imported (at 0, and after a prefix) continue exactly as prefilled."""
+    from rt_llm_node.backends import BackendError
+    checkpoint = fp32_tiny_checkpoint(tmp_path)
+    prompt = np.random.default_rng(3).integers(0, checkpoint.config.vocab_size, 60)
+    source = cuda_backend(checkpoint, 128, kv_dtype=kv_dtype)
+    source.prefill(prompt[:40])
+    whole, tail = source.export_kv(0, 40), source.export_kv(20, 40)
+    assert whole['k'].shape[1] == 40 and tail['k'].shape[1] == 20
+    source.prefill(prompt[40:])
+    expected = source.logits(), source.attention_mass()
+    target = cuda_backend(checkpoint, 128, kv_dtype=kv_dtype)
+    assert target.import_kv(whole) == 40
+    target.prefill(prompt[40:])
+    np.testing.assert_array_equal(target.logits(), expected[0])
+    np.testing.assert_array_equal(target.attention_mass(), expected[1])
+    target.rollback(20)
+    assert target.import_kv(tail, 20) == 40
+    target.prefill(prompt[40:])
+    np.testing.assert_array_equal(target.logits(), expected[0])
+    with pytest.raises(BackendError, match='does not fit'):
+        target.import_kv({**whole, 'k': whole['k'].astype(np.float64)})
+    with pytest.raises(BackendError, match='cannot import at slot 61'):
+        target.import_kv(whole, 61)    # past the cache's end (60)
+    with pytest.raises(BackendError, match='does not fit'):
+        target.import_kv(source.export_kv(0, 60), 60)   # 120 slots: past the capacity

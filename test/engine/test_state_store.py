@@ -66,6 +66,31 @@ def test_a_restored_prompt_is_the_fresh_prefill_bit_for_bit(tmp_path):
     assert np.array_equal(fresh.backend.logits(), warm.backend.logits())
 
 
+@pytest.mark.parametrize('kv_dtype', ['native', 'int8'])
+def test_slots_imported_after_a_prefix_continue_as_prefilled(tiny_checkpoint, kv_dtype):
+    """The backend's import_kv at an offset: the instruction cache's path, bit for bit."""
+    from rt_llm_node.backends import BackendError
+    checkpoint = load_checkpoint(tiny_checkpoint)
+    prompt = np.random.default_rng(3).integers(0, checkpoint.config.vocab_size, 60)
+    source = NumpyBackend(checkpoint, 128, kv_dtype)
+    source.prefill(prompt[:20])      # as the engine runs a prompt, then an instruction
+    source.prefill(prompt[20:40])
+    tail = source.export_kv(20, 40)
+    source.prefill(prompt[40:])
+    target = NumpyBackend(checkpoint, 128, kv_dtype)
+    target.prefill(prompt[:20])
+    assert target.import_kv(tail, 20) == 40
+    target.prefill(prompt[40:])
+    assert np.array_equal(target.logits(), source.logits())
+    assert np.array_equal(target.attention_mass(), source.attention_mass())
+    with pytest.raises(BackendError, match='cannot import at slot 61'):
+        target.import_kv(tail, 61)
+    with pytest.raises(BackendError, match='does not fit'):
+        target.import_kv(source.export_kv(0, 60), 60)
+    with pytest.raises(BackendError, match='cannot export'):
+        source.export_kv(50, 70)
+
+
 def test_a_restored_int8_cache_is_the_fresh_prefill_too(tmp_path):
     fresh, fresh_clock, _ = configure(tmp_path / 's', kv_dtype='int8')
     warm, warm_clock, lines = configure(tmp_path / 's', kv_dtype='int8')
