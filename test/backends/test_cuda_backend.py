@@ -408,13 +408,13 @@ def test_imported_slots_give_the_prefill_bit_for_bit(tmp_path, kv_dtype):
     from rt_llm_node.backends import BackendError
     checkpoint = fp32_tiny_checkpoint(tmp_path)
     prompt = np.random.default_rng(3).integers(0, checkpoint.config.vocab_size, 60)
-    source = cuda_backend(checkpoint, 128, kv_dtype=kv_dtype)
+    source = cuda_backend(checkpoint, 100, kv_dtype=kv_dtype)
     source.prefill(prompt[:40])
     whole, tail = source.export_kv(0, 40), source.export_kv(20, 40)
     assert whole['k'].shape[1] == 40 and tail['k'].shape[1] == 20
     source.prefill(prompt[40:])
     expected = source.logits(), source.attention_mass()
-    target = cuda_backend(checkpoint, 128, kv_dtype=kv_dtype)
+    target = cuda_backend(checkpoint, 100, kv_dtype=kv_dtype)
     assert target.import_kv(whole) == 40
     target.prefill(prompt[40:])
     np.testing.assert_array_equal(target.logits(), expected[0])

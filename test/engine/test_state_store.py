@@ -72,12 +72,12 @@ def test_slots_imported_after_a_prefix_continue_as_prefilled(tiny_checkpoint, kv
     from rt_llm_node.backends import BackendError
     checkpoint = load_checkpoint(tiny_checkpoint)
     prompt = np.random.default_rng(3).integers(0, checkpoint.config.vocab_size, 60)
-    source = NumpyBackend(checkpoint, 128, kv_dtype)
+    source = NumpyBackend(checkpoint, 100, kv_dtype)
     source.prefill(prompt[:20])      # as the engine runs a prompt, then an instruction
     source.prefill(prompt[20:40])
     tail = source.export_kv(20, 40)
     source.prefill(prompt[40:])
-    target = NumpyBackend(checkpoint, 128, kv_dtype)
+    target = NumpyBackend(checkpoint, 100, kv_dtype)
     target.prefill(prompt[:20])
     assert target.import_kv(tail, 20) == 40
     target.prefill(prompt[40:])
