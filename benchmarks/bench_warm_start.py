@@ -1,18 +1,21 @@
 """Cold and warm starts: time from configure to the first admitted action, with state_dir.
 
-    python benchmarks/bench_warm_start.py [--models demo,smollm2-135m] [--write]
+    python benchmarks/bench_warm_start.py [--models demo,smollm2-135m] [--backend numpy]
+        [--write]
 
 Per model, in one process, one after another: a cold start (an empty ``state_dir``: load,
 allocate, prefill the system prompt, calibrate, store both) and a warm start (the same
 folder: restore the prompt's KV state, check the stored cost model at four points, keep it).
 Each start is timed from the call of ``configure_engine`` to the first admitted action of the
-demo world on the wall clock (numpy backend). Models: ``demo``, the shipped policy at its
-30 Hz profile; ``smollm2-135m``, random weights of the SmolLM2-135M shape (30 layers, 576
-wide) with the demo's tokenizer and its 1280-token vocabulary, at 2 Hz (its decode step takes
-tens of milliseconds on a CPU).
+demo world on the wall clock (``--backend``: numpy, or cuda on a GPU, where the cold start
+also compiles the kernels: the kernel cache starts empty too). Models: ``demo``, the
+shipped policy at its 30 Hz profile; ``smollm2-135m``, random weights of the SmolLM2-135M
+shape (30 layers, 576 wide) with the demo's tokenizer and its 1280-token vocabulary, at 2 Hz
+(its decode step takes tens of milliseconds on a CPU; 30 Hz on cuda).
 """
 
 import argparse
+import os
 from pathlib import Path
 import sys
 import tempfile
@@ -70,6 +73,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog='bench_warm_start.py',
                                      description=__doc__.split('\n')[0])
     parser.add_argument('--models', default='demo,smollm2-135m')
+    parser.add_argument('--backend', default='numpy', choices=('numpy', 'cuda'))
     parser.add_argument('--write', action='store_true',
                         help='write the section into benchmarks/RESULTS.md')
     args = parser.parse_args(argv)
@@ -79,8 +83,11 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(','):
             values = load_params(DEMO_PARAMS)
-            values.update(backend='numpy', model_path=model_path(name, tmp),
-                          state_dir=f'{tmp}/state-{name}', rate_hz=RATES[name])
+            values.update(backend=args.backend, model_path=model_path(name, tmp),
+                          state_dir=f'{tmp}/state-{name}',
+                          rate_hz=RATES[name] if args.backend == 'numpy' else 30.0)
+            os.environ['RT_LLM_KERNEL_CACHE'] = f'{tmp}/kernels-{name}'
+
             cold = None
             for kind in ('cold', 'warm'):
                 total, configured, lines = start(values)
@@ -97,7 +104,9 @@ def main(argv=None):
                 print(f'{name} {kind}: {total:.2f} s', file=sys.stderr, flush=True)
     print_table(header, rows)
     if args.write:
-        write_section('warm_start', 'Cold and warm starts (numpy, CPU)',
+        where = 'numpy, CPU' if args.backend == 'numpy' else 'CUDA'
+        write_section('warm_start' if args.backend == 'numpy' else 'warm_start_cuda',
+                      f'Cold and warm starts ({where})',
                       markdown_table(header, rows)
                       + '\n\nFrom the call of configure_engine to the first admitted action '
                       'of the demo world on the wall clock; cold: an empty state_dir, warm: '

@@ -106,9 +106,13 @@ class CostModel:
         v0, v1, v2 = self.verify
         return v0 + v1 * n + v2 * n * cache_length
 
-    def tick_ms(self, n_prefill, cache_length, n_decode, kept=None):
-        """Raw predicted time of a whole tick (compaction if ``kept`` is given)."""
-        total = 0.0
+    def tick_ms(self, n_prefill, cache_length, n_decode, kept=None, restored=0):
+        """Raw predicted time of a whole tick (compaction if ``kept`` is given).
+
+        ``restored``: tokens whose stored state is copied into the cache (an instruction
+        switched back to), priced as a compaction that moves as many slots.
+        """
+        total = self.compact_ms(restored) if restored else 0.0
         if kept is not None:
             total += self.compact_ms(kept)
             cache_length = kept
@@ -281,9 +285,9 @@ class Admission:
                 self.ratios.popleft()
             self._rescale()
 
-    def predict_ms(self, n_prefill, cache_length, n_decode, kept=None):
+    def predict_ms(self, n_prefill, cache_length, n_decode, kept=None, restored=0):
         """Pessimistic prediction of a tick's model time, margin included."""
-        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept)
+        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept, restored)
         return raw * self.scale + self.margin_ms
 
     def verify_ms(self, n, cache_length, scale=None):
@@ -300,36 +304,36 @@ class Admission:
     def admit(self, predicted_ms, available_ms):
         return predicted_ms <= available_ms
 
-    def probe_instead(self, n_prefill, cache_length, n_decode, kept, available_ms):
+    def probe_instead(self, n_prefill, cache_length, n_decode, kept, available_ms, restored=0):
         """Whether a tick ``admit`` refused should run as a probe instead.
 
         True after enough deadline refusals in a row, if it would fit were the model
         1 / min_scale times too pessimistic; else it counts as one more deadline refusal.
         """
         if self.probe_ticks and self.refused_in_a_row >= self.probe_ticks * self.backoff:
-            raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept)
+            raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept, restored)
             if raw * self.min_scale + self.margin_ms <= available_ms:
                 return True
         self.refused_in_a_row += 1
         return False
 
-    def probe_scale(self, n_prefill, cache_length, n_decode, kept, elapsed_ms):
+    def probe_scale(self, n_prefill, cache_length, n_decode, kept, elapsed_ms, restored=0):
         """Return the watchdog's scale in a probe tick.
 
         What the tick has measured so far against the model (the learned scale is what the probe
         doubts), min_scale at the least.
         """
-        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept)
+        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept, restored)
         return max(self.min_scale, elapsed_ms / raw if raw > 0 else 1.0)
 
     def observe(self, n_prefill, cache_length, n_decode, kept, measured_ms, probe=False,
-                in_time=True):
+                in_time=True, restored=0):
         """Learn from one admitted tick's measured model time.
 
         A ``probe`` that finished ``in_time`` lowers the floor to what it measured (min_scale at
         the least), one that did not doubles the wait for the next.
         """
-        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept)
+        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept, restored)
         ratio = measured_ms / raw if raw > 0 and np.isfinite(measured_ms) else None
         self.refused_in_a_row = 0
         if ratio is not None:

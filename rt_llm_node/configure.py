@@ -15,6 +15,7 @@ from rt_llm_node.codec import StringGrammar
 from rt_llm_node.codec import twist_grammar
 from rt_llm_node.engine import ModelClock
 from rt_llm_node.engine import TickEngine
+from rt_llm_node.instruction_cache import InstructionCache
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.embedded import default_model_path
 from rt_llm_node.model.quant import quantize_checkpoint
@@ -143,7 +144,10 @@ def configure_engine(values, clock=None, log=print, cost_model=None):
     engine = TickEngine(backend, checkpoint.tokenizer, specs, grammar, admission,
                         policy=values['eviction_policy'], system_prompt=values['system_prompt'],
                         clock=clock, stamp_tolerance_s=values['input_stamp_tolerance_s'],
-                        speculative_tokens=values['speculative_tokens'])
+                        speculative_tokens=values['speculative_tokens'],
+                        instruction_cache=(InstructionCache(values['instruction_cache_entries'],
+                                                            values['instruction_cache_mb'] << 20)
+                                           if values['instruction_cache_entries'] else None))
     check_room(engine, specs, grammar, backend.capacity)
     if engine.start(store, fields, log):
         log(f'system prompt: {len(engine.system_ids)} tokens of KV state restored from '

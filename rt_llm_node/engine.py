@@ -92,6 +92,7 @@ class TickRecord:
     evicted: int = 0
     render_ms: float = 0.0
     evict_ms: float = 0.0
+    instruction_ms: float = 0.0    # placing a new instruction (restore or its own prefill)
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     total_ms: float = 0.0
@@ -101,6 +102,7 @@ class TickRecord:
     drafted: int = 0               # speculative decoding: tokens drafted, kept, verify passes
     accepted: int = 0
     verify_passes: int = 0
+    instruction: str = ''          # a new instruction placed: 'prefilled', 'restored' or ''
 
 
 @dataclass
@@ -156,7 +158,7 @@ class TickEngine:
 
     def __init__(self, backend, tokenizer, inputs, grammar, admission, policy='meaning',
                  system_prompt='', decay=0.9, clock=None, stamp_tolerance_s=0.5,
-                 speculative_tokens=0):
+                 speculative_tokens=0, instruction_cache=None):
         self.backend = backend
         self.tokenizer = tokenizer
         self.inputs = list(inputs)
@@ -185,6 +187,13 @@ class TickEngine:
         self.last_action_ids = []      # the last action's chosen tokens (a draft source)
         self._system_state = None      # (KV tensors, attention mass) of the prompt's prefill
         self.state = None              # (StateStore, fields) where the prompt's state is kept
+        # an instruction_cache.InstructionCache: a new instruction goes right after the system
+        # prompt (what followed is dropped) and its state is kept for the next switch back to
+        # it; None: instructions are appended like observations and evicted by meaning
+        self.instructions = (instruction_cache if hasattr(backend, 'import_kv')
+                             else None)
+        self.instruction_ids = None    # the instruction in the cache (its token ids)
+        self._log = None
         self.ready = False
 
     def expected_decodes(self, index):
@@ -202,6 +211,9 @@ class TickEngine:
         stored. Returns True when the prompt was restored.
         """
         restored = False
+        self._log = log
+        if state_store is not None and hasattr(self.backend, 'import_kv'):
+            self.state = (state_store, state_fields)
         if self.system_ids:
             if len(self.system_ids) >= self.backend.capacity // 2:
                 raise ValueError(f'the system prompt ({len(self.system_ids)} tokens) needs less '
@@ -219,8 +231,6 @@ class TickEngine:
                     if log:
                         log(f'stored KV state not used: {exc}; prefilling')
                     self.backend.rollback(0)
-            if stores:
-                self.state = (state_store, state_fields)
             if not restored:
                 self.session.append(self.system_ids, kind=SYSTEM)
                 if stores:
@@ -231,9 +241,18 @@ class TickEngine:
         return restored
 
     def save_state(self, state_store, state_fields):
-        """Store the system prompt's KV state as its prefill left it (if this engine made one)."""
+        """Store the system prompt's KV state as its prefill left it (if this engine made one).
+
+        With an instruction cache, the current instruction's state too (restored on the
+        first switch to it after a restart).
+        """
         if self._system_state is not None:
             state_store.save_prefix(state_fields, self.system_ids, *self._system_state)
+        entry = (self.instructions.peek(self.instruction_ids)
+                 if self.instructions is not None and self.instruction_ids else None)
+        if entry is not None:
+            state_store.save_prefix(state_fields, self.system_ids + self.instruction_ids,
+                                    *entry, start=len(self.system_ids))
 
     # -- inputs -------------------------------------------------------------------------
     def stale_inputs(self, snapshot, now):
@@ -270,12 +289,16 @@ class TickEngine:
             return f'{1e3 * age:.0f} ms old by arrival (max {1e3 * spec.max_age_s:.0f})'
         return
 
-    def render(self, snapshot):
-        """[(ids, kind, topic, stamp)] for every input with a message newer than the cache's."""
+    def render(self, snapshot, everything=False):
+        """[(ids, kind, topic, stamp)] for every input with a message newer than the cache's.
+
+        ``everything``: every input with a message, new or not.
+        """
         parts = []
         for spec in self.inputs:
             entry = snapshot.get(spec.topic)
-            if entry is None or entry[1] <= self.rendered.get(spec.topic, float('-inf')):
+            if entry is None or (not everything and entry[1] <= self.rendered.get(
+                    spec.topic, float('-inf'))):
                 continue
             ids = self.codec.encode(spec.topic, entry[0])
             parts.append((ids, spec.kind, spec.topic, entry[1]))
@@ -294,7 +317,7 @@ class TickEngine:
         if problem:
             return run.refuse(*problem)
         try:
-            parts = self._render(snapshot, stamp)
+            parts = self._render(run, snapshot, stamp)
         except RenderError as exc:
             return run.refuse('input_error', detail=str(exc))
         plan = self._admit(run, parts)
@@ -324,11 +347,40 @@ class TickEngine:
             return 'stale_input', 0.0, '; '.join(problems)
         return None
 
-    def _render(self, snapshot, stamp):
-        """Return the tick's new segments, ending with the action prefix the decode continues."""
+    def _render(self, run, snapshot, stamp):
+        """Return the tick's new segments, ending with the action prefix the decode continues.
+
+        With an instruction cache, a new instruction (not the one in place sent again) starts
+        the cache over after the system prompt: it comes first (``run.instruction``: its part
+        and its stored state, or None), then every input's latest message.
+        """
         parts = self.render(snapshot)
+        if self.instructions is not None:   # the instruction in place, sent again: nothing new
+            again = [p for p in parts if p[1] == INSTRUCTION
+                     and [int(t) for t in p[0]] == self.instruction_ids]
+            for part in again:
+                self.rendered[part[2]] = part[3]
+                parts.remove(part)
+        if self.instructions is not None and any(p[1] == INSTRUCTION for p in parts):
+            parts = sorted(self.render(snapshot, everything=True),
+                           key=lambda p: p[1] != INSTRUCTION)
+            run.instruction = (parts[0], self._stored_instruction(parts[0][0]))
         parts.append((list(self.grammar.prefix_ids), ACTION, '', stamp))
         return parts
+
+    def _stored_instruction(self, ids):
+        """(KV tensors, mass) of instruction ``ids`` from the cache or the state store, or None."""
+        ids = [int(t) for t in ids]
+        found = self.instructions.get(ids)
+        if found is None and self.state is not None:
+            store, fields = self.state
+            found = store.load_prefix(fields, self.system_ids + ids, start=len(self.system_ids))
+            if found is not None:
+                self.instructions.put(ids, *found)
+                if self._log:
+                    self._log(f'instruction: {len(ids)} tokens of KV state restored from the '
+                              'state store')
+        return found
 
     def _admit(self, run, parts):
         """Plan the eviction, predict the tick's cost and admit it (a ``_Plan``), or refuse."""
@@ -337,30 +389,86 @@ class TickEngine:
         plan = _Plan(n_prefill=session.pending_tokens + n_new,
                      n_decode=self.expected_decodes(run.record.tick), length=session.length)
         run.mark_rendered()
-        try:   # the last chosen token is deferred: n_decode steps, n_decode + 1 tokens
-            plan.slots = session.plan_room(n_new + plan.n_decode, [(p[1], p[2]) for p in parts])
-        except CacheFullError as exc:   # the inputs, not the backend: one tick too large
-            return run.refuse('input_error', detail=f'the cache cannot make room: {exc}')
+        if run.instruction is not None:   # the cache starts over after the system prompt
+            plan = self._admit_new_instruction(run, plan, n_new)
+            if isinstance(plan, TickResult):
+                return plan
+        else:
+            try:   # the last chosen token is deferred: n_decode steps, n_decode + 1 tokens
+                plan.slots = session.plan_room(n_new + plan.n_decode,
+                                               [(p[1], p[2]) for p in parts])
+            except CacheFullError as exc:   # the inputs, not the backend: one tick too large
+                return run.refuse('input_error', detail=f'the cache cannot make room: {exc}')
         plan.kept = None if plan.slots is None else len(plan.slots)
         plan.predicted = admission.predict_ms(plan.n_prefill, plan.length, plan.n_decode,
-                                              plan.kept)
+                                              plan.kept, plan.restored)
         available = run.ms_left()
         run.record.predicted_ms, run.record.available_ms = plan.predicted, available
         run.record.n_prefill = plan.n_prefill
         if not admission.admit(plan.predicted, available):
             if not admission.probe_instead(plan.n_prefill, plan.length, plan.n_decode,
-                                           plan.kept, available):
+                                           plan.kept, available, plan.restored):
                 return run.refuse('deadline', plan.predicted, available=available)
             run.record.probe = True
         return plan
 
+    def _admit_new_instruction(self, run, plan, n_new):
+        """Plan a tick that places a new instruction after the system prompt (or refuse).
+
+        Everything after the system prompt goes; the instruction is restored by copy when its
+        state is kept (priced as moving its slots), else prefilled in a call of its own.
+        """
+        part, found = run.instruction
+        n_system, n_instruction = len(self.system_ids), len(part[0])
+        if n_system + n_new + plan.n_decode + 1 > self.backend.capacity:
+            return run.refuse('input_error', detail=(
+                f'the cache cannot make room: the system prompt, the new instruction and the '
+                f'inputs need {n_system + n_new + plan.n_decode + 1} of '
+                f'{self.backend.capacity} slots'))
+        plan.restored = n_instruction if found is not None else 0
+        plan.n_prefill = n_new - plan.restored
+        plan.length = n_system + plan.restored
+        return plan
+
+    def _place_instruction(self, run):
+        """Start the cache over after the system prompt with the tick's new instruction.
+
+        Restored by copy when its state is kept, else prefilled alone (so that its slots
+        depend on the system prompt and itself only) and kept. Returns tokens dropped.
+        """
+        (ids, kind, topic, stamp), found = run.instruction
+        n_system = len(self.system_ids)
+        dropped = self.session.truncate(n_system)
+        self.rendered = {}
+        ids = [int(t) for t in ids]
+        if found is not None:
+            self.backend.import_kv(found[0], n_system)
+            self.session.restore(ids, kind, found[1], topic, stamp)
+            run.record.instruction = 'restored'
+        else:
+            self.session.append_segments([(ids, kind, topic, stamp)])
+            end = n_system + len(ids)
+            self.instructions.put(ids, self.backend.export_kv(n_system, end),
+                                  self.backend.attention_mass())
+            run.record.instruction = 'prefilled'
+        self.rendered[topic] = stamp
+        self.instruction_ids = ids
+        return dropped
+
     def _prefill(self, run, plan, parts):
         """Evict as planned, then prefill the deferred tokens and the new segments.
 
+        A new instruction under an instruction cache is placed first (not rolled back if the
+        tick fails later: the cache then holds the system prompt and that instruction).
         Returns (the mark to roll back to, the action segment).
         """
-        run.record.evicted = self.session.apply_plan(plan.slots)
-        run.lap('evict_ms')
+        if run.instruction is not None:
+            run.record.evicted = self._place_instruction(run)
+            run.lap('instruction_ms')
+            parts = parts[1:]
+        else:
+            run.record.evicted = self.session.apply_plan(plan.slots)
+            run.lap('evict_ms')
         mark = self.session.mark()
         segments = self.session.append_segments(list(parts))
         run.lap('prefill_ms')
@@ -397,7 +505,7 @@ class TickEngine:
                 # what ran so far is evidence too: a slow prefill raises the scale
                 self.admission.observe(plan.n_prefill, plan.length, record.n_fed,
                                        plan.kept, run.ms_since_admit(), record.probe,
-                                       in_time=False)
+                                       in_time=False, restored=plan.restored)
                 return run.refuse('overrun_abort', plan.predicted,
                                   f'{remaining} decode steps left would pass the deadline')
             record.n_decode += 1
@@ -500,7 +608,7 @@ class TickEngine:
         """
         admission = self.admission
         scale = (admission.probe_scale(plan.n_prefill, plan.length, run.record.n_fed,
-                                       plan.kept, run.ms_since_admit())
+                                       plan.kept, run.ms_since_admit(), plan.restored)
                  if run.record.probe else None)
         length = self.session.length
         step = admission.step_ms(length, scale)
@@ -520,7 +628,8 @@ class TickEngine:
         run.lap('decode_ms')
         in_time = run.now() <= run.deadline
         self.admission.observe(plan.n_prefill, plan.length, record.n_fed, plan.kept,
-                               run.ms_since_admit(), record.probe, in_time=in_time)
+                               run.ms_since_admit(), record.probe, in_time=in_time,
+                               restored=plan.restored)
         if not in_time:
             record.late = True
             self.session.rollback(mark)
@@ -559,6 +668,7 @@ class _Plan:
     slots: Optional[object] = None
     kept: Optional[int] = None
     predicted: float = 0.0
+    restored: int = 0              # instruction tokens restored by copy, not prefilled
 
 
 class _Run:
@@ -571,6 +681,7 @@ class _Run:
         engine.admission.new_tick()
         self.record = TickRecord(self.index, stamp, deadline, capacity=engine.backend.capacity)
         self.stamp, self.deadline = stamp, deadline
+        self.instruction = None   # a new instruction to place first: (its part, stored state)
         self.now = engine.clock.now
         self.t0 = self.last = self.admitted = self.now()
 

@@ -192,6 +192,16 @@ class KVCache:
                     self.accumulated[:self.length].copy(),
                     tuple((s.uid, s.pinned) for s in self.segments.values()))
 
+    def truncate(self, length):
+        """Forget slots from ``length`` on, and every segment left without a slot."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f'cannot truncate a cache of {self.length} to {length}')
+        self.evicted_tokens += self.length - length
+        self.length = int(length)
+        kept = set(self.owner[:self.length].tolist())
+        for seg_id in [s for s in self.segments if s not in kept]:
+            del self.segments[seg_id]
+
     def rollback(self, mark):
         """Return to ``mark``: later slots and segments are forgotten, scores restored."""
         if mark.length > self.length:

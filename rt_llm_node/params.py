@@ -90,6 +90,12 @@ PARAMETERS = (
           'last action, the cache, the grammar) and verified in one pass; the action stays '
           'exactly the greedy one; used where the backend verifies row-exactly (numpy, where '
           'it saves passes but not time); 0: off', 0, 16),
+    Param('instruction_cache_entries', 8, 'instructions whose KV state is kept in host '
+          'memory: a new instruction is placed right after the system prompt (what followed '
+          'it is dropped) and one seen before is restored by copy, not prefilled; 0: '
+          'instructions are appended like observations and evicted by meaning', 0, 10000),
+    Param('instruction_cache_mb', 64, 'size bound of the instruction cache in host memory '
+          '(least recently used entries go first)', 1, 1_000_000),
     Param('calibration_repeats', 5, 'timings per calibration grid point', 2, 50),
     Param('state_dir', '', "folder where the node keeps the system prompt's KV state and its "
           'calibrated cost model across restarts (used again only on an exact match of '

@@ -84,15 +84,15 @@ class KVSession:
         self.make_room(len(ids) + reserve, kind, topic)
         return self.append_segments([(ids, kind, topic, stamp)])[0]
 
-    def restore(self, token_ids, kind, mass):
-        """Take a prefix the backend holds (its ``import_kv`` at 0) into an empty cache's books.
+    def restore(self, token_ids, kind, mass, topic='', stamp=0.0):
+        """Take slots the backend imported at the cache's end (``import_kv``) into the books.
 
-        As ``append`` would have left them after prefilling it: one segment, the prefill's
-        attention ``mass`` added.
+        As ``append`` would have left them after prefilling them: one segment, the prefill's
+        attention ``mass`` (over the whole cache) added.
         """
-        if self.cache.length or self.pending:
-            raise ValueError('a prefix is restored into an empty cache only')
-        segment = self.cache.open_segment(kind, '', 0.0)
+        if self.pending or self.backend.length != self.cache.length + len(token_ids):
+            raise ValueError('restored slots must follow the cache, nothing pending')
+        segment = self.cache.open_segment(kind, topic, stamp)
         self.cache.extend(segment, np.asarray(token_ids, dtype=np.int64))
         self.cache.add_attention(mass)
         return segment
@@ -142,6 +142,14 @@ class KVSession:
         self.backend.rollback(cache_mark.length)
         self.cache.rollback(cache_mark)
         self.pending = pending
+
+    def truncate(self, length):
+        """Forget every slot from ``length`` on, pending tokens too; returns tokens dropped."""
+        dropped = self.cache.length - length
+        self.backend.rollback(length)
+        self.cache.truncate(length)
+        self.pending = None
+        return dropped
 
     def decay_scores(self):
         """Age the attention scores by one control tick."""

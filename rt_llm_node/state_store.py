@@ -116,27 +116,38 @@ class StateStore:
         self.folder.mkdir(parents=True, exist_ok=True)
 
     # -- prefixes -------------------------------------------------------------------------
-    def save_prefix(self, fields, token_ids, tensors, mass):
-        """Store the KV ``tensors`` and attention ``mass`` of prefix ``token_ids``."""
+    def _prefix_path(self, fields, ids, start):
+        key = {**fields, 'token_ids': ids, **({'start': start} if start else {})}
+        return self.folder / f"prefix-{_key('prefix', key)}.safetensors"
+
+    def save_prefix(self, fields, token_ids, tensors, mass, start=0):
+        """Store the KV ``tensors`` and attention ``mass`` of prefix ``token_ids``.
+
+        ``start``: the tensors hold slots ``start`` .. only (an instruction after the system
+        prompt: ``token_ids`` are both, the slots the instruction's).
+        """
         from safetensors.numpy import save_file
         ids = [int(t) for t in token_ids]
         tensors = dict(tensors, mass=np.asarray(mass, np.float32))
         meta = {'format': FORMAT, 'kind': 'prefix', 'fields': json.dumps(fields, sort_keys=True),
-                'token_ids': json.dumps(ids), 'sha256': _tensor_digest(tensors)}
-        path = self.folder / f"prefix-{_key('prefix', {**fields, 'token_ids': ids})}.safetensors"
+                'token_ids': json.dumps(ids), 'start': str(int(start)),
+                'sha256': _tensor_digest(tensors)}
+        path = self._prefix_path(fields, ids, start)
         self._write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
         return path
 
-    def load_prefix(self, fields, token_ids):
+    def load_prefix(self, fields, token_ids, start=0):
         """Return (tensors, mass) stored for prefix ``token_ids`` under ``fields``, or None.
 
-        None comes with a log line saying why (nothing stored, what differs, a damaged file).
+        None comes with a log line saying why (nothing stored, what differs, a damaged file);
+        for slots from ``start`` > 0 (an instruction) nothing stored is no news: no line.
         """
         ids = [int(t) for t in token_ids]
-        path = self.folder / f"prefix-{_key('prefix', {**fields, 'token_ids': ids})}.safetensors"
+        path = self._prefix_path(fields, ids, start)
         if not path.exists():
-            self.log(f'no stored KV state for this prefix: {self._nearest(fields, ids)}; '
-                     'prefilling')
+            if not start:
+                self.log(f'no stored KV state for this prefix: {self._nearest(fields, ids)}; '
+                         'prefilling')
             return None
         try:
             meta, tensors = self._read_prefix(path)
@@ -145,6 +156,8 @@ class StateStore:
                      f'{exc}); prefilling')
             return None
         problem = self._mismatch(meta, fields, ids)
+        if problem is None and meta.get('start', '0') != str(int(start)):
+            problem = f"it holds slots from {meta.get('start')}, not {start}"
         if problem is None and _tensor_digest(tensors) != meta.get('sha256'):
             problem = 'its tensors do not match their checksum (damaged)'
         if problem:

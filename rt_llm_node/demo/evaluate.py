@@ -41,6 +41,7 @@ from rt_llm_node.demo.task import SYSTEM_PROMPT
 from rt_llm_node.demo.world import DemoWorld
 from rt_llm_node.engine import ModelClock
 from rt_llm_node.engine import TickEngine
+from rt_llm_node.instruction_cache import InstructionCache
 from rt_llm_node.kvcache import POLICIES
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.embedded import default_model_path
@@ -74,7 +75,7 @@ def _checkpoint(path, weight_format='native'):
 
 def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_ticks=None,
                       observe=None, expert_drives=False, action_delay=0, inputs=INPUTS,
-                      aim=False, speculative_tokens=0):
+                      aim=False, speculative_tokens=0, instruction_cache=0):
     """Run one closed-loop episode of the model.
 
     One closed-loop episode; returns dict(results, ticks, agree, refusals, executed, pose,
@@ -95,7 +96,8 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
     ``speculative_tokens``: the engine's speculative decoding (0: off); ``passes`` lists
     each action's forward passes (its prefill, decode steps and verify passes), ``drafted``
     and ``accepted`` sum its drafts, ``actions`` holds each tick's action tokens (None on a
-    refusal).
+    refusal). ``instruction_cache``: entries of the engine's instruction cache (0: none, the
+    instruction appended like an observation).
     """
     actuate = Actuation(action_delay)
     backend = backend or NumpyBackend(checkpoint, capacity)
@@ -106,7 +108,9 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
     engine = TickEngine(backend, checkpoint.tokenizer, inputs, grammar,
                         Admission(CostModel(), margin_ms=0.0), policy=policy,
                         system_prompt=SYSTEM_PROMPT, clock=clock,
-                        speculative_tokens=speculative_tokens)
+                        speculative_tokens=speculative_tokens,
+                        instruction_cache=(InstructionCache(instruction_cache)
+                                           if instruction_cache else None))
     engine.start()
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
     dt = world.config.dt
