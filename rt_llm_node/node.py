@@ -441,6 +441,8 @@ class RtLlmNode(LifecycleNode):
                 self._stats['drafted'] += rec.drafted
                 self._stats['drafts_kept'] += rec.accepted
                 self._stats['verify_passes'] += rec.verify_passes
+                if rec.instruction:   # a new instruction placed: prefilled or restored
+                    self._stats['instructions_' + rec.instruction] += 1
                 self._admission_scale = engine.admission.scale
                 self._latencies.append((time.monotonic() - start) * 1e3)
                 self._cache_occupancy = rec.cache_length / max(1, rec.capacity)
@@ -554,7 +556,10 @@ class RtLlmNode(LifecycleNode):
                      f"{stats.get('forward_passes', 0) / max(1, stats.get('actions', 0)):.2f}",
                  'drafted_tokens': stats.get('drafted', 0),
                  'drafted_tokens_kept': stats.get('drafts_kept', 0),
-                 'verify_passes': stats.get('verify_passes', 0)}
+                 'verify_passes': stats.get('verify_passes', 0),
+                 # instruction cache: new instructions placed by a prefill or a copy
+                 'instructions_prefilled': stats.get('instructions_prefilled', 0),
+                 'instructions_restored': stats.get('instructions_restored', 0)}
         pairs.update({f'refusals_{k}': v for k, v in refusals.items()})
         if refusals:
             status.level = DiagnosticStatus.WARN

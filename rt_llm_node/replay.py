@@ -318,6 +318,9 @@ def summarize(records, bag_seconds, wall_s, clock_mode):
         'drafted': sum(r.drafted for r in records),
         'drafted_kept': sum(r.accepted for r in records),
         'verify_passes': sum(r.verify_passes for r in records),
+        # new instructions placed after the system prompt: by a prefill, or restored by copy
+        'instructions_prefilled': sum(r.instruction == 'prefilled' for r in records),
+        'instructions_restored': sum(r.instruction == 'restored' for r in records),
         'latency_ms': {'p50': round(float(np.percentile(latencies, 50)), 3),
                        'p99': round(float(np.percentile(latencies, 99)), 3),
                        'max': round(float(latencies.max()), 3)},

@@ -416,6 +416,8 @@ def test_speculative_decoding_replays_the_same_decisions_in_fewer_passes(bags, t
     assert plain_summary['drafted'] == 0 and plain_summary['verify_passes'] == 0
     assert spec_summary['drafted_kept'] > 0 and spec_summary['verify_passes'] > 0
     assert spec_summary['forward_passes_per_action'] < plain_summary['forward_passes_per_action']
+    # the bag's instructions, each placed after the system prompt (the demo profile's cache)
+    assert plain_summary['instructions_prefilled'] >= 1
 
 
 def test_a_replay_can_start_warm_from_a_state_folder(bags, tmp_path, capsys):
