@@ -5,8 +5,8 @@
 
 Three parts, each skipped when its option is 0 or empty:
 - switches: per model (``bench_warm_start``'s: the shipped policy, or the SmolLM2-135M shape
-  with random weights and the demo's vocabulary), the engine as configure builds it
-  (``instruction_cache_entries`` 8) ticks the demo world on the wall clock while the
+  with random weights and the demo's vocabulary, at 2 Hz on numpy), the engine as configure
+  builds it (``instruction_cache_entries`` 8) ticks the demo world on the wall clock while the
   instruction goes A, B, A, B, A; per placement, its time (``TickRecord.instruction_ms``) and
   how it was placed (prefilled, or restored by copy). Median of the prefills vs of the
   restores.
@@ -28,6 +28,7 @@ import time
 
 from bench_warm_start import DEMO_PARAMS
 from bench_warm_start import model_path
+from bench_warm_start import RATES
 import numpy as np
 
 from report import markdown_table
@@ -68,11 +69,12 @@ def switches(name, backend, folder):
     """Rows of placements for model ``name``: A, B, A, B, A."""
     from rt_llm_node.configure import configure_engine
     values = load_params(DEMO_PARAMS)
-    values.update(backend=backend, model_path=model_path(name, folder), rate_hz=30.0,
+    rate = RATES[name] if backend == 'numpy' else 30.0
+    values.update(backend=backend, model_path=model_path(name, folder), rate_hz=rate,
                   instruction_cache_entries=8)
     engine = configure_engine(values, log=lambda line: None)
     placed = [(r.record.instruction, r.record.instruction_ms)
-              for r in instruction_ticks(engine, TEXTS * 2 + TEXTS[:1], 1 / 30)
+              for r in instruction_ticks(engine, TEXTS * 2 + TEXTS[:1], 1 / rate)
               if r.record.instruction]
     prefilled = [ms for how, ms in placed if how == 'prefilled']
     restored = [ms for how, ms in placed if how == 'restored']

@@ -106,11 +106,15 @@ class CostModel:
         v0, v1, v2 = self.verify
         return v0 + v1 * n + v2 * n * cache_length
 
-    def tick_ms(self, n_prefill, cache_length, n_decode, kept=None, restored=0):
+    def tick_ms(self, n_prefill, cache_length, n_decode, kept=None, restored=0,
+                pass_tokens=0):
         """Raw predicted time of a whole tick (compaction if ``kept`` is given).
 
         ``restored``: tokens whose stored state is copied into the cache (an instruction
         switched back to), priced as a compaction that moves as many slots.
+        ``pass_tokens``: with speculative decoding, the ``n_decode`` forward passes after the
+        prefill are each priced as the dearer of a decode step and a verify pass of this many
+        tokens (0: decode steps).
         """
         total = self.compact_ms(restored) if restored else 0.0
         if kept is not None:
@@ -118,7 +122,9 @@ class CostModel:
             cache_length = kept
         total += self.prefill_ms(n_prefill, cache_length)
         for step in range(n_decode):
-            total += self.decode_ms(cache_length + n_prefill + step)
+            length = cache_length + n_prefill + step
+            total += (max(self.decode_ms(length), self.verify_ms(pass_tokens, length))
+                      if pass_tokens else self.decode_ms(length))
         return total
 
 
@@ -285,9 +291,10 @@ class Admission:
                 self.ratios.popleft()
             self._rescale()
 
-    def predict_ms(self, n_prefill, cache_length, n_decode, kept=None, restored=0):
+    def predict_ms(self, n_prefill, cache_length, n_decode, kept=None, restored=0,
+                   pass_tokens=0):
         """Pessimistic prediction of a tick's model time, margin included."""
-        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept, restored)
+        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept, restored, pass_tokens)
         return raw * self.scale + self.margin_ms
 
     def verify_ms(self, n, cache_length, scale=None):
@@ -304,36 +311,39 @@ class Admission:
     def admit(self, predicted_ms, available_ms):
         return predicted_ms <= available_ms
 
-    def probe_instead(self, n_prefill, cache_length, n_decode, kept, available_ms, restored=0):
+    def probe_instead(self, n_prefill, cache_length, n_decode, kept, available_ms, restored=0,
+                      pass_tokens=0):
         """Whether a tick ``admit`` refused should run as a probe instead.
 
         True after enough deadline refusals in a row, if it would fit were the model
         1 / min_scale times too pessimistic; else it counts as one more deadline refusal.
         """
         if self.probe_ticks and self.refused_in_a_row >= self.probe_ticks * self.backoff:
-            raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept, restored)
+            raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept, restored,
+                                     pass_tokens)
             if raw * self.min_scale + self.margin_ms <= available_ms:
                 return True
         self.refused_in_a_row += 1
         return False
 
-    def probe_scale(self, n_prefill, cache_length, n_decode, kept, elapsed_ms, restored=0):
+    def probe_scale(self, n_prefill, cache_length, n_decode, kept, elapsed_ms, restored=0,
+                    pass_tokens=0):
         """Return the watchdog's scale in a probe tick.
 
         What the tick has measured so far against the model (the learned scale is what the probe
         doubts), min_scale at the least.
         """
-        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept, restored)
+        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept, restored, pass_tokens)
         return max(self.min_scale, elapsed_ms / raw if raw > 0 else 1.0)
 
     def observe(self, n_prefill, cache_length, n_decode, kept, measured_ms, probe=False,
-                in_time=True, restored=0):
+                in_time=True, restored=0, pass_tokens=0):
         """Learn from one admitted tick's measured model time.
 
         A ``probe`` that finished ``in_time`` lowers the floor to what it measured (min_scale at
         the least), one that did not doubles the wait for the next.
         """
-        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept, restored)
+        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept, restored, pass_tokens)
         ratio = measured_ms / raw if raw > 0 and np.isfinite(measured_ms) else None
         self.refused_in_a_row = 0
         if ratio is not None:

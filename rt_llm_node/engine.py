@@ -179,7 +179,7 @@ class TickEngine:
         # not, so that one rare long action cannot keep every later tick refused (typical
         # when none is recent); a longer action than predicted is caught by the watchdog
         self.typical_decodes = max(0, grammar.typical_decode_tokens() - 1)
-        self.recent_decodes = deque()  # (tick index, decode calls) of admitted ticks
+        self.recent_decodes = deque()  # (tick, tokens fed, forward passes) of admitted ticks
         # speculative decoding: at most this many drafted tokens verified in one pass, where
         # the backend verifies row-exactly (the output stays exactly greedy); 0: off
         self.speculative_tokens = (int(speculative_tokens)
@@ -200,7 +200,20 @@ class TickEngine:
         """Decode calls to plan for at tick ``index``: the worst of the recent window."""
         while self.recent_decodes and self.recent_decodes[0][0] <= index - DECODE_WINDOW:
             self.recent_decodes.popleft()
-        return max([n for _, n in self.recent_decodes], default=self.typical_decodes)
+        return max([n for _, n, _ in self.recent_decodes], default=self.typical_decodes)
+
+    def expected_passes(self, index):
+        """Forward passes after the prefill to plan for with speculative decoding, or None.
+
+        The admission quantile of the passes recent actions took (how many drafts were
+        kept is what varies), over the same window as ``expected_decodes``; None without
+        speculation or before any admitted action.
+        """
+        self.expected_decodes(index)   # drops what left the window
+        if not self.speculative_tokens or not self.recent_decodes:
+            return None
+        passes = [p for _, _, p in self.recent_decodes]
+        return int(np.quantile(passes, self.admission.quantile, method='higher'))
 
     def start(self, state_store=None, state_fields=None, log=None):
         """Prefill the system prompt (pinned), or restore it, and get ready for ticks.
@@ -400,14 +413,18 @@ class TickEngine:
             except CacheFullError as exc:   # the inputs, not the backend: one tick too large
                 return run.refuse('input_error', detail=f'the cache cannot make room: {exc}')
         plan.kept = None if plan.slots is None else len(plan.slots)
-        plan.predicted = admission.predict_ms(plan.n_prefill, plan.length, plan.n_decode,
-                                              plan.kept, plan.restored)
+        passes = self.expected_passes(run.record.tick)
+        plan.passes = plan.n_decode if passes is None else min(passes, plan.n_decode)
+        plan.pass_tokens = 0 if passes is None else 1 + self.speculative_tokens
+        plan.predicted = admission.predict_ms(plan.n_prefill, plan.length, plan.passes,
+                                              plan.kept, plan.restored, plan.pass_tokens)
         available = run.ms_left()
         run.record.predicted_ms, run.record.available_ms = plan.predicted, available
         run.record.n_prefill = plan.n_prefill
         if not admission.admit(plan.predicted, available):
-            if not admission.probe_instead(plan.n_prefill, plan.length, plan.n_decode,
-                                           plan.kept, available, plan.restored):
+            if not admission.probe_instead(plan.n_prefill, plan.length, plan.passes,
+                                           plan.kept, available, plan.restored,
+                                           plan.pass_tokens):
                 return run.refuse('deadline', plan.predicted, available=available)
             run.record.probe = True
         return plan
@@ -503,9 +520,10 @@ class TickEngine:
                 self.session.rollback(mark)
                 run.lap('decode_ms')
                 # what ran so far is evidence too: a slow prefill raises the scale
-                self.admission.observe(plan.n_prefill, plan.length, record.n_fed,
+                self.admission.observe(plan.n_prefill, plan.length, record.n_decode,
                                        plan.kept, run.ms_since_admit(), record.probe,
-                                       in_time=False, restored=plan.restored)
+                                       in_time=False, restored=plan.restored,
+                                       pass_tokens=plan.pass_tokens)
                 return run.refuse('overrun_abort', plan.predicted,
                                   f'{remaining} decode steps left would pass the deadline')
             record.n_decode += 1
@@ -607,8 +625,9 @@ class TickEngine:
         A probe tick judges by what it has measured, not by the learned scale.
         """
         admission = self.admission
-        scale = (admission.probe_scale(plan.n_prefill, plan.length, run.record.n_fed,
-                                       plan.kept, run.ms_since_admit(), plan.restored)
+        scale = (admission.probe_scale(plan.n_prefill, plan.length, run.record.n_decode,
+                                       plan.kept, run.ms_since_admit(), plan.restored,
+                                       plan.pass_tokens)
                  if run.record.probe else None)
         length = self.session.length
         step = admission.step_ms(length, scale)
@@ -627,9 +646,9 @@ class TickEngine:
         record = run.record
         run.lap('decode_ms')
         in_time = run.now() <= run.deadline
-        self.admission.observe(plan.n_prefill, plan.length, record.n_fed, plan.kept,
+        self.admission.observe(plan.n_prefill, plan.length, record.n_decode, plan.kept,
                                run.ms_since_admit(), record.probe, in_time=in_time,
-                               restored=plan.restored)
+                               restored=plan.restored, pass_tokens=plan.pass_tokens)
         if not in_time:
             record.late = True
             self.session.rollback(mark)
@@ -637,7 +656,7 @@ class TickEngine:
         self.session.defer(segment, [chosen[-1], *self.grammar.end_ids])
         for ids, kind, topic, part_stamp in parts[:-1]:
             self.rendered[topic] = part_stamp
-        self.recent_decodes.append((record.tick, record.n_fed))
+        self.recent_decodes.append((record.tick, record.n_fed, record.n_decode))
         self.last_action_ids = list(chosen)
         self.session.decay_scores()
         record.decision = 'action'
@@ -669,6 +688,8 @@ class _Plan:
     kept: Optional[int] = None
     predicted: float = 0.0
     restored: int = 0              # instruction tokens restored by copy, not prefilled
+    passes: int = 0                # forward passes after the prefill the prediction prices
+    pass_tokens: int = 0           # each priced as a verify pass of this many (0: a step)
 
 
 class _Run:

@@ -166,3 +166,31 @@ def test_the_demo_policy_acts_the_same_in_fewer_passes():
         accepted += spec['accepted']
     assert drafted > 0 and accepted > 0
     assert np.mean(spec_passes) < np.mean(plain_passes)
+
+
+def test_admission_plans_the_quantile_of_recent_passes(demo):
+    """With drafts, a tick is priced by the passes recent actions took, not tokens fed."""
+    from rt_llm_node.demo.task import action_grammar
+    grammar = action_grammar(demo.tokenizer, model_aim(default_model_path()))
+    engine, clock = engine_for(demo, grammar, 4, 256)
+    engine.admission.model = CostModel(prefill=(0.5, 0.01, 0.0), decode=(0.3, 0.0),
+                                       verify=(0.25, 0.02, 0.0))
+    assert engine.expected_passes(0) is None   # nothing measured yet: plan tokens as steps
+    world = DemoWorld(HELD_OUT_SEED0, messages=MessageFactory(ros=False))
+    results = []
+    for result in run_ticks(engine, clock, world, 90):
+        results.append(result)
+        world.step(*(result.action.values[f] for f in ('linear.x', 'angular.z'))
+                   if result.action else (0.0, 0.0))
+    passes = [p for _, _, p in engine.recent_decodes]
+    fed = [n for _, n, _ in engine.recent_decodes]
+    assert sum(passes) < sum(fed)   # drafts were kept
+    expected = int(np.quantile(passes, engine.admission.quantile, method='higher'))
+    assert engine.expected_passes(90) == expected <= engine.expected_decodes(90)
+    # each planned pass priced as the dearer of a step and a verify pass of 5 tokens
+    model = engine.admission.model
+    assert model.tick_ms(0, 100, 2, pass_tokens=5) == pytest.approx(
+        2 * max(model.decode_ms(100), model.verify_ms(5, 100)))
+    assert all(not r.record.late for r in results)
+    plain, _ = engine_for(demo, grammar, 0, 256)
+    assert plain.expected_passes(0) is None
