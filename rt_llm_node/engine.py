@@ -92,7 +92,7 @@ class TickRecord:
     evicted: int = 0
     render_ms: float = 0.0
     evict_ms: float = 0.0
-    instruction_ms: float = 0.0    # placing a new instruction (restore or its own prefill)
+    instruction_ms: float = 0.0    # placing a new instruction (restore, or prefill), in evict_ms
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     total_ms: float = 0.0
@@ -480,12 +480,13 @@ class TickEngine:
         Returns (the mark to roll back to, the action segment).
         """
         if run.instruction is not None:
+            started = run.now()
             run.record.evicted = self._place_instruction(run)
-            run.lap('instruction_ms')
+            run.record.instruction_ms = (run.now() - started) * 1e3
             parts = parts[1:]
         else:
             run.record.evicted = self.session.apply_plan(plan.slots)
-            run.lap('evict_ms')
+        run.lap('evict_ms')
         mark = self.session.mark()
         segments = self.session.append_segments(list(parts))
         run.lap('prefill_ms')
