@@ -99,8 +99,8 @@ def soak(n, folder):
         engine.save_state(store, fields)
         worst = [max(worst[0], store.size_bytes()), max(worst[1], engine.instructions.nbytes),
                  max(worst[2], len(engine.instructions))]
-    return [n, f'{worst[0] / 1024:.0f} of {store.max_bytes / 1024:.0f}',
-            f'{worst[1] / 1024:.0f} of {engine.instructions.max_bytes / 1024:.0f}',
+    return [n, f'{worst[0]:,} of {store.max_bytes:,}',
+            f'{worst[1]:,} of {engine.instructions.max_bytes:,}',
             f'{worst[2]} of {engine.instructions.max_entries}',
             engine.instructions.hits, engine.instructions.misses]
 
@@ -190,8 +190,8 @@ def main(argv=None):
     if args.soak:
         with tempfile.TemporaryDirectory() as tmp:
             row = soak(args.soak, tmp)
-        header = ['distinct instructions', 'state_dir KiB (largest of bound)',
-                  'cache KiB (largest of bound)', 'cache entries (most of bound)',
+        header = ['distinct instructions', 'state_dir bytes (largest of bound)',
+                  'cache bytes (largest of bound)', 'cache entries (most of bound)',
                   'cache hits', 'misses']
         print_table(header, [row])
         if args.write:
