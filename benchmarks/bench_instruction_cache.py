@@ -21,11 +21,11 @@ Three parts, each skipped when its option is 0 or empty:
 import argparse
 from concurrent.futures import ProcessPoolExecutor
 import copy
-import os
 import sys
 import tempfile
 import time
 
+from bench_speculative import timed_episode
 from bench_warm_start import DEMO_PARAMS
 from bench_warm_start import model_path
 from bench_warm_start import RATES
@@ -34,15 +34,9 @@ import numpy as np
 from report import markdown_table
 from report import print_table
 from report import write_section
-from rt_llm_node.demo.evaluate import _checkpoint
 from rt_llm_node.demo.evaluate import HELD_OUT_SEED0
-from rt_llm_node.demo.evaluate import run_model_episode
 from rt_llm_node.demo.messages import MessageFactory
-from rt_llm_node.demo.task import model_aim
-from rt_llm_node.demo.task import model_inputs
 from rt_llm_node.demo.world import DemoWorld
-from rt_llm_node.engine import TickEngine
-from rt_llm_node.model.embedded import default_model_path
 from rt_llm_node.replay import load_params
 
 TEXTS = ('go to the red box', 'go to the blue ball')
@@ -108,24 +102,7 @@ def soak(n, folder):
 def episode(job):
     """Run one held-out demo episode with (``entries``) or without an instruction cache."""
     seed, entries = job
-    os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
-    path = default_model_path()
-    times = []
-    tick = TickEngine.tick
-
-    def timed(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return tick(self, *args, **kwargs)
-        finally:
-            times.append((time.perf_counter() - start) * 1e3)
-    TickEngine.tick = timed
-    try:
-        result = run_model_episode(_checkpoint(str(path)), seed, 'meaning', 256,
-                                   inputs=model_inputs(path), aim=model_aim(path),
-                                   instruction_cache=entries)
-    finally:
-        TickEngine.tick = tick
+    result, times = timed_episode(seed, instruction_cache=entries)
     return {'goals': sum(r == 'reached' for r in result['results']),
             'refusals': result['refusals'], 'ticks': result['ticks'], 'times': times}
 

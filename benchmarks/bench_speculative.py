@@ -31,9 +31,11 @@ from rt_llm_node.engine import TickEngine
 from rt_llm_node.model.embedded import default_model_path
 
 
-def episode(job):
-    """Run one episode; returns its results, passes, drafts, actions and tick wall times."""
-    seed, tokens = job
+def timed_episode(seed, **options):
+    """Run held-out episode ``seed`` of the shipped policy (``run_model_episode`` options).
+
+    Returns its result and the wall time of each ``TickEngine.tick`` (ms).
+    """
     os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
     path = default_model_path()
     times = []
@@ -48,10 +50,16 @@ def episode(job):
     TickEngine.tick = timed
     try:
         result = run_model_episode(_checkpoint(str(path)), seed, 'meaning', 256,
-                                   inputs=model_inputs(path), aim=model_aim(path),
-                                   speculative_tokens=tokens)
+                                   inputs=model_inputs(path), aim=model_aim(path), **options)
     finally:
         TickEngine.tick = tick
+    return result, times
+
+
+def episode(job):
+    """Run one episode; returns its results, passes, drafts, actions and tick wall times."""
+    seed, tokens = job
+    result, times = timed_episode(seed, speculative_tokens=tokens)
     return {'goals': sum(r == 'reached' for r in result['results']),
             'passes': result['passes'], 'drafted': result['drafted'],
             'accepted': result['accepted'], 'actions': result['actions'], 'times': times}
