@@ -459,7 +459,7 @@ class TickEngine:
         self.rendered = {}
         ids = [int(t) for t in ids]
         if found is not None:
-            self.backend.import_kv(found[0], n_system)
+            self.session.backend.import_kv(found[0], n_system)
             self.session.restore(ids, kind, found[1], topic, stamp)
             run.record.instruction = 'restored'
         else:
@@ -744,8 +744,8 @@ class ModelTimedBackend:
     """A backend whose work advances a ``ModelClock`` by the cost model's prediction of it.
 
     Under the model clock (replay, evaluation) time is what admission predicts: compaction,
-    prefill, decode and verify each charge their scaled cost as they run, so the tick itself never
-    charges time. Everything else passes through to the wrapped backend.
+    prefill, decode, verify and a restore by copy each charge their scaled cost as they run,
+    so the tick itself never charges time. Everything else passes through to the wrapped backend.
     """
 
     def __init__(self, backend, clock, admission):
@@ -775,3 +775,8 @@ class ModelTimedBackend:
         predicted = self._backend.verify(token_ids, allowed)
         self._charge(self._admission.model.verify_ms(len(token_ids), start))
         return predicted
+
+    def import_kv(self, tensors, start=0):
+        length = self._backend.import_kv(tensors, start)
+        self._charge(self._admission.model.compact_ms(length - start))   # priced as admitted
+        return length

@@ -67,6 +67,9 @@ def test_a_switch_back_restores_the_instruction_by_copy_exactly():
     results = ticks(engine, clock, [A, B, A])
     placed = [r.record.instruction for r in results if r.record.instruction]
     assert placed == ['prefilled', 'prefilled', 'restored']
+    # under the model clock a copy costs what admission priced: less than the prefill
+    cost = {r.record.instruction: r.record.instruction_ms for r in results}
+    assert 0 < cost['restored'] < cost['prefilled']
     assert all(r.action is not None for r in results), [r.refusal for r in results]
     # the cache starts over at each switch: the system prompt, the instruction, then inputs
     assert kinds(engine)[:2] == [SYSTEM, INSTRUCTION]
