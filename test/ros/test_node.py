@@ -271,6 +271,24 @@ def test_broken_model_fails_configure_with_the_loader_message(rig, tmp_path):
     assert 'not a checkpoint directory' in node2.last_error
 
 
+def test_a_reconfigured_node_restores_its_prompt_and_instruction_from_state_dir(rig, tmp_path):
+    """Deactivate and cleanup store the state; the next configure and instruction restore it."""
+    world, recorder, make = rig
+    node = make(rate_hz=10.0, state_dir=str(tmp_path / 'state'))
+    start(node)
+    wait_until(lambda: node.stats()[0].get('instructions_prefilled', 0) >= 1,
+               what='the instruction placed after the system prompt')
+    transition(node, 'deactivate')
+    assert transition(node, 'cleanup') == TransitionCallbackReturn.SUCCESS
+    assert any(p.name.startswith('prefix-') for p in (tmp_path / 'state').iterdir())
+    start(node)
+    wait_until(lambda: node.stats()[0].get('actions', 0) >= 3, what='actions after a restart')
+    stats = node.stats()[0]
+    transition(node, 'deactivate')
+    assert stats.get('instructions_restored', 0) >= 1, stats
+    assert stats.get('instructions_prefilled', 0) == 0, stats
+
+
 def test_deactivate_stops_output_and_cleanup_then_configure_works(rig):
     world, recorder, make = rig
     node = make(rate_hz=10.0)
