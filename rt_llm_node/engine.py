@@ -209,8 +209,10 @@ class TickEngine:
         kept is what varies), over the same window as ``expected_decodes``; None without
         speculation or before any admitted action.
         """
+        if not self.speculative_tokens:
+            return None
         self.expected_decodes(index)   # drops what left the window
-        if not self.speculative_tokens or not self.recent_decodes:
+        if not self.recent_decodes:
             return None
         passes = [p for _, _, p in self.recent_decodes]
         return int(np.quantile(passes, self.admission.quantile, method='higher'))

@@ -48,7 +48,7 @@ class InstructionCache:
         """
         key = tuple(int(t) for t in ids)
         size = sum(a.nbytes for a in tensors.values()) + mass.nbytes
-        self.discard(key)
+        self._discard(key)
         if size > self.max_bytes:
             return False
         self.entries[key] = (tensors, mass, size)
@@ -57,7 +57,7 @@ class InstructionCache:
             self.nbytes -= self.entries.popitem(last=False)[1][2]
         return True
 
-    def discard(self, key):
+    def _discard(self, key):
         entry = self.entries.pop(key, None)
         if entry is not None:
             self.nbytes -= entry[2]
