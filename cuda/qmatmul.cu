@@ -10,7 +10,7 @@
 // resident), every warp of a block running the same number of rounds. grid.y = one block
 // row per token (last_only: one). A chunk is what one 16-byte load of a row holds (16
 // columns of i8, 32 of u4, always inside one group: one scale and offset a chunk). A lane
-// takes the chunks c_begin + lane, + 32, ... of both rows of its unit, QBATCH chunks a row in
+// takes the chunks c_begin + lane, + 32, ... of both rows of its unit, qbatch chunks a row in
 // flight at a time (the first batch of the first unit before the wait for the previous
 // kernel, the norm weights copied into shared memory then too). The block stages x * norm_w (or x) in shared memory with the
 // sum of each 16 values of it, in one pass that also sums x^2 (few large blocks: x is read
@@ -38,11 +38,24 @@
 // (i8 groups are 16 or 32 columns, u4 groups 32).
 template <int FMT> struct qcols { static constexpr int value = FMT == QFMT_I8 ? 16 : 32; };
 
-// Chunks a lane loads per row before it multiplies: 64 bytes of codes a row (with 512
+// Chunks a lane loads per row before it multiplies. i8: 4 (64 bytes of codes a row; with 512
 // threads, 64 KiB an SM in flight, the next unit's batch loading during this one's last).
-#ifndef QBATCH
-#define QBATCH 4
+// u4: 2, since a u4 chunk holds twice the columns and takes twice the arithmetic of an i8
+// one; measured on the H200, two in flight beat four on all three benchmark shapes (fewer
+// registers, more units in flight; benchmarks/RESULTS.md). QBATCH=N sets both (sweeps).
+#ifdef QBATCH
+#define QBATCH_I8 QBATCH
+#define QBATCH_U4 QBATCH
 #endif
+#ifndef QBATCH_I8
+#define QBATCH_I8 4
+#endif
+#ifndef QBATCH_U4
+#define QBATCH_U4 2
+#endif
+template <int FMT> struct qbatch {
+  static constexpr int value = FMT == QFMT_I8 ? QBATCH_I8 : QBATCH_U4;
+};
 
 // The 16-byte chunk c of a row.
 __device__ __forceinline__ uint4 load_q(const unsigned char* row, int c) {
@@ -96,7 +109,7 @@ __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __res
                              int gshift, int rows, int K, const float* __restrict__ x,
                              const wt* __restrict__ norm_w, float eps, float* __restrict__ out,
                              int units, int last_only, QkvArgs qa, int split) {
-  constexpr int B = QBATCH, COLS = qcols<FMT>::value, HALVES = COLS / QSUB;
+  constexpr int B = qbatch<FMT>::value, COLS = qcols<FMT>::value, HALVES = COLS / QSUB;
   extern __shared__ __align__(16) float q_smem[];
   __shared__ float scratch[WARP];
   __shared__ float2 part_sums[2][QMV_MAX_THREADS / WARP];

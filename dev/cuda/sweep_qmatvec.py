@@ -8,7 +8,8 @@ A variant T[:S][@R][+NAME=VALUE...] runs qmatmul.cu's qmatvec kernels in blocks 
 smallest grid covering F of the SMs, default cuda_backend.QMV_FILL) with the backend's
 split of K (cuda_backend.qmatvec_plan), or S warps a unit for every matrix (:S); @R plans
 the grid as if R blocks fit an SM (fewer than fit leaves room for the next kernel's blocks to
-start early); +NAME=VALUE compiles with -DNAME=VALUE (qmatmul.cu's QBATCH, QMV_MIN_BLOCKS).
+start early); +NAME=VALUE compiles with -DNAME=VALUE (qmatmul.cu's QBATCH_I8, QBATCH_U4 or
+QBATCH for both, QMV_MIN_BLOCKS).
 Each row is one decode-graph replay (CUDA events, median of --repeats) at --context cached
 tokens, with the registers of qmatvec_swiglu and its resident blocks an SM (of the first
 block size).
