@@ -104,6 +104,15 @@ def program_source(files):
     return '\n'.join(parts) + '\n'
 
 
+# No implicit multiply-add contraction: every product and sum is rounded as written (the
+# kernels ask for fused multiply-adds explicitly, fmaf), so the same source gives the same
+# bits in every kernel that inlines it, whatever the compiler schedules around it. A verify
+# row (the _tv matmuls) must repeat a decode step (_t1) bit for bit: with contraction on,
+# the RoPE epilogue's y0 * c - y1 * s fused differently in the two and rows differed by an
+# ulp.
+EXACT = ('--fmad=false',)
+
+
 def compile_options(arch, weight_dtype, kv_int8=False):
     """NVRTC options for compute capability ``arch`` (e.g. 90), a weight dtype and the cache's.
 
@@ -116,7 +125,7 @@ def compile_options(arch, weight_dtype, kv_int8=False):
     return [f'--gpu-architecture=sm_{arch}', '--std=c++17', f'-DRT_WEIGHT_{weight_dtype}',
             *defines, f'-DMV_BATCH={MV_BATCH[weight_dtype]}',
             f'-DMV_MIN_BLOCKS={MV_MIN_BLOCKS}', *(['-DRT_KV_INT8'] if kv_int8 else []),
-            '--restrict', '-lineinfo']
+            '--restrict', '-lineinfo', *EXACT]
 
 
 def compile_cubin(arch, weight_dtype, files=None, folder=None, kv_int8=False):

@@ -24,6 +24,11 @@ pytestmark = [pytest.mark.gpu,
 PROMPTS = 32
 NEW_TOKENS = 16
 REL = 2e-3   # max|cuda - numpy| / max|numpy| per step: the same weights, fp32 sums
+# With an int8 cache both backends round each key and value to a code; where the two fp32
+# values lie on either side of a rounding boundary their codes differ by one step (1/127 of
+# the kv head's largest value), which moves logits more than fp32 sums alone: measured on
+# the H200, up to 2.4e-3 (Qwen2.5-0.5B shape), the same greedy tokens throughout.
+REL_KV_INT8 = 4e-3
 MIXED = {'*': 'Q4_K', 'attn_v.weight': 'Q6_K', 'ffn_down.weight': 'Q6_K',
          'token_embd.weight': 'Q6_K'}
 CASES = ([(family, kind) for kind in ('Q8_0', 'Q4_0', 'Q4_1', 'Q4_K', 'Q5_K', 'Q6_K')
@@ -139,7 +144,7 @@ def test_int8_kv_cache_gives_the_numpy_greedy_tokens(tmp_path, files, source):
             assert got[1] == want[1], (source, n, run.__name__, got[1], want[1])
             for a, b in zip(got[0], want[0]):
                 worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))
-    assert worst <= REL, worst
+    assert worst <= REL_KV_INT8, worst
 
 
 def test_int8_kv_cache_takes_at_most_55_percent_of_the_bytes(tmp_path):
