@@ -20,12 +20,17 @@
 //                 per head, reset by that block) merges every split into out
 //                 [n_heads * d] and writes the head's softmax max and sum to row_ml
 //                 [n_heads, 2]; its scores stay raw (attn_mass normalizes them):
-//                 attn_combine's work without its launch.
+//                 attn_combine's work without its launch. A verify pass runs its tokens
+//                 as grid.z: query qi at position start + qi, exactly the blocks and sums of
+//                 the decode step at that position, its scores and row_ml score_stride and
+//                 ml_stride floats on, its partials, counters and output a query's on.
 //   attn_mass     grid ceil(cap / 32), block 256: for key t < start + n, adds the
 //                 probabilities of every row (layers x heads x queries, stride cap) to
 //                 mass[t]; with `first` set and state[STATE_MASS_ACC] 0 (a call's first
 //                 chunk), old values are dropped. With row_ml (decode) the rows hold raw
-//                 scores and the probability is exp(score - M_row) / L_row.
+//                 scores and the probability is exp(score - M_row) / L_row. tok_stride > 0
+//                 (a verify pass, grid.y = its tokens, n_max 1): token qi's rows start
+//                 qi * tok_stride floats on, its mass (as its decode step's) at mass + qi * cap.
 // Dtypes: q, scores, partials, mass: fp32; the cache kvt (common.cuh: fp32, or int8 codes
 // with k_scale/v_scale per slot and kv head; null with fp32). head_dim d: a multiple of 4,
 // <= 256.
@@ -159,31 +164,40 @@ attn_decode(const int* __restrict__ state, const float* __restrict__ q,
             const float* __restrict__ k_scale, const float* __restrict__ v_scale,
             float* __restrict__ scores, float* part_ml, float* part_o, float* __restrict__ out,
             float* __restrict__ row_ml, int* counters, int n_heads, int n_kv, int d, int cap,
-            int n_splits, int chunk, float scale) {
+            int n_splits, int chunk, float scale, int score_stride, int ml_stride) {
   __shared__ float4 qs4[64];     // [d / 4]
   __shared__ float p[64];        // [chunk]
   __shared__ float4 acc4[128];   // [groups, d / 4]
   __shared__ float scratch[WARP];
   __shared__ int is_last;
-  const int h = blockIdx.x, s = blockIdx.y, start = state[STATE_START], visible = start + 1;
+  // query qi of the call (verify: grid.z = the call's tokens), at position call_start + qi
+  const int h = blockIdx.x, s = blockIdx.y, qi = blockIdx.z;
+  const int call_start = state[STATE_START], start = call_start + qi, visible = start + 1;
   const int k0 = s * chunk, k1 = min(k0 + chunk, visible);
-  if (k0 >= k1) {  // only the splits that hold keys take part (and count)
+  if (k0 >= k1 || qi >= state[STATE_N]) {  // only the splits that hold keys take part
     pdl_wait_then_release();
     return;
   }
+  q += (long long)qi * n_heads * d;
+  out += (long long)qi * n_heads * d;
+  scores += (long long)qi * score_stride;
+  row_ml += (long long)qi * ml_stride;
+  part_ml += (long long)qi * n_heads * n_splits * 2;
+  part_o += (long long)qi * n_heads * n_splits * d;
+  counters += qi * n_heads;
   const int hk = h / (n_heads / n_kv), count = k1 - k0, d4 = d / 4;
   const int groups = blockDim.x / d4, g = threadIdx.x / d4, c = threadIdx.x % d4;
   const int j = threadIdx.x;   // this thread's key (count <= chunk <= blockDim)
   // every load of the split goes out before anything waits: this thread's key row (its first
-  // ATT_KPRE float4s) and its value column (ATT_VPRE keys). Keys before `start` were written
-  // by earlier calls, so they load before the wait for the previous kernel; the new token's
-  // key and value (slot `start`, written by matmul_qkv_rope just before) after it.
+  // ATT_KPRE float4s) and its value column (ATT_VPRE keys). Keys before the call's start were
+  // written by earlier calls, so they load before the wait for the previous kernel; the
+  // call's keys and values (written by matmul_qkv_rope just before) after it.
   const long long kr = ((long long)(k0 + j) * n_kv + hk) * d4;   // this key's row (float4s)
   float4 kpre[ATT_KPRE], vpre[ATT_VPRE];
 #pragma unroll
   for (int pass = 0; pass < 2; ++pass) {
     if (pass == 1) pdl_wait_then_release();
-    if (j < count && (k0 + j < start) == (pass == 0)) {
+    if (j < count && (k0 + j < call_start) == (pass == 0)) {
 #pragma unroll
       for (int b = 0; b < ATT_KPRE; ++b)
         if (b < d4) kpre[b] = kv_load4(k_cache, k_scale, kr + b, d4, pass);
@@ -192,7 +206,7 @@ attn_decode(const int* __restrict__ state, const float* __restrict__ q,
 #pragma unroll
       for (int b = 0; b < ATT_VPRE; ++b) {
         const int jj = g + b * groups;
-        if (jj < count && (k0 + jj < start) == (pass == 0))
+        if (jj < count && (k0 + jj < call_start) == (pass == 0))
           vpre[b] = kv_load4(v_cache, v_scale, ((long long)(k0 + jj) * n_kv + hk) * d4 + c, d4,
                              pass);
       }
@@ -311,10 +325,20 @@ attn_combine(const int* __restrict__ state, const float* __restrict__ part_ml,
 extern "C" __global__ void __launch_bounds__(256)
 attn_mass(const int* __restrict__ state, const float* __restrict__ probs,
           const float* __restrict__ row_ml, float* __restrict__ mass, int n_max, int n_rows,
-          int cap, int first) {
+          int cap, int first, int tok_stride) {
   pdl_wait_then_release();
   __shared__ float part[8][WARP];
-  const int n = state[STATE_N], start = state[STATE_START], end = start + n;
+  int n = state[STATE_N], start = state[STATE_START];
+  if (tok_stride) {   // a verify pass: grid.y = its tokens, each a decode step's mass
+    const int qi = blockIdx.y;
+    if (qi >= n) return;
+    start += qi;
+    n = 1;
+    probs += (long long)qi * tok_stride;
+    row_ml += (long long)qi * n_rows * 2;
+    mass += (long long)qi * cap;
+  }
+  const int end = start + n;
   if (blockIdx.x * WARP >= end) return;
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
   const int t = blockIdx.x * WARP + lane;

@@ -264,19 +264,25 @@ __device__ void tile16_body(int* __restrict__ state, const wt* __restrict__ W, i
 // split (1, 2 or 4, dividing the block's warps): warps per unit, each taking a contiguous
 // 1/split of K, their sums added in shared memory, so that a long row is one batch of
 // loads per lane and a short matrix covers more SMs.
-template <int EPI>
+// NT tokens a block (a verify pass, _tv: tokens blockIdx.y * NT ..): each weight loaded
+// once serves them all, and each token's sums are those of the one-token kernel (NT = 1)
+// for it alone, term for term in the same order: the rows of a verify pass equal decode
+// steps bit for bit.
+template <int EPI, int NT>
 __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, int rows, int K,
                             const float* __restrict__ x, const wt* __restrict__ norm_w,
                             float eps, float* __restrict__ out, int units, int last_only,
                             QkvArgs qa, int split) {
   __shared__ float scratch[WARP];
-  __shared__ float2 part_sums[2][8];   // [round parity][warp]: a0, a1 of its share of K
+  __shared__ float2 part_sums[2][8][NT];   // [round parity][warp][token]: its share of K
   const int n = state[STATE_N], start = state[STATE_START];
-  const int tok = last_only ? n - 1 : blockIdx.y;   // grid.y: one block row per token
+  // grid.y: one block row per NT tokens
+  const int tok = last_only ? n - 1 : blockIdx.y * NT;
   if (tok >= n) {  // the whole block leaves together
     pdl_wait_then_release();
     return;
   }
+  const int nt = min(NT, n - tok);   // this block's tokens: tok .. tok + nt - 1
   const float* xt = x + (long long)tok * K;
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
   const int per_group = blockDim.x / WARP / split, part = warp % split;
@@ -300,12 +306,17 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
     }
   }
   pdl_wait_then_release();   // the weights are in flight; x comes from the previous kernel
-  float inv_rms = 1.f;
-  if (norm_w) {
-    float ss = 0.f;
-    for (int k = threadIdx.x; k < K; k += blockDim.x) ss = fmaf(xt[k], xt[k], ss);
-    ss = block_sum(ss, scratch);
-    inv_rms = 1.f / sqrtf(ss / K + eps);
+  float inv_rms[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    inv_rms[t] = 1.f;
+    if (norm_w && t < nt) {
+      const float* xr = xt + (long long)t * K;
+      float ss = 0.f;
+      for (int k = threadIdx.x; k < K; k += blockDim.x) ss = fmaf(xr[k], xr[k], ss);
+      ss = block_sum(ss, scratch);
+      inv_rms[t] = 1.f / sqrtf(ss / K + eps);
+    }
   }
   // rounds: every warp of the block runs the same count (the split's barrier needs it)
   for (int round = 0, base_u = blockIdx.x * per_group; base_u < units;
@@ -314,8 +325,8 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
     const int nu = u + stride;   // this warp's next unit
     int n0 = 0, n1 = 0, nkind = 0;
     if (nu < units) unit_rows<EPI>(nu, rows, qa, &n0, &n1, &nkind);
-    float rc = 0.f, rs = 0.f;   // qkv: this pair's rotation
-    if (EPI == EPI_QKV_ROPE && active && kind < 2 && lane == 0 && part == 0) {
+    float rc = 0.f, rs = 0.f;   // qkv: this pair's rotation (NT > 1: the epilogue's own)
+    if (NT == 1 && EPI == EPI_QKV_ROPE && active && kind < 2 && lane == 0 && part == 0) {
       const int i = (kind == 0 ? r0 : r0 - q_size) % qa.head_dim;
       const long long at = (long long)(qa.cap + start + tok) * half + i;
       rc = qa.cos_t[at];
@@ -325,7 +336,9 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
     const wt* w1 = W + (long long)r1 * K;
     const wt* nw0 = W + (long long)n0 * K;
     const wt* nw1 = W + (long long)n1 * K;
-    float a0 = 0.f, a1 = 0.f;
+    float a0[NT], a1[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) a0[t] = a1[t] = 0.f;
     if (active && vec) {
       for (int base = c_begin; base < c_end; base += MV_BATCH * WARP) {
         if (base != c_begin) {
@@ -353,14 +366,20 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
           }
           if (have) {
             const int k = 8 * c;
-            float xv[8], nw[8];
-            load8f(xt + k, xv);
+            float nw[8];
             load_norm8(norm_w, k, nw);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              const float xn = xv[j] * inv_rms * nw[j];
-              a0 = fmaf(fa[j], xn, a0);
-              a1 = fmaf(fb[j], xn, a1);
+            for (int t = 0; t < NT; ++t) {
+              if (t < nt) {
+                float xv[8];
+                load8f(xt + (long long)t * K + k, xv);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                  const float xn = xv[j] * inv_rms[t] * nw[j];
+                  a0[t] = fmaf(fa[j], xn, a0[t]);
+                  a1[t] = fmaf(fb[j], xn, a1[t]);
+                }
+              }
             }
           }
         }
@@ -368,27 +387,42 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
     } else if (active) {  // rows not 16-byte aligned: scalar loads, the parts interleaved
       for (int k = part * WARP + lane; k < K; k += WARP * split) {
         const float nw = norm_w ? w2f(norm_w[k]) : 1.f;
-        const float xn = xt[k] * inv_rms * nw;
-        a0 = fmaf(w2f(w0[k]), xn, a0);
-        a1 = fmaf(w2f(w1[k]), xn, a1);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          if (t < nt) {
+            const float xn = xt[(long long)t * K + k] * inv_rms[t] * nw;
+            a0[t] = fmaf(w2f(w0[k]), xn, a0[t]);
+            a1[t] = fmaf(w2f(w1[k]), xn, a1[t]);
+          }
+        }
       }
     }
-    a0 = warp_sum(a0);
-    a1 = warp_sum(a1);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      a0[t] = warp_sum(a0[t]);
+      a1[t] = warp_sum(a1[t]);
+    }
     bool mine = active && lane == 0;
     if (split > 1) {
-      if (lane == 0) part_sums[round & 1][warp] = make_float2(a0, a1);
+      if (lane == 0)
+#pragma unroll
+        for (int t = 0; t < NT; ++t) part_sums[round & 1][warp][t] = make_float2(a0[t], a1[t]);
       __syncthreads();
       mine = mine && part == 0;
       if (mine)
-        for (int p = 1; p < split; ++p) {
-          a0 += part_sums[round & 1][warp + p].x;
-          a1 += part_sums[round & 1][warp + p].y;
-        }
+        for (int p = 1; p < split; ++p)
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+            a0[t] += part_sums[round & 1][warp + p][t].x;
+            a1[t] += part_sums[round & 1][warp + p][t].y;
+          }
     }
     if (mine)
-      epilogue<EPI>(state, tok, u, rows, r0, r1, kind, a0, a1, out, last_only, start, qa, true,
-                    rc, rs);
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+        if (t < nt)
+          epilogue<EPI>(state, tok + t, u, rows, r0, r1, kind, a0[t], a1[t], out, last_only,
+                        start, qa, NT == 1, rc, rs);
     r0 = n0; r1 = n1; kind = nkind;
   }
 }
@@ -499,11 +533,18 @@ __device__ void staged_body(int* __restrict__ state, const wt* __restrict__ W, i
     BODY(state, W, rows, K, x, norm_w, eps, out, units, last_only, none, split);            \
   }
 
-MATMUL_PLAIN(matmul_residual_t1, BOUNDS_t1, matvec_body<EPI_RESIDUAL>)
+#define BOUNDS_tv __launch_bounds__(128)   // the verify rows' matmuls
+#define T1(EPI) matvec_body<EPI, 1>
+#define TV(EPI) matvec_body<EPI, VERIFY_NT>
+
+MATMUL_PLAIN(matmul_residual_t1, BOUNDS_t1, T1(EPI_RESIDUAL))
 MATMUL_PLAIN(matmul_residual_t16, BOUNDS_t16, tile16_body<EPI_RESIDUAL>)
-MATMUL_PLAIN(matmul_store_t1, BOUNDS_t1, matvec_body<EPI_STORE>)
-MATMUL_PLAIN(matmul_swiglu_t1, BOUNDS_t1, matvec_body<EPI_SWIGLU>)
+MATMUL_PLAIN(matmul_residual_tv, BOUNDS_tv, TV(EPI_RESIDUAL))
+MATMUL_PLAIN(matmul_store_t1, BOUNDS_t1, T1(EPI_STORE))
+MATMUL_PLAIN(matmul_store_tv, BOUNDS_tv, TV(EPI_STORE))
+MATMUL_PLAIN(matmul_swiglu_t1, BOUNDS_t1, T1(EPI_SWIGLU))
 MATMUL_PLAIN(matmul_swiglu_t16, BOUNDS_t16, tile16_body<EPI_SWIGLU>)
+MATMUL_PLAIN(matmul_swiglu_tv, BOUNDS_tv, TV(EPI_SWIGLU))
 
 #define MATMUL_QKV(NAME, BOUNDS, BODY)                                                      \
   extern "C" __global__ void BOUNDS                                                         \
@@ -516,8 +557,9 @@ MATMUL_PLAIN(matmul_swiglu_t16, BOUNDS_t16, tile16_body<EPI_SWIGLU>)
     BODY(state, W, rows, K, x, norm_w, eps, nullptr, units, 0, qa, split);                  \
   }
 
-MATMUL_QKV(matmul_qkv_rope_t1, BOUNDS_t1, matvec_body<EPI_QKV_ROPE>)
+MATMUL_QKV(matmul_qkv_rope_t1, BOUNDS_t1, T1(EPI_QKV_ROPE))
 MATMUL_QKV(matmul_qkv_rope_t16, BOUNDS_t16, tile16_body<EPI_QKV_ROPE>)
+MATMUL_QKV(matmul_qkv_rope_tv, BOUNDS_tv, TV(EPI_QKV_ROPE))
 
 // The staged one-token kernels: per_block (units a block) replaces last_only and split.
 #define BOUNDS_sp __launch_bounds__(SP_THREADS, 8)

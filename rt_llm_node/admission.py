@@ -40,6 +40,8 @@ from typing import Optional
 
 import numpy as np
 
+from rt_llm_node.backends import verify_limit
+
 
 @dataclass
 class CostModel:
@@ -192,7 +194,7 @@ def calibrate(backend, vocab_size, quantile=0.9, repeats=5, prefill_lengths=(1, 
                     lambda: backend.prefill(prefill_ids[n]), lambda: backend.rollback(length)))
             figures['decode', (1.0, length)].append(timed(
                 lambda: backend.decode(1), lambda: backend.rollback(length)))
-            sizes = verify_sizes if hasattr(backend, 'verify') else ()
+            sizes = [n for n in verify_sizes if n <= verify_limit(backend)]
             for n in [n for n in sizes if n <= max_prefill and length + n < capacity]:
                 figures['verify', (1.0, n, n * length)].append(timed(
                     lambda: backend.verify(prefill_ids[max_prefill][:n], [None] * n),

@@ -102,8 +102,10 @@ def configure_engine(values, clock=None, log=print, cost_model=None):
     log(f'{cfg.family} model: {cfg.n_parameters() / 1e6:.1f}M parameters, '
         f'{cfg.num_layers} layers, vocab {cfg.vocab_size}, '
         f'weights {checkpoint.describe_weights()}')
+    speculative = values['speculative_tokens']
     backend = make_backend(values['backend'], checkpoint, values['kv_capacity_tokens'],
-                           values['cuda_decode_step'], values['kv_dtype'])
+                           values['cuda_decode_step'], values['kv_dtype'],
+                           verify_tokens=speculative + 1 if speculative else 0)
     log(f'backend {backend.name}: KV cache of {backend.capacity} tokens allocated '
         f"({values['kv_dtype']}, {backend.kv_bytes_per_token()} bytes a token)")
     tuning = getattr(backend, 'decode_tuning', None)
@@ -112,6 +114,9 @@ def configure_engine(values, clock=None, log=print, cost_model=None):
         log(f"decode step: {tuning['chosen']} (a kernel a phase {tuning['kernels']:.0f} us, "
             + ('one persistent launch n/a)' if persistent is None else
                f'one persistent launch {persistent:.0f} us)'))
+    elif backend.name == 'cuda' and speculative:
+        log('decode step: kernels, unstaged (what a speculative verify pass repeats bit for '
+            'bit)')
     elif backend.name == 'cuda':
         log(f"decode step: {values['cuda_decode_step']} (set by cuda_decode_step)")
     grammar = action_grammar(values, checkpoint.tokenizer)

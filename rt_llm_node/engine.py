@@ -18,6 +18,7 @@ from typing import Optional
 import numpy as np
 
 from rt_llm_node.backends import BackendError
+from rt_llm_node.backends import verify_limit
 from rt_llm_node.codec import ObservationCodec
 from rt_llm_node.codec import RenderError
 from rt_llm_node.kvcache import ACTION
@@ -182,8 +183,8 @@ class TickEngine:
         self.recent_decodes = deque()  # (tick, tokens fed, forward passes) of admitted ticks
         # speculative decoding: at most this many drafted tokens verified in one pass, where
         # the backend verifies row-exactly (the output stays exactly greedy); 0: off
-        self.speculative_tokens = (int(speculative_tokens)
-                                   if hasattr(backend, 'verify') else 0)
+        self.speculative_tokens = min(int(speculative_tokens),
+                                      max(0, verify_limit(backend) - 1))
         self.last_action_ids = []      # the last action's chosen tokens (a draft source)
         self._system_state = None      # (KV tensors, attention mass) of the prompt's prefill
         self.state = None              # (StateStore, fields) where the prompt's state is kept

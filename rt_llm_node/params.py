@@ -88,8 +88,8 @@ PARAMETERS = (
           'may teach admission to expect', 0.01, 1.0),
     Param('speculative_tokens', 0, 'speculative action decoding: tokens drafted (from the '
           'last action, the cache, the grammar) and verified in one pass; the action stays '
-          'exactly the greedy one; used where the backend verifies row-exactly (numpy, where '
-          'it saves passes but not time); 0: off', 0, 16),
+          'exactly the greedy one (both backends verify row-exactly; on CUDA the decode step '
+          'is then the per-kernel, unstaged one that a verify row repeats); 0: off', 0, 16),
     Param('instruction_cache_entries', 8, 'instructions whose KV state is kept in host '
           'memory: a new instruction is placed right after the system prompt (what followed '
           'it is dropped) and one seen before is restored by copy, not prefilled; 0: '
@@ -200,4 +200,8 @@ def validate(values):
         if not errors and any(lo > hi for lo, hi in zip(values['action_min'],
                                                         values['action_max'])):
             errors.append('action_min must not exceed action_max')
+    if (values['speculative_tokens'] and values['backend'] != 'numpy'
+            and values['cuda_decode_step'] == 'persistent'):
+        errors.append("speculative_tokens needs cuda_decode_step 'auto' or 'kernels': a "
+                      'verify pass repeats the per-kernel decode step bit for bit')
     return errors

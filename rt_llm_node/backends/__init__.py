@@ -15,8 +15,10 @@ offers the same calls:
   their keys, so positions stay below ``capacity``;
 - ``rollback(length)``: forget every token at or after ``length``.
 
-Optionally (speculative decoding; the numpy backend has them):
+Optionally (speculative decoding: the numpy backend, and the CUDA one built with
+``verify_tokens``):
 
+- ``verify_tokens``: the most tokens one verify pass takes (``verify_limit``);
 - ``verify(token_ids, allowed)``: run ``k`` tokens in one call and return the greedy token
   after each (among ``allowed[i]``), row-exact: every row's logits, attention mass and cache
   entries equal those of ``k`` decode calls bit for bit;
@@ -56,6 +58,11 @@ def token_ids(ids, length, capacity, vocab_size):
     if ids.min() < 0 or ids.max() >= vocab_size:
         raise BackendError(f'token id out of range 0..{vocab_size - 1}')
     return ids
+
+
+def verify_limit(backend):
+    """Return the most tokens ``backend`` verifies in one pass (0: it has no verify)."""
+    return int(getattr(backend, 'verify_tokens', 0) or 0) if hasattr(backend, 'verify') else 0
 
 
 def rollback_length(target, length):
@@ -133,10 +140,13 @@ def cuda_backend_class():
     return CudaBackend
 
 
-def make_backend(name, checkpoint, capacity, decode_step='auto', kv_dtype='native'):
+def make_backend(name, checkpoint, capacity, decode_step='auto', kv_dtype='native',
+                 verify_tokens=0):
     """Build backend ``name`` ('auto', 'numpy' or 'cuda') for ``checkpoint``.
 
-    The CUDA one with ``decode_step`` (DECODE_STEPS); either with a ``kv_dtype`` cache.
+    The CUDA one with ``decode_step`` (DECODE_STEPS) and verify passes of up to
+    ``verify_tokens`` tokens (0: none; the numpy backend verifies any number); either with a
+    ``kv_dtype`` cache.
     """
     check_kv_dtype(kv_dtype)
     if name not in BACKENDS:
@@ -155,7 +165,8 @@ def make_backend(name, checkpoint, capacity, decode_step='auto', kv_dtype='nativ
             raise BackendError('backend cuda needs CuPy and a CUDA device; none was found')
         from rt_llm_node.backends.cuda_backend import CudaOptions
         # auto: the faster decode step on this device and model, timed at configure
-        return backend_class(checkpoint, capacity, CudaOptions(decode_step=decode_step,
-                                                               kv_dtype=kv_dtype))
+        return backend_class(checkpoint, capacity,
+                             CudaOptions(decode_step=decode_step, kv_dtype=kv_dtype,
+                                         verify_tokens=verify_tokens))
     from rt_llm_node.backends.numpy_backend import NumpyBackend
     return NumpyBackend(checkpoint, capacity, kv_dtype)

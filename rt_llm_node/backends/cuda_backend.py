@@ -52,6 +52,7 @@ QMV_THREADS = (512, 256, 128)
 QMV_FILL = 0.5
 T16_UNITS = GEOMETRY['T16_UNITS']      # units (row pairs) of a 16-token prefill tile's block
 T16_TOKENS = GEOMETRY['T16_TOKENS']
+VERIFY_NT = GEOMETRY['VERIFY_NT']      # tokens a block of the verify rows' float matmuls
 PD_THREADS, PD_KEYS = GEOMETRY['PD_THREADS'], GEOMETRY['PD_KEYS']   # decode_persistent
 PD_MAX_SHARED = 40 * 1024        # its dynamic shared memory: the largest input vector
 # the staged one-token matmuls (matmul.cu, staged_body): a block's rows, norm and xhat in
@@ -63,6 +64,8 @@ MAX_DYNAMIC_SHARED = 8           # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYT
 # then loops over its splits), so that a prefill near the start of the cache does not
 # launch a block for every empty split of the whole capacity
 ATT_PREFILL_BLOCKS = 2048
+# the most tokens a verify pass takes (speculative_tokens' largest value and the token before)
+VERIFY_MAX = 17
 # decode_step='auto': decode-graph replays timed per candidate at configure, and the
 # margin by which decode_persistent must beat the kernel step to be kept
 TUNE_REPEATS, TUNE_CONTEXT, TUNE_MARGIN = 30, 256, 0.03
@@ -82,7 +85,12 @@ class CudaOptions:
     rows into shared memory before waiting for the previous kernel (None: where dependent
     launch is on and all four of a layer's matmuls fit; True raises without dependent
     launch). ``device_id``: the CUDA device. ``kv_dtype``: the cache's ('native': fp32;
-    'int8': codes with a scale per token and kv head, KV_DTYPES).
+    'int8': codes with a scale per token and kv head, KV_DTYPES). ``verify_tokens``: the
+    most tokens one speculative verify pass takes (a graph is captured for each count up to
+    it; 0: no verify). A verify row runs the one-token kernels of a decode step (one row of
+    blocks a token), so with verify on a decode step is 'kernels', unstaged: the step whose
+    sums a verify row repeats bit for bit ('auto' and None resolve to it; 'persistent' or
+    staged_decode True are an error).
     """
 
     decode_step: str = 'auto'
@@ -90,6 +98,7 @@ class CudaOptions:
     staged_decode: Optional[bool] = None
     device_id: int = 0
     kv_dtype: str = 'native'
+    verify_tokens: int = 0
 
     def __post_init__(self):
         check_kv_dtype(self.kv_dtype)
@@ -99,6 +108,13 @@ class CudaOptions:
         for name in ('dependent_launch', 'staged_decode'):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f'{name} must be None, True or False')
+        if not 0 <= self.verify_tokens <= VERIFY_MAX:
+            raise ValueError(f'verify_tokens must be 0 .. {VERIFY_MAX}, '
+                             f'not {self.verify_tokens}')
+        if self.verify_tokens and (self.decode_step == 'persistent' or self.staged_decode):
+            raise ValueError('a verify pass repeats the per-kernel, unstaged decode step bit '
+                             "for bit: verify_tokens needs decode_step 'kernels' or 'auto' "
+                             'and staged_decode None or False')
 
 
 def staged_plan(units, k, weight_bytes, n_sm):
@@ -280,6 +296,7 @@ class CudaBackend:
         self.weight_dtype = dtypes.pop()
         self.kv_dtype = options.kv_dtype
         self.kv_int8 = options.kv_dtype == 'int8'
+        self.verify_tokens = options.verify_tokens
         self.device = cp.cuda.Device(options.device_id)
         self.n_sm = self.device.attributes['MultiProcessorCount']
         with self.device:
@@ -291,12 +308,14 @@ class CudaBackend:
             self.stream = cp.cuda.Stream(non_blocking=True)
             self._resident = {}
             self._choose_launch(options.dependent_launch)
-            self._staged = self._check_staged(options.staged_decode)
+            verify = self.verify_tokens > 0
+            self._staged = self._check_staged(False if verify else options.staged_decode)
             self._pd_args = None
             if options.decode_step == 'persistent':
                 self._prepare_persistent()
             self._warm_up_and_capture()
-            self.decode_tuning = self._tune_decode() if options.decode_step == 'auto' else None
+            self.decode_tuning = (self._tune_decode()
+                                  if options.decode_step == 'auto' and not verify else None)
 
     def _tune_decode(self):
         """Time both decode steps and keep the faster.
@@ -567,7 +586,8 @@ class CudaBackend:
         if self.n_splits > ATT_MAX_SPLITS:   # the merge keeps a weight per split in shared memory
             raise BackendError(f'kv capacity {cap} needs {self.n_splits} attention splits '
                                f'of {self.chunk}; the kernels take at most {ATT_MAX_SPLITS}')
-        self.counters = cp.zeros(cfg.num_heads, np.int32)   # attn_decode: splits done per head
+        rows = max(1, self.verify_tokens)   # queries of an attn_decode launch
+        self.counters = cp.zeros(rows * cfg.num_heads, np.int32)   # its splits done a head
         self.state = cp.zeros(STATE_WORDS, np.int32)
         self.ids = cp.zeros(n_max, np.int32)                                  # [n_max]
         self.x = cp.zeros((n_max, cfg.hidden_size), f32)                      # residual stream
@@ -595,8 +615,33 @@ class CudaBackend:
         self.host_flags = self._pinned(2, np.int32)
         self.host_mass = self._pinned(cap, f32)
         self.host_logits = self._pinned(cfg.vocab_size, f32)
+        self._allocate_verify()
         self.length = 0
         self._logits_valid = False
+
+    def _allocate_verify(self):
+        """Buffers of the verify pass: each row's logits, scores, softmax sums, mass, argmax."""
+        cp, cfg, cap, rows = self.cp, self.config, self.capacity, self.verify_tokens
+        self._rows = None      # the last verify's (start, rows kept) while its rows count
+        self._row = None       # the row whose logits and mass are current (else the buffers)
+        if not rows:
+            return
+        f32, i32 = np.float32, np.int32
+        self.logits_rows = cp.zeros((rows, cfg.vocab_size), f32)
+        self.scores_ver = cp.zeros((rows, cfg.num_layers, cfg.num_heads, cap), f32)
+        self.ml_ver = cp.zeros((rows, cfg.num_layers, cfg.num_heads, 2), f32)
+        self.mass_rows = cp.zeros((rows, cap), f32)
+        # argmax_rows' input: offsets [rows], counts [rows], then the allowed ids of every row
+        self.verify_in = cp.zeros(2 * rows + rows * cfg.vocab_size, i32)
+        self.verify_in[rows:2 * rows] = -1
+        self.verify_part_v = cp.zeros(rows * ARGMAX_BLOCKS, f32)
+        self.verify_part_i = cp.zeros(rows * ARGMAX_BLOCKS, i32)
+        self.verify_counters = cp.zeros(rows, i32)
+        self.verify_out = cp.zeros(rows, i32)
+        self.host_verify_in = self._pinned(2 * rows + rows * cfg.vocab_size, i32)
+        self.host_verify_out = self._pinned(rows, i32)
+        self.host_rows_mass = self._pinned((rows, cap), f32)
+        self._rows_mass_valid = False
 
     def _pinned(self, shape, dtype):
         count = int(np.prod(shape))
@@ -639,30 +684,42 @@ class CudaBackend:
         else:
             function(grid, block, args, shared_mem=shared, stream=self.stream)
 
-    def _enqueue_forward(self, n_max):
-        """Every kernel of one forward over up to n_max tokens (state says how many)."""
+    def _enqueue_forward(self, n_max, verify=False):
+        """Every kernel of one forward over up to n_max tokens (state says how many).
+
+        ``verify``: a verify pass, each token a row of its own run by the decode step's
+        kernels (one-token matmuls with a row of blocks a token, attn_decode with a query a
+        token), every row's logits kept and their arg-maxes taken.
+        """
         cfg, cap = self.config, self.capacity
-        decode = n_max == 1
+        decode = n_max == 1 and not verify
+        one = decode or verify            # the one-token kernels
         tiles = (n_max + T16_TOKENS - 1) // T16_TOKENS
-        sfx = '_t1' if decode else '_t16'
+        sfx = '_tv' if verify else '_t1' if decode else '_t16'
+        # rows of blocks of a one-token kernel: one, or (verify) VERIFY_NT tokens a row of
+        # the float kernels (_tv) and one a token of the quantized ones
+        ty = -(-n_max // VERIFY_NT) if verify else 1
+        qty = n_max if verify else 1
         hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         eps = np.float32(cfg.rms_norm_eps)
         warps = MATMUL_WARPS
         block = (32 * warps,)
         mv_batch = MV_BATCH[self.weight_dtype]
 
-        def mm(units, k, kernel, one_token=decode):
+        def mm(units, k, kernel, one_token=one, rows=ty):
             """(grid, split) of a matmul over ``units`` row pairs of length ``k``.
 
             The one-token (_t1) kernels may split K, the 16-token tiles never do; a one-token grid
-            is at most what is resident (its blocks stride over the row groups).
+            is at most what is resident (its blocks stride over the row groups), ``rows`` rows
+            of it (a verify pass: one a token).
             """
             if not one_token:   # tile16_body: T16_UNITS units a block, two a warp
                 return ((units + T16_UNITS - 1) // T16_UNITS, tiles), _i32(1)
             split = matvec_split(units, k, mv_batch, self.n_sm)
             blocks = (units * split + warps - 1) // warps
-            resident = max(1, self._resident_blocks(kernel + '_t1')) * self.n_sm
-            return (min(blocks, resident), 1), _i32(split)
+            suffix = '_tv' if verify else '_t1'
+            resident = max(1, self._resident_blocks(kernel + suffix)) * self.n_sm
+            return (min(blocks, resident), rows), _i32(split)
 
         def launch(name, grid, block, *args, shared=0):   # every kernel after the first
             self._launch(name, grid, block, *args, shared=shared, dependent=True)
@@ -682,7 +739,7 @@ class CudaBackend:
             has finished (its blocks read weights before they wait).
             """
             epilogue = kind[len('matmul_'):]
-            if decode or last_only:
+            if one or last_only:
                 name = f'qmatvec_{epilogue}_{w.fmt}'
                 has_norm = tail[1] is not NULL
                 shared = 4 * (w.k + w.k // 16 + (w.k if has_norm else 0))
@@ -692,8 +749,9 @@ class CudaBackend:
                 extra = (_i32(units), _i32(last_only)) if epilogue != 'qkv_rope' else ()
                 if epilogue == 'qkv_rope':
                     tail = tail[:3] + (_i32(units),) + tail[3:]
-                launch(name, (blocks, 1), (threads,), self.state, *w.args(), _i32(w.rows),
-                       _i32(w.k), *tail, *extra, _i32(split), shared=shared)
+                launch(name, (blocks, 1 if last_only else qty), (threads,), self.state,
+                       *w.args(), _i32(w.rows), _i32(w.k), *tail, *extra, _i32(split),
+                       shared=shared)
                 return
             chunks = w.rows * w.k // w.chunk_cols
             launch(f'qdequant_{w.fmt}', (min(-(-chunks // 256), 8 * self.n_sm),), (256,),
@@ -730,13 +788,18 @@ class CudaBackend:
                               (PD_THREADS,), (self.state, self._pd_args), self._pd_shared(),
                               self.stream)
             return
-        if isinstance(self.embed, DeviceQuant):
+        if isinstance(self.embed, DeviceQuant):   # decode: the token from state, else ids
             self._launch(f'qembed_gather_{self.embed.fmt}', (n_max,), (256,), self.state,
                          self.ids, *self.embed.args(), _i32(hid), self.x,
                          _i32(1 if decode else 0))
         else:
             self._launch('embed_gather', (n_max,), (256,), self.state, self.ids, self.embed,
                          self.x, _i32(hid), _i32(1 if decode else 0))
+        if verify:   # each row's raw scores and softmax sums, as decode_step keeps one's
+            scores, row_ml = self.scores_ver[0], self.ml_ver[0]
+            score_stride, ml_stride = self.scores_ver[0].size, self.ml_ver[0].size
+        else:
+            scores, row_ml, score_stride, ml_stride = self.scores_dec, self.ml_dec, 0, 0
         qkv_rows = cfg.q_size + 2 * cfg.kv_size
         shapes = self._layer_matmuls()
         qkv_units = shapes['qkv'][0]
@@ -766,13 +829,13 @@ class CudaBackend:
                        self.k_stage, self.v_stage, kc, vc, ksc, vsc, _i32(cfg.num_kv_heads),
                        _i32(d))
             scale = np.float32(1.0 / np.sqrt(d))
-            if decode:   # the last split of each head merges them (no attn_combine)
-                launch('attn_decode', (cfg.num_heads, self.n_splits), (128,),
-                       self.state, self.q, kc, vc, ksc, vsc, self.scores_dec[i], self.part_ml,
-                       self.part_o, self.attn_out, self.ml_dec[i], self.counters,
+            if one:   # the last split of each head merges them (no attn_combine)
+                launch('attn_decode', (cfg.num_heads, self.n_splits, qty), (128,),
+                       self.state, self.q, kc, vc, ksc, vsc, scores[i], self.part_ml,
+                       self.part_o, self.attn_out, row_ml[i], self.counters,
                        _i32(cfg.num_heads),
                        _i32(cfg.num_kv_heads), _i32(d), _i32(cap), _i32(self.n_splits),
-                       _i32(self.chunk), scale)
+                       _i32(self.chunk), scale, _i32(score_stride), _i32(ml_stride))
             else:
                 rows = cfg.num_heads * n_max
                 split_blocks = min(self.n_splits, max(1, -(-ATT_PREFILL_BLOCKS // rows)))
@@ -792,34 +855,46 @@ class CudaBackend:
                    _i32(hid), self.x, layer.mlp_norm, eps, self.act)
             matmul('matmul_residual', *shapes['down'], layer.wdown, _i32(hid),
                    _i32(inter), self.act, NULL, eps, self.x)
-        if decode:
-            self._enqueue_mass(self.scores_dec, cfg.num_layers * cfg.num_heads, 1, first=True,
-                               row_ml=self.ml_dec)
+        if one:
+            self._enqueue_mass(scores, cfg.num_layers * cfg.num_heads, 1, first=True,
+                               row_ml=row_ml, rows=qty if verify else 0,
+                               out=self.mass_rows if verify else self.mass)
         vocab_units = (cfg.vocab_size + 1) // 2
+        # the LM head: the last token's logits, or (verify) every row's
+        logits, last_only = (self.logits_rows, 0) if verify else (self.logits_buf, 1)
         if isinstance(self.lm_head, DeviceQuant):
             quant_matmul('matmul_store', vocab_units, self.lm_head,
-                         (self.x, self.final_norm, eps, self.logits_buf), last_only=1)
-            return
-        grid, split = mm(vocab_units, hid, 'matmul_store', one_token=True)   # last token only
-        launch('matmul_store_t1', grid, block,
-               self.state, self.lm_head, _i32(cfg.vocab_size), _i32(hid), self.x,
-               self.final_norm, eps, self.logits_buf, _i32(vocab_units), _i32(1), split)
+                         (self.x, self.final_norm, eps, logits), last_only=last_only)
+        else:
+            grid, split = mm(vocab_units, hid, 'matmul_store', one_token=True)
+            launch('matmul_store' + ('_tv' if verify else '_t1'), grid, block,
+                   self.state, self.lm_head, _i32(cfg.vocab_size), _i32(hid), self.x,
+                   self.final_norm, eps, logits, _i32(vocab_units), _i32(last_only), split)
+        if verify:   # each row's greedy token among its allowed ids
+            v = self.verify_tokens
+            launch('argmax_rows', (ARGMAX_BLOCKS, n_max), (256,), self.state, self.logits_rows,
+                   self.verify_in[2 * v:], self.verify_in[:v], self.verify_in[v:2 * v],
+                   _i32(cfg.vocab_size), self.verify_part_v, self.verify_part_i,
+                   self.verify_counters, self.verify_out)
 
-    def _enqueue_mass(self, probs, n_rows, n_max, first, row_ml=None):
+    def _enqueue_mass(self, probs, n_rows, n_max, first, row_ml=None, rows=0, out=None):
         """mass[t] (+)= the probabilities of ``n_rows`` rows (stride capacity) at key t.
 
-        With ``row_ml`` the rows hold raw scores and their softmax max and sum.
+        With ``row_ml`` the rows hold raw scores and their softmax max and sum. ``rows`` > 0
+        (a verify pass): that many tokens' rows, each summed into its own mass row of ``out``.
         """
-        self._launch('attn_mass', ((self.capacity + 31) // 32,), (256,), self.state, probs,
-                     NULL if row_ml is None else row_ml, self.mass, _i32(n_max), _i32(n_rows),
-                     _i32(self.capacity), _i32(1 if first else 0), dependent=True)
+        self._launch('attn_mass', ((self.capacity + 31) // 32, max(1, rows)), (256,),
+                     self.state, probs, NULL if row_ml is None else row_ml,
+                     self.mass if out is None else out, _i32(n_max), _i32(n_rows),
+                     _i32(self.capacity), _i32(1 if first else 0),
+                     _i32(n_rows * self.capacity if rows else 0), dependent=True)
 
-    def _capture(self, n_max):
+    def _capture(self, n_max, verify=False):
         stream = self.stream
         with stream:
             stream.begin_capture()
             try:
-                self._enqueue_forward(n_max)
+                self._enqueue_forward(n_max, verify)
             finally:
                 graph = stream.end_capture()
         graph.upload(stream)
@@ -834,8 +909,17 @@ class CudaBackend:
             self._enqueue_forward(n_max)
             self.stream.synchronize()
             self.graphs[n_max] = self._capture(n_max)
+        self.verify_graphs = {}
+        for n in range(1, min(self.verify_tokens, self.capacity) + 1):
+            self._write_state(token=0, start=0, n=n, mass_acc=0)
+            self._enqueue_forward(n, verify=True)
+            self.stream.synchronize()
+            self.verify_graphs[n] = self._capture(n, verify=True)
         for n_max, graph in self.graphs.items():   # and replay each once
             self._write_state(token=0, start=0, n=min(n_max, self.capacity), mass_acc=0)
+            graph.launch(self.stream)
+        for n, graph in self.verify_graphs.items():
+            self._write_state(token=0, start=0, n=n, mass_acc=0)
             graph.launch(self.stream)
         self.stream.synchronize()
         self.k.fill(0)
@@ -868,6 +952,7 @@ class CudaBackend:
             self._write_state(0, self.length, len(chunk), 1 if first else 0)
             self.graphs[n_max].launch(self.stream)
             self.length += len(chunk)
+        self._rows = self._row = None
         self._logits_valid = True
 
     @reports_device_errors
@@ -877,7 +962,82 @@ class CudaBackend:
         self._write_state(token, self.length, 1, 0)
         self.graphs[1].launch(self.stream)
         self.length += 1
+        self._rows = self._row = None
         self._logits_valid = True
+
+    @reports_device_errors
+    def verify(self, token_ids, allowed):
+        """Run ``token_ids`` [k] in one pass, each row exactly as its decode() call would.
+
+        The numpy backend's contract: each row runs the decode step's kernels (a row of
+        blocks a token: the same sums in the same order), so the cache and each row's logits
+        and attention mass equal those of k decode() calls bit for bit. ``allowed[i]``:
+        sorted permitted ids after row i, or None. Returns int64 [k], the greedy token after
+        each row (argmax_rows, on the device). ``rollback`` into the rows makes that row's
+        logits and mass current; ``row_mass(i)`` is row i's mass. k is at most
+        ``verify_tokens``.
+        """
+        ids = self._token_ids(token_ids)
+        n, v = len(ids), self.verify_tokens
+        if not 1 <= n <= v:
+            raise BackendError(f'a verify pass takes 1 .. {v} tokens on this backend '
+                               f'(verify_tokens), not {n}')
+        if len(allowed) != n:
+            raise BackendError(f'verify got {len(allowed)} allowed sets for {n} rows')
+        host = self.host_verify_in
+        at = 2 * v
+        for i, ok in enumerate(allowed):   # offsets, counts (-1: every id), the ids
+            host[i] = at - 2 * v
+            if ok is None:
+                host[v + i] = -1
+                continue
+            ok = np.asarray(ok, dtype=np.int64)
+            if len(ok) == 0:
+                raise BackendError(f'verify row {i} has an empty allowed set')
+            if ok[0] < 0 or ok[-1] >= self.config.vocab_size:
+                raise BackendError(f'verify row {i} allows ids outside the vocabulary')
+            host[v + i] = len(ok)
+            host[at:at + len(ok)] = ok
+            at += len(ok)
+        self._to_device(self.verify_in, host, at)
+        slot = self._ring_slot(1, self.ids_ring)
+        slot[:n] = ids
+        self._to_device(self.ids, slot, n)
+        self._write_state(0, self.length, n, 0)
+        self.verify_graphs[n].launch(self.stream)
+        self._copy(self.host_verify_out.ctypes.data, self.verify_out.data.ptr, 4 * n,
+                   self.cp.cuda.runtime.memcpyDeviceToHost)
+        self._finish()   # waits, and raises on non-finite logits
+        self._rows, self._row = (self.length, n), n - 1
+        self._rows_mass_valid = False
+        self.length += n
+        self._logits_valid = True
+        return self.host_verify_out[:n].astype(np.int64)
+
+    def row_mass(self, i):
+        """Float32 [start + i + 1]: the attention mass of row ``i`` of the last verify."""
+        if self._rows is None or not 0 <= i < self._rows[1]:
+            raise BackendError(f'no row {i} of a verify to read')
+        start, n = self._rows
+        if not self._rows_mass_valid:   # every row in one copy
+            self._to_host(self.host_rows_mass[:n], self.mass_rows[:n])
+            self._rows_mass_valid = True
+        return self.host_rows_mass[i, :start + i + 1].copy()
+
+    def _current(self):
+        """Return the device logits and mass of the last token (a verify row's or the call's)."""
+        if self._row is None:
+            return self.logits_buf, self.mass
+        return self.logits_rows[self._row], self.mass_rows[self._row]
+
+    def _settle_rows(self):
+        """Make the current verify row's logits and mass the backend's own; forget the rows."""
+        if self._row is not None:
+            logits, mass = self._current()
+            with self.stream:
+                self.logits_buf[...] = logits
+                self.mass[...] = mass
+        self._rows = self._row = None
 
     def _finish(self):
         """Wait for the queued work; raise if it produced non-finite logits."""
@@ -890,7 +1050,7 @@ class CudaBackend:
     def logits(self):
         """Float32 logits [vocab] of the last token run."""
         self._finish()
-        self._to_host(self.host_logits, self.logits_buf)
+        self._to_host(self.host_logits, self._current()[0])
         return self.host_logits.copy()
 
     @reports_device_errors
@@ -904,7 +1064,7 @@ class CudaBackend:
                 raise BackendError('argmax over an empty allowed set')
             self.host_allowed[:count] = allowed
             self._to_device(self.allowed, self.host_allowed, count)
-        self._launch('argmax_masked', (ARGMAX_BLOCKS,), (256,), self.state, self.logits_buf,
+        self._launch('argmax_masked', (ARGMAX_BLOCKS,), (256,), self.state, self._current()[0],
                      self.allowed, _i32(count), _i32(self.config.vocab_size), self.part_v,
                      self.part_i)
         return int(self._finish()[1])
@@ -914,13 +1074,23 @@ class CudaBackend:
         """Float32 [length]: attention each cached token received in the last call."""
         self._finish()
         if self.length:
-            self._to_host(self.host_mass, self.mass, self.length)
+            self._to_host(self.host_mass, self._current()[1], self.length)
         return self.host_mass[:self.length].copy()
 
     # -- cache maintenance ---------------------------------------------------------
     def rollback(self, length):
-        """Forget every token at or after ``length``."""
-        self.length = rollback_length(length, self.length)
+        """Forget every token at or after ``length``.
+
+        Back into the rows of the last verify, the logits and mass become that row's.
+        """
+        length = rollback_length(length, self.length)
+        if self._rows is not None:
+            start, n = self._rows
+            if start < length <= start + n:
+                self._rows, self._row = (start, length - start), length - start - 1
+            else:
+                self._settle_rows()
+        self.length = length
 
     def _kv_arrays(self):
         names = {'k': self.k, 'v': self.v}
@@ -953,6 +1123,7 @@ class CudaBackend:
         import cupy as cp
         if not 0 <= start <= self.length:
             raise BackendError(f'cannot import at slot {start} of a cache of {self.length}')
+        self._settle_rows()
         try:
             n = kv_slot_count(tensors, self._kv_arrays(), start)
         except (ValueError, KeyError, AttributeError) as exc:
@@ -970,6 +1141,7 @@ class CudaBackend:
     def compact(self, keep):
         """Move slots ``keep`` (ascending) to 0..m-1, re-rotating keys by (new - old) position."""
         keep = compact_slots(keep, self.length)
+        self._settle_rows()
         m = len(keep)
         if m:
             cfg = self.config

@@ -23,6 +23,8 @@ GEOMETRY = {
     'STATE_RESULT': 5, 'STATE_COUNTER': 6,
     # matmul.cu: 16-token prefill tiles of T16_UNITS row pairs; staged one-token blocks
     'T16_TOKENS': 16, 'T16_UNITS': 8, 'SP_THREADS': 128,
+    # and the verify rows' one-token matmuls (_tv): tokens a block
+    'VERIFY_NT': 8,
     # decode_persistent.cu: its block, and the cached keys of one attention work item
     'PD_THREADS': 256, 'PD_KEYS': 32,
     # attention.cu: most splits of the cache length one attention row merges (a weight each
@@ -41,12 +43,13 @@ ATT_MAX_SPLITS = GEOMETRY['ATT_MAX_SPLITS']
 # to load. A file added to cuda/ must be listed here (test_cuda_compile checks both ways).
 KERNELS = {
     'embedding.cu': ('embed_gather',),
-    'matmul.cu': ('matmul_residual_t1', 'matmul_residual_t16', 'matmul_store_t1',
-                  'matmul_swiglu_t1', 'matmul_swiglu_t16', 'matmul_qkv_rope_t1',
-                  'matmul_qkv_rope_t16', 'matmul_residual_sp', 'matmul_swiglu_sp',
-                  'matmul_qkv_rope_sp'),
+    'matmul.cu': ('matmul_residual_t1', 'matmul_residual_t16', 'matmul_residual_tv',
+                  'matmul_store_t1', 'matmul_store_tv', 'matmul_swiglu_t1',
+                  'matmul_swiglu_t16', 'matmul_swiglu_tv', 'matmul_qkv_rope_t1',
+                  'matmul_qkv_rope_t16', 'matmul_qkv_rope_tv', 'matmul_residual_sp',
+                  'matmul_swiglu_sp', 'matmul_qkv_rope_sp'),
     'attention.cu': ('attn_partial', 'attn_combine', 'attn_decode', 'attn_mass'),
-    'argmax.cu': ('argmax_masked',),
+    'argmax.cu': ('argmax_masked', 'argmax_rows'),
     'compact.cu': ('compact_gather', 'compact_store', 'kv_quantize'),
     'decode_persistent.cu': ('decode_persistent',),
     'qmatmul.cu': tuple(f'{kind}_{fmt}' for fmt in ('i8', 'u4') for kind in (

@@ -212,6 +212,7 @@ class NumpyBackend:
         check_capacity(capacity, cfg)
         self.config = cfg
         self.capacity = int(capacity)
+        self.verify_tokens = self.capacity   # a verify pass of any length that fits
         self.embed = checkpoint.float32('model.embed_tokens.weight')        # [vocab, hidden]
         self.lm_head = (self.embed if cfg.tie_word_embeddings
                         else checkpoint.float32('lm_head.weight'))          # [vocab, hidden]

@@ -200,6 +200,44 @@ def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias, split, rng):
     check_qkv(c, n, bias, atol=matmul_atol(tt))
 
 
+# the verify rows' matmuls (_tv, VERIFY_NT tokens a block): ten tokens, two rows of blocks
+@pytest.mark.parametrize('K,split,norm', [(96, 1, True), (600, 4, False), (4104, 2, True),
+                                          (36, 2, True)])
+def test_verify_matmuls_repeat_the_one_token_kernel_bit_for_bit(kit, K, split, norm, rng):
+    cp, k, dtype = kit
+    n, rows, start = 10, 77, 5
+    units = (rows + 1) // 2
+    w, _ = weights(cp, dtype, (rows, K), rng)
+    nw = weights(cp, dtype, (K,), rng, scale=1.0)[0] if norm else NULL
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    out0 = rng.standard_normal((n, rows)).astype(np.float32)
+
+    def residual(family_sfx, tokens, x_rows, out_rows, first):
+        out = cp.asarray(out_rows)
+        k.functions['matmul_residual' + family_sfx](
+            ((units * split + 3) // 4, -(-tokens // (8 if family_sfx == '_tv' else 1))),
+            (128,), (state(cp, first, tokens), w, i32(rows), i32(K), cp.asarray(x_rows), nw,
+                     np.float32(1e-5), out, i32(units), i32(0), i32(split)))
+        return out.get()
+    rows_tv = residual('_tv', n, x, out0, start)
+    for t in range(n):
+        one = residual('_t1', 1, x[t:t + 1], out0[t:t + 1], start + t)
+        assert np.array_equal(rows_tv[t], one[0]), t
+    # q/k/v with RoPE at each token's position
+    c = qkv_case(cp, dtype, n, rng)
+    grid = ((c.units * split + 3) // 4, 2)
+    k.matmul_qkv_rope_tv(grid, (128,), qkv_args(cp, c, n, True, split))
+    q_tv, kc_tv, vc_tv = c.q.get(), c.kc.get(), c.vc.get()
+    x_all = c.x
+    for t in range(n):
+        c.x, c.start = x_all[t:t + 1], 7 + t
+        k.matmul_qkv_rope_t1(((c.units * split + 3) // 4, 1), (128,),
+                             qkv_args(cp, c, 1, True, split))
+        assert np.array_equal(c.q.get()[0], q_tv[t]), t
+        assert np.array_equal(c.kc.get()[7 + t], kc_tv[7 + t]), t
+        assert np.array_equal(c.vc.get()[7 + t], vc_tv[7 + t]), t
+
+
 def staged(k, family, dtype, units, K, per_block, args):
     """Launch ``family``_sp as the backend does (staged_plan).
 
@@ -291,7 +329,7 @@ def test_attention_and_mass(kit, start, n, d, split_blocks, rng):
         st, part_ml, part_o, out, scores, i32(n_max), i32(heads), i32(d), i32(cap),
         i32(splits), i32(chunk)))
     k.attn_mass(((cap + 31) // 32,), (256,), (
-        st, scores, NULL, mass, i32(n_max), i32(heads * n_max), i32(cap), i32(1)))
+        st, scores, NULL, mass, i32(n_max), i32(heads * n_max), i32(cap), i32(1), i32(0)))
     end = start + n
     ref_out, ref_mass = attention(q[:n].reshape(n, heads, d), kc[:end], vc[:end], start)
     close(out.get()[:n], ref_out.reshape(n, -1))
@@ -321,10 +359,10 @@ def test_attn_decode_merges_splits_in_the_last_block(kit, start, d, kv, rng):
             st, cp.asarray(q), cp.asarray(kc), cp.asarray(vc), NULL, NULL, scores, part_ml,
             part_o, out,
             row_ml, counters, i32(heads), i32(kv), i32(d), i32(cap), i32(splits), i32(chunk),
-            np.float32(1 / np.sqrt(d))))
+            np.float32(1 / np.sqrt(d)), i32(0), i32(0)))
         mass = poisoned(cp, (cap,))
         k.attn_mass(((cap + 31) // 32,), (256,), (st, scores, row_ml, mass, i32(1), i32(heads),
-                                                  i32(cap), i32(1)))
+                                                  i32(cap), i32(1), i32(0)))
         ref_out, ref_mass = attention(q.reshape(1, heads, d), kc[:start + 1], vc[:start + 1],
                                       start)
         close(out.get(), ref_out.reshape(-1))
@@ -343,7 +381,7 @@ def test_attention_mass_adds_up_over_layers_and_chunks(kit, rng):
         k.attn_mass(((cap + 31) // 32,), (256,), (
             state(cp, start, n, mass_acc=acc), cp.asarray(probs), NULL, mass, i32(n_max),
             i32(rows),
-            i32(cap), i32(first)))
+            i32(cap), i32(first), i32(0)))
         t = np.arange(start + n)
         ref = np.zeros(start + n)
         for r in range(rows):
@@ -354,6 +392,65 @@ def test_attention_mass_adds_up_over_layers_and_chunks(kit, rng):
         ref += np.where(keep_old, old[:start + n], 0)
         close(mass.get()[:start + n], ref)
         close(mass.get()[start + n:], old[start + n:], 0, 0)
+
+
+@pytest.mark.parametrize('start,d,kv', [(0, 64, 2), (190, 64, 2), (61, 128, 1)])
+def test_attn_decode_rows_equal_decode_steps_bit_for_bit(kit, start, d, kv, rng):
+    """A verify pass's queries (grid.z) give each decode step's output, softmax and mass."""
+    cp, k, _ = kit
+    heads, cap, rows = 4, 256, 5
+    chunk = 64 if d <= 64 else 32
+    splits = cap // chunk
+    kc = cp.asarray(rng.standard_normal((cap, kv, d)).astype(np.float32))
+    vc = cp.asarray(rng.standard_normal((cap, kv, d)).astype(np.float32))
+    q = cp.asarray(rng.standard_normal((rows, heads * d)).astype(np.float32))
+    scale = np.float32(1 / np.sqrt(d))
+
+    def run(first, n, grid_z):
+        st = state(cp, first, n)
+        scores = poisoned(cp, (n, heads, cap))
+        out = poisoned(cp, (n, heads * d))
+        row_ml = poisoned(cp, (n, heads, 2))
+        mass = poisoned(cp, (n, cap))
+        k.attn_decode((heads, splits, grid_z), (128,), (
+            st, q[first - start:], kc, vc, NULL, NULL, scores, poisoned(cp, (n, heads, splits, 2)),
+            poisoned(cp, (n, heads, splits, d)), out, row_ml, cp.zeros(n * heads, np.int32),
+            i32(heads), i32(kv), i32(d), i32(cap), i32(splits), i32(chunk), scale,
+            i32(heads * cap), i32(heads * 2)))
+        k.attn_mass(((cap + 31) // 32, grid_z), (256,), (
+            st, scores, row_ml, mass, i32(1), i32(heads), i32(cap), i32(1),
+            i32(heads * cap if n > 1 else 0)))
+        return out.get(), row_ml.get(), mass.get()
+    out, row_ml, mass = run(start, rows, rows)
+    for r in range(rows):   # query r as its own decode step at position start + r
+        step_out, step_ml, step_mass = run(start + r, 1, 1)
+        assert np.array_equal(out[r], step_out[0])
+        assert np.array_equal(row_ml[r], step_ml[0])
+        assert np.array_equal(mass[r, :start + r + 1], step_mass[0, :start + r + 1])
+
+
+def test_argmax_rows_takes_each_rows_candidates(kit, rng):
+    cp, k, _ = kit
+    vocab, rows = 3000, 4
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32)
+    sets = [None, np.array([5], np.int32), np.sort(rng.choice(vocab, 40, replace=False)),
+            None]
+    logits[3, 7] = logits[3, 9] = logits[3].max() + 1   # a tie: the smaller id
+    flat = np.concatenate([np.zeros(0, np.int32)] + [a for a in sets if a is not None])
+    counts = np.array([-1 if a is None else len(a) for a in sets], np.int32)
+    offsets = np.concatenate([[0], np.cumsum(np.maximum(counts, 0))[:-1]]).astype(np.int32)
+    results = cp.full(rows, -1, np.int32)
+    counters = cp.zeros(rows, np.int32)
+    for n in (rows, 2):   # twice: counters reset; rows past state n stay untouched
+        results.fill(-1)
+        k.argmax_rows((64, rows), (256,), (
+            state(cp, 0, n), cp.asarray(logits), cp.asarray(flat.astype(np.int32)),
+            cp.asarray(offsets), cp.asarray(counts), i32(vocab), poisoned(cp, rows * 64),
+            cp.zeros(rows * 64, np.int32), counters, results))
+        want = [int(np.argmax(row)) if a is None else int(a[np.argmax(row[a])])
+                for row, a in zip(logits, sets)]
+        assert results.get().tolist() == want[:n] + [-1] * (rows - n)
+        assert (counters.get() == 0).all()
 
 
 @pytest.mark.parametrize('count', [-1, 1, 7, 5000])

@@ -92,3 +92,19 @@ def test_cuda_decode_step_is_checked_and_numpy_ignores_it(tiny_checkpoint):
         assert make_backend('numpy', checkpoint, 32, step).name == 'numpy'
     with pytest.raises(ValueError, match='unknown decode step'):
         make_backend('numpy', checkpoint, 32, 'fast')
+
+
+def test_speculation_on_cuda_refuses_the_persistent_decode_step():
+    """A verify row repeats the per-kernel step: speculation with 'persistent' is an error.
+
+    On the numpy backend, which ignores cuda_decode_step, the pair is fine.
+    """
+    values = {p: BY_NAME[p].default for p in BY_NAME}
+    values.update(speculative_tokens=4, cuda_decode_step='persistent', backend='cuda')
+    assert any('speculative_tokens' in e for e in validate(values)), validate(values)
+    values['backend'] = 'auto'
+    assert any('speculative_tokens' in e for e in validate(values)), validate(values)
+    values['backend'] = 'numpy'
+    assert not validate(values)
+    values.update(backend='cuda', cuda_decode_step='auto')
+    assert not validate(values)
