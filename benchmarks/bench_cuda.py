@@ -163,31 +163,80 @@ def measure_hf(directory, repeats, context=256):
     return float(np.median(times)), float(np.percentile(times, 99))
 
 
-def full_ticks(backend, vocab, ticks, base=200):
-    """Wall ms of prefill(48) + 6 x (argmax over 24 allowed ids, decode), as the engine does."""
+def full_ticks(backend, vocab, ticks, base=200, speculative=0, observations=1):
+    """Wall ms of full ticks as the engine runs them; returns (ms [ticks], stats).
+
+    A tick: prefill(48) at ``base`` cached, then ACTION_TOKENS greedy tokens among 24 allowed
+    ids, each run, the attention mass read after every call. ``speculative`` > 0: after the
+    first token up to that many drafts, the last tick's action from there on where it began
+    the same way, run with it in one verify pass (the backend's ``verify``); the drafts
+    greedy decoding would have chosen are kept, the rest rolled back (the engine's rule).
+    ``observations``: distinct observations the ticks cycle through (1: every tick's action
+    is the last one, so every draft is right; 2: they alternate, and a draft is right only
+    where the two actions agree). stats: forward passes an action (mean), drafted and kept
+    tokens.
+    """
     rng = np.random.default_rng(1)
     backend.rollback(0)
     backend.prefill(rng.integers(0, vocab, base))
     allowed = np.sort(rng.choice(vocab, 24, replace=False))
-    obs = rng.integers(0, vocab, PREFILL)
+    obs = [rng.integers(0, vocab, PREFILL) for _ in range(observations)]
     out = np.zeros(ticks)
+    passes = np.zeros(ticks)
+    drafted = kept = 0
+    last = []
     gc.collect()
     gc.disable()
     try:
         for i in range(ticks + 100):
             backend.rollback(base)
+            which = i % observations
             t0 = time.perf_counter()
-            backend.prefill(obs)
+            backend.prefill(obs[which])
             backend.attention_mass()
-            for _ in range(ACTION_TOKENS):
-                token = backend.argmax(allowed)
-                backend.decode(token)
-                backend.attention_mass()
+            chosen, n, d, k = action(backend, allowed, speculative, last)
             if i >= 100:
                 out[i - 100] = (time.perf_counter() - t0) * 1e3
+                passes[i - 100] = n
+                drafted += d
+                kept += k
+            last = chosen
     finally:
         gc.enable()
-    return out
+    return out, {'passes': float(passes.mean()), 'drafted': drafted, 'kept': kept}
+
+
+def action(backend, allowed, speculative, last):
+    """Choose and run ACTION_TOKENS greedy tokens; returns (tokens, passes, drafted, kept)."""
+    token = backend.argmax(allowed)
+    chosen, passes, drafted, kept = [token], 0, 0, 0
+    while True:
+        n = len(chosen)   # drafts: the last action from here on, where it began the same
+        drafts = list(last[n:ACTION_TOKENS][:speculative]) if last[:n] == chosen else []
+        passes += 1
+        if not drafts:
+            backend.decode(token)
+            backend.attention_mass()
+            if len(chosen) == ACTION_TOKENS:
+                return chosen, passes, drafted, kept
+            token = backend.argmax(allowed)
+            chosen.append(token)
+            continue
+        start = backend.length
+        feed = [token] + drafts
+        predicted = backend.verify(feed, [allowed] * len(feed))
+        good = 0
+        while good < len(drafts) and int(predicted[good]) == drafts[good]:
+            good += 1
+        drafted, kept = drafted + len(drafts), kept + good
+        backend.rollback(start + good + 1)
+        for row in range(good + 1):
+            backend.row_mass(row)
+        chosen += drafts[:good]
+        if len(chosen) == ACTION_TOKENS:
+            return chosen, passes, drafted, kept
+        token = int(predicted[good])
+        chosen.append(token)
 
 
 def bandwidth_kernels():
@@ -249,7 +298,7 @@ def main(argv=None):
             chosen = backend.decode_tuning['chosen']
             ours = measure_ours(backend, vocab, args.repeats)
             if shape == 'smollm2-135m' and args.ticks:
-                tick_ms = full_ticks(backend, vocab, args.ticks)
+                tick_ms = full_ticks(backend, vocab, args.ticks)[0]
             can_persist = backend.persistent_decode_problem() is None
             staged_possible = backend.dependent_launch
             del backend
@@ -264,7 +313,7 @@ def main(argv=None):
             if shape == 'smollm2-135m' and args.ticks:
                 backend = CudaBackend(checkpoint, capacity,
                                       CudaOptions(decode_step='kernels', staged_decode=False))
-                tick_unstaged_ms = full_ticks(backend, vocab, args.ticks)
+                tick_unstaged_ms = full_ticks(backend, vocab, args.ticks)[0]
                 del backend
                 gc.collect()
             hf = None

@@ -34,7 +34,8 @@ from rt_llm_node.model.embedded import default_model_path
 from rt_llm_node.model.synthetic import random_weights
 from rt_llm_node.model.synthetic import write_checkpoint
 
-from conftest import run_ticks  # noqa: I100
+from conftest import ROOT  # noqa: I100
+from conftest import run_ticks
 
 
 @pytest.fixture(scope='module')
@@ -194,3 +195,47 @@ def test_admission_plans_the_quantile_of_recent_passes(demo):
     assert all(not r.record.late for r in results)
     plain, _ = engine_for(demo, grammar, 0, 256)
     assert plain.expected_passes(0) is None
+
+
+def test_drafts_are_capped_by_what_the_backend_verifies_in_a_pass(demo):
+    """A backend that verifies at most k tokens a pass gets at most k - 1 drafts a pass."""
+    from rt_llm_node.backends import verify_limit
+    backend = NumpyBackend(demo, 64)
+    assert verify_limit(backend) == 64
+    backend.verify_tokens = 3
+    engine = TickEngine(backend, demo.tokenizer, INPUTS, twist_grammar(demo.tokenizer, [
+        {'name': 'linear.x', 'key': 'v', 'min': -1.0, 'max': 1.0, 'step': 0.1}]),
+        Admission(CostModel(), margin_ms=0.0), speculative_tokens=8)
+    assert engine.speculative_tokens == 2
+    backend.verify_tokens = 0
+    assert TickEngine(backend, demo.tokenizer, INPUTS, engine.grammar,
+                      Admission(CostModel(), margin_ms=0.0),
+                      speculative_tokens=8).speculative_tokens == 0
+
+
+def test_the_gpu_benchmarks_draft_loop_chooses_the_greedy_tokens(tmp_path, demo):
+    """benchmarks/bench_cuda.py's tick with drafts gives plain greedy decoding's tokens.
+
+    Run here on the numpy backend (its verify has the same contract as the GPU's).
+    """
+    import sys
+    sys.path.insert(0, str(ROOT / 'benchmarks'))
+    from bench_cuda import action
+    checkpoint = random_model(tmp_path, demo, 4)
+    vocab = checkpoint.config.vocab_size
+    rng = np.random.default_rng(5)
+    allowed = np.sort(rng.choice(vocab, 24, replace=False))
+    prompts = [rng.integers(0, vocab, 20) for _ in range(6)]
+    plain, drafted = NumpyBackend(checkpoint, 96), NumpyBackend(checkpoint, 96)
+    last, kept = [], 0
+    for prompt in prompts + prompts[::-1]:
+        for backend in (plain, drafted):
+            backend.rollback(0)
+            backend.prefill(prompt)
+        want = action(plain, allowed, 0, [])
+        got = action(drafted, allowed, 5, last)
+        assert got[0] == want[0]
+        assert want[1] == 6 and got[1] <= 6
+        assert np.array_equal(drafted.kv.k[:, :26], plain.kv.k[:, :26])
+        last, kept = got[0], kept + got[3]
+    assert kept > 0
