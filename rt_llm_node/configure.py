@@ -9,6 +9,7 @@ from rt_llm_node.admission import Admission
 from rt_llm_node.admission import calibrate
 from rt_llm_node.admission import check_cost_model
 from rt_llm_node.backends import make_backend
+from rt_llm_node.backends import verify_limit
 from rt_llm_node.codec import InputSpec
 from rt_llm_node.codec import joint_trajectory_grammar
 from rt_llm_node.codec import StringGrammar
@@ -162,9 +163,17 @@ def configure_engine(values, clock=None, log=print, cost_model=None):
 
 
 def _cost_fields(fields, backend, values):
-    """Return what a stored cost model must match: the prefix fields, host, capacity, repeats."""
+    """Return what a stored cost model must match.
+
+    The prefix fields, host, capacity and repeats, and what sets the times of the calls it
+    prices: the decode step (CUDA: per kernel or persistent, staged or not) and the longest
+    verify pass.
+    """
     return {**fields, 'host': host_description(backend), 'capacity': backend.capacity,
-            'calibration_repeats': values['calibration_repeats']}
+            'calibration_repeats': values['calibration_repeats'],
+            'decode_step': getattr(backend, 'decode_step', None),
+            'staged_decode': getattr(backend, 'staged_decode', None),
+            'verify_tokens': verify_limit(backend)}
 
 
 def _stored_cost_model(store, fields, backend, cfg, values, log):

@@ -79,10 +79,17 @@ def host_description(backend):
 
 
 def backend_build(backend):
-    """Return what makes a backend's numbers: its name, numpy, and for CUDA its kernel sources."""
+    """Return what makes a backend's numbers.
+
+    Its name and numpy's version; for CUDA, its kernel sources and compile options.
+    """
     build = f'{backend.name}; numpy {np.__version__}'
     if backend.name == 'cuda' and CUDA_SOURCES.is_dir():
-        build += '; kernels ' + file_digest(sorted(CUDA_SOURCES.glob('*.cu*')))[:16]
+        from rt_llm_node.backends.cuda_kernels import compile_options
+        options = ' '.join(compile_options(backend.kernels.arch, backend.weight_dtype,
+                                           backend.kv_int8))
+        build += ('; kernels ' + file_digest(sorted(CUDA_SOURCES.glob('*.cu*')))[:16]
+                  + '; options ' + hashlib.sha256(options.encode()).hexdigest()[:16])
     return build
 
 

@@ -969,9 +969,10 @@ class CudaBackend:
     def verify(self, token_ids, allowed):
         """Run ``token_ids`` [k] in one pass, each row exactly as its decode() call would.
 
-        The numpy backend's contract: each row runs the decode step's kernels (a row of
-        blocks a token: the same sums in the same order), so the cache and each row's logits
-        and attention mass equal those of k decode() calls bit for bit. ``allowed[i]``:
+        The numpy backend's contract: each row runs the decode step's sums in the same order
+        (the _tv matmuls, eight tokens a block, and a block row a token for the rest), so the
+        cache and each row's logits and attention mass equal those of k decode() calls bit
+        for bit. ``allowed[i]``:
         sorted permitted ids after row i, or None. Returns int64 [k], the greedy token after
         each row (argmax_rows, on the device). ``rollback`` into the rows makes that row's
         logits and mass current; ``row_mass(i)`` is row i's mass. k is at most
@@ -984,17 +985,18 @@ class CudaBackend:
                                f'(verify_tokens), not {n}')
         if len(allowed) != n:
             raise BackendError(f'verify got {len(allowed)} allowed sets for {n} rows')
-        host = self.host_verify_in
+        self._settle_rows()   # the rows of an earlier verify are no longer the last call's
+        host, vocab = self.host_verify_in, self.config.vocab_size
         at = 2 * v
         for i, ok in enumerate(allowed):   # offsets, counts (-1: every id), the ids
             host[i] = at - 2 * v
             if ok is None:
                 host[v + i] = -1
                 continue
-            ok = np.asarray(ok, dtype=np.int64)
-            if len(ok) == 0:
-                raise BackendError(f'verify row {i} has an empty allowed set')
-            if ok[0] < 0 or ok[-1] >= self.config.vocab_size:
+            ok = np.asarray(ok, dtype=np.int64).reshape(-1)
+            if not 0 < len(ok) <= vocab:
+                raise BackendError(f'verify row {i} allows {len(ok)} ids (1 .. {vocab})')
+            if ok.min() < 0 or ok.max() >= vocab:
                 raise BackendError(f'verify row {i} allows ids outside the vocabulary')
             host[v + i] = len(ok)
             host[at:at + len(ok)] = ok

@@ -181,3 +181,15 @@ def test_a_stored_cost_model_is_kept_only_while_the_device_agrees(tmp_path):
     data['fields']['host'] = 'forged'
     path.write_text(json.dumps(data))
     assert store.load_cost_model(fields) is None
+
+
+def test_a_cost_model_is_kept_for_the_calls_it_priced(tmp_path):
+    """Another longest verify pass or decode step makes a stored cost model not apply."""
+    from rt_llm_node.configure import _cost_fields
+    backend = NumpyBackend(load_checkpoint(default_model_path()), 256)
+    values = demo_values(backend='numpy')
+    store = StateStore(tmp_path, 1 << 20, log=lambda _: None)
+    store.save_cost_model(_cost_fields({'model': 'm'}, backend, values), COST)
+    assert store.load_cost_model(_cost_fields({'model': 'm'}, backend, values)) == COST
+    backend.verify_tokens = 6   # as the CUDA backend built for speculative_tokens 5
+    assert store.load_cost_model(_cost_fields({'model': 'm'}, backend, values)) is None
