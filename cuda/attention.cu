@@ -3,12 +3,15 @@
 //
 // Query qi of head h sits at position start + qi and sees keys 0 .. start + qi. Head h
 // reads kv head h / (n_heads / n_kv). Rows are (h, qi) pairs, row = h * n_max + qi.
-//   attn_partial  grid (n_heads * n_max, <= ceil(cap / chunk)), block 128, dynamic shared
-//                 memory (2 * chunk * d + chunk + d) floats; a block takes the splits
-//                 blockIdx.y, + gridDim.y, ... that hold keys. Stages the split's keys and
-//                 values in shared memory, then the row's scaled scores (kept in `scores`
-//                 [rows, cap] for the mass), their max m, sum l of exp(score - m) and the
-//                 exp-weighted sum of values.
+//   attn_partial  grid (n_heads * ceil(n_max / ATT_QTILE), <= ceil(cap / chunk)), block
+//                 ATT_THREADS, dynamic shared memory (chunk * (2 d + 1) + ATT_QTILE * d +
+//                 chunk * ATT_PQ + 2 ATT_QTILE) floats; a block takes ATT_QTILE queries of
+//                 one head and the splits blockIdx.y, + gridDim.y, ... that hold keys for
+//                 any of them. Stages the split's keys and values in shared memory once for
+//                 all its queries, then each row's scaled scores (kept in `scores` [rows,
+//                 cap] for the mass), their max m, sum l of exp(score - m) and the
+//                 exp-weighted sum of values; a thread takes a key (then a value column) for
+//                 a pair of queries, so that many warps share the work of few blocks.
 //   attn_combine  grid (n_heads * n_max), block 128: merges the splits into out
 //                 [n_max, n_heads * d] and turns the row's scores into probabilities.
 //   attn_decode   one query (decode): grid (n_heads, ceil(cap / chunk)), block 128, chunk
@@ -24,9 +27,11 @@
 //                 as grid.z: query qi at position start + qi, exactly the blocks and sums of
 //                 the decode step at that position, its scores and row_ml score_stride and
 //                 ml_stride floats on, its partials, counters and output a query's on.
-//   attn_mass     grid ceil(cap / 32), block 256: for key t < start + n, adds the
-//                 probabilities of every row (layers x heads x queries, stride cap) to
-//                 mass[t]; with `first` set and state[STATE_MASS_ACC] 0 (a call's first
+//   attn_mass     grid ceil(cap / MASS_KEYS), block 32 w (w warps, MASS_KEYS <= w <= 32;
+//                 a warp's lanes are MASS_KEYS keys x 32 / MASS_KEYS rows, each row lane
+//                 summing the rows 4 w apart, then warp k adds up key k's row lanes in a
+//                 fixed order): for key t < start + n, adds the probabilities of every row
+//                 (layers x heads x queries, stride cap) to mass[t]; with `first` set and state[STATE_MASS_ACC] 0 (a call's first
 //                 chunk), old values are dropped. With row_ml (decode) the rows hold raw
 //                 scores and the probability is exp(score - M_row) / L_row. tok_stride > 0
 //                 (a verify pass, grid.y = its tokens, n_max 1): token qi's rows start
@@ -43,31 +48,39 @@
 #define ATT_VPRE 8    // keys per value thread loaded ahead: all of them for the backend's
                       // chunk (64, 32, 16 keys for d <= 64, 128, 256)
 
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 attn_partial(const int* __restrict__ state, const float* __restrict__ q,
              const kvt* __restrict__ k_cache, const kvt* __restrict__ v_cache,
              const float* __restrict__ k_scale, const float* __restrict__ v_scale,
              float* __restrict__ scores, float* __restrict__ part_ml, float* __restrict__ part_o,
              int n_max, int n_heads, int n_kv, int d, int cap, int n_splits, int chunk,
              float scale) {
+  static_assert(ATT_QTILE % 2 == 0, "queries go in pairs");
   pdl_wait_then_release();
   extern __shared__ float4 smem4[];
-  float* ks = reinterpret_cast<float*>(smem4);   // [chunk, d]
-  float* vs = ks + chunk * d;                     // [chunk, d]
-  float* p = vs + chunk * d;                      // [chunk]
-  float* qs = p + chunk;                          // [d]
-  __shared__ float scratch[WARP];
-  const int row = blockIdx.x, h = row / n_max, qi = row % n_max;
+  const int kp = d + 1;   // a key row's pitch: a warp's keys at one column sit in 32 banks
+  float* ks = reinterpret_cast<float*>(smem4);   // [chunk][d + 1]
+  float* vs = ks + chunk * kp;                    // [chunk][d] (chunk % 4 == 0: aligned)
+  float* qs = vs + chunk * d;                     // [d][ATT_QTILE]: a column's queries
+  float* p = qs + d * ATT_QTILE;                  // [chunk][ATT_PQ]: scores, then exps
+  float* mls = p + chunk * ATT_PQ;                // [ATT_QTILE][2]: each query's m, l
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+  const int qtiles = (n_max + ATT_QTILE - 1) / ATT_QTILE;
+  const int h = blockIdx.x / qtiles, q0 = (blockIdx.x % qtiles) * ATT_QTILE;
   const int n = state[STATE_N], start = state[STATE_START];
-  if (qi >= n) return;
-  const int hk = h / (n_heads / n_kv), d4 = d / 4;
-  for (int i = threadIdx.x; i < d; i += blockDim.x) qs[i] = q[(long long)qi * n_heads * d + h * d + i];
+  if (q0 >= n) return;
+  const int nq = min(ATT_QTILE, n - q0), hk = h / (n_heads / n_kv), d4 = d / 4;
+  for (int e = threadIdx.x; e < ATT_QTILE * d; e += blockDim.x) {
+    const int qq = e / d, c = e % d;
+    qs[c * ATT_QTILE + qq] = qq < nq ? q[(long long)(q0 + qq) * n_heads * d + h * d + c] : 0.f;
+  }
+  const int seen = start + q0 + nq;   // keys the block's last query sees
   // the splits s = blockIdx.y, + gridDim.y, ... (grid-stride: the grid's y may be smaller
   // than n_splits, so a prefill near the start of the cache launches few empty blocks)
   for (int s = blockIdx.y; s < n_splits; s += gridDim.y) {
-    const int k0 = s * chunk, k1 = min(k0 + chunk, start + qi + 1);
-    if (k0 >= k1) break;  // so are the later splits; attn_combine reads only those with keys
-    const int count = k1 - k0;
+    const int k0 = s * chunk;
+    if (k0 >= seen) break;  // so are the later splits; attn_combine reads only those with keys
+    const int count = min(chunk, seen - k0);
     // stage keys and values: four float4s of each per thread in flight before any is stored
     const int total = count * d4;
     for (int base = threadIdx.x; base < total; base += 4 * blockDim.x) {
@@ -85,42 +98,77 @@ attn_partial(const int* __restrict__ state, const float* __restrict__ q,
       for (int u = 0; u < 4; ++u) {
         const int e = base + u * blockDim.x;
         if (e < total) {
-          smem4[e] = tk[u];                // row e / d4, column e % d4
-          smem4[chunk * d4 + e] = tv[u];
+          float* kr = ks + (e / d4) * kp + 4 * (e % d4);
+          kr[0] = tk[u].x; kr[1] = tk[u].y; kr[2] = tk[u].z; kr[3] = tk[u].w;
+          smem4[(chunk * kp) / 4 + e] = tv[u];   // vs, row e / d4, column e % d4
         }
       }
     }
-    __syncthreads();
-    float mine = NEG_INF;
-    for (int j = threadIdx.x; j < count; j += blockDim.x) {
-      float acc = 0.f;
-      int c = j % d;   // skewed start: a warp's threads read 32 different banks
-      for (int i = 0; i < d; ++i) {
-        acc = fmaf(qs[c], ks[j * d + c], acc);
-        if (++c == d) c = 0;
+    __syncthreads();   // (the first split's also publishes qs)
+    // scores: an item is a key and a pair of queries (a warp's items share the pair: its
+    // reads of q are broadcasts); query qq sees keys up to start + q0 + qq
+    for (int it = threadIdx.x; it < chunk * (ATT_QTILE / 2); it += blockDim.x) {
+      const int j = it % chunk, qg = it / chunk;
+      float acc[2] = {0.f, 0.f};
+      if (j < count) {
+        const float* kr = ks + j * kp;
+        const float* qc = qs + 2 * qg;
+#pragma unroll 8
+        for (int c = 0; c < d; ++c) {
+          const float kv = kr[c];
+          const float2 qv = *reinterpret_cast<const float2*>(qc + c * ATT_QTILE);
+          acc[0] = fmaf(kv, qv.x, acc[0]);
+          acc[1] = fmaf(kv, qv.y, acc[1]);
+        }
       }
-      acc *= scale;
-      p[j] = acc;
-      scores[(long long)row * cap + k0 + j] = acc;
-      mine = fmaxf(mine, acc);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int qq = 2 * qg + e;
+        const bool visible = j < count && qq < nq && k0 + j <= start + q0 + qq;
+        const float a = acc[e] * scale;
+        p[j * ATT_PQ + qq] = visible ? a : NEG_INF;
+        if (visible) scores[((long long)h * n_max + q0 + qq) * cap + k0 + j] = a;
+      }
     }
-    const float m = block_max(mine, scratch);
-    float e_sum = 0.f;
-    for (int j = threadIdx.x; j < count; j += blockDim.x) {
-      const float e = expf(p[j] - m);
-      p[j] = e;
-      e_sum += e;
+    __syncthreads();
+    // each query's max m and sum l of exp(score - m) over the split: a warp a query
+    for (int qq = warp; qq < ATT_QTILE; qq += warps) {
+      float m = NEG_INF;
+      for (int j = lane; j < chunk; j += WARP) m = fmaxf(m, p[j * ATT_PQ + qq]);
+      m = warp_max(m);
+      float l = 0.f;
+      for (int j = lane; j < chunk; j += WARP) {
+        const float sc = p[j * ATT_PQ + qq];
+        const float e = sc == NEG_INF ? 0.f : expf(sc - m);
+        p[j * ATT_PQ + qq] = e;
+        l += e;
+      }
+      l = warp_sum(l);
+      if (lane == 0) { mls[2 * qq] = m; mls[2 * qq + 1] = l; }
     }
-    const float l = block_sum(e_sum, scratch);   // its barriers also publish p
-    float* po = part_o + ((long long)row * n_splits + s) * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-      float o = 0.f;
-      for (int j = 0; j < count; ++j) o = fmaf(p[j], vs[j * d + i], o);
-      po[i] = o;
+    __syncthreads();
+    // values: an item is a column and a pair of queries, the keys in order
+    for (int it = threadIdx.x; it < d * (ATT_QTILE / 2); it += blockDim.x) {
+      const int i = it % d, qg = it / d;
+      float o[2] = {0.f, 0.f};
+#pragma unroll 8
+      for (int j = 0; j < count; ++j) {
+        const float v = vs[j * d + i];
+        const float2 pv = *reinterpret_cast<const float2*>(p + j * ATT_PQ + 2 * qg);
+        o[0] = fmaf(pv.x, v, o[0]);
+        o[1] = fmaf(pv.y, v, o[1]);
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int qq = 2 * qg + e;
+        if (qq < nq && k0 <= start + q0 + qq)
+          part_o[(((long long)h * n_max + q0 + qq) * n_splits + s) * d + i] = o[e];
+      }
     }
-    if (threadIdx.x == 0) {
-      part_ml[((long long)row * n_splits + s) * 2] = m;
-      part_ml[((long long)row * n_splits + s) * 2 + 1] = l;
+    if (threadIdx.x < nq && k0 <= start + q0 + threadIdx.x) {
+      float* ml = part_ml + (((long long)h * n_max + q0 + threadIdx.x) * n_splits + s) * 2;
+      ml[0] = mls[2 * threadIdx.x];
+      ml[1] = mls[2 * threadIdx.x + 1];
     }
     __syncthreads();   // every thread is done with this split's keys, values and p
   }
@@ -322,12 +370,13 @@ attn_combine(const int* __restrict__ state, const float* __restrict__ part_ml,
   for (int t = threadIdx.x; t < visible; t += blockDim.x) sc[t] = expf(sc[t] - M) / L;
 }
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(1024)
 attn_mass(const int* __restrict__ state, const float* __restrict__ probs,
           const float* __restrict__ row_ml, float* __restrict__ mass, int n_max, int n_rows,
           int cap, int first, int tok_stride) {
   pdl_wait_then_release();
-  __shared__ float part[8][WARP];
+  constexpr int ROW_LANES = WARP / MASS_KEYS;          // rows a warp reads at once
+  __shared__ float part[WARP * ROW_LANES][MASS_KEYS + 1];   // [row lane][key], padded
   int n = state[STATE_N], start = state[STATE_START];
   if (tok_stride) {   // a verify pass: grid.y = its tokens, each a decode step's mass
     const int qi = blockIdx.y;
@@ -338,14 +387,15 @@ attn_mass(const int* __restrict__ state, const float* __restrict__ probs,
     row_ml += (long long)qi * n_rows * 2;
     mass += (long long)qi * cap;
   }
-  const int end = start + n;
-  if (blockIdx.x * WARP >= end) return;
-  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-  const int t = blockIdx.x * WARP + lane;
+  const int end = start + n, k0 = blockIdx.x * MASS_KEYS;
+  if (k0 >= end) return;
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+  const int lanes = warps * ROW_LANES;                  // row lanes of the block
+  const int rl = warp * ROW_LANES + lane / MASS_KEYS, key = lane % MASS_KEYS, t = k0 + key;
   float acc = 0.f;
   if (t < end) {
 #pragma unroll 4
-    for (int r = warp; r < n_rows; r += 8) {
+    for (int r = rl; r < n_rows; r += lanes) {
       const int qi = r % n_max;
       if (qi < n && t <= start + qi) {
         const float v = probs[(long long)r * cap + t];
@@ -353,13 +403,16 @@ attn_mass(const int* __restrict__ state, const float* __restrict__ probs,
       }
     }
   }
-  part[warp][lane] = acc;
+  part[rl][key] = acc;
   __syncthreads();
-  if (warp == 0 && t < end) {
+  if (warp < MASS_KEYS && k0 + warp < end) {   // warp w adds up key w's row lanes in order
     float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < 8; ++w) sum += part[w][lane];
-    const bool keep_old = !first || (state[STATE_MASS_ACC] && t < start);
-    mass[t] = keep_old ? mass[t] + sum : sum;
+    for (int i = lane; i < lanes; i += WARP) sum += part[i][warp];
+    sum = warp_sum(sum);
+    if (lane == 0) {
+      const int tk = k0 + warp;
+      const bool keep_old = !first || (state[STATE_MASS_ACC] && tk < start);
+      mass[tk] = keep_old ? mass[tk] + sum : sum;
+    }
   }
 }

@@ -1,11 +1,11 @@
 // matmul.cu: y = W . xhat for the tokens of a call, W: [rows, K] row-major (HF Linear),
 // with the layer's epilogue fused in. xhat = x, or rmsnorm(x) * norm_w when norm_w is
-// given: each block first computes 1 / rms of its tokens, then normalizes on the fly.
+// given: each block takes 1 / rms of its tokens itself.
 //
-// Geometry: block = 128 threads (4 warps; both kinds' launch bounds say so). _t16 (prefill,
-// 16-token tiles, tile16_body): a block owns 8 units (16 rows, 2 units a warp) and 16
-// tokens, its lanes along K; grid = (ceil(units / 8), ceil(n_max / 16)); tiles at or past
-// state[STATE_N] tokens exit. _t1 (one token: decode, and the LM head's last token): a
+// Geometry: block = 128 threads (4 warps) but for _t16 (prefill, 16-token tiles on the
+// tensor cores, tile16_body): a block of 4 to 16 warps owns 8 units (16 rows) and 16
+// tokens, its warps splitting K; grid = (ceil(n_max / 16), ceil(units / 8)); tiles
+// at or past state[STATE_N] tokens exit. _t1 (one token: decode, and the LM head's last token): a
 // warp owns a unit (two output rows); a unit may go to `split` warps (1, 2 or 4) that
 // share its K, and the grid may be smaller than ceil(units * split / 4): the blocks
 // stride over the row groups (grid-stride), each warp loading its next unit's weights
@@ -30,224 +30,239 @@
 #include "pdl.cuh"
 
 
-// inv_rms[t] = 1 / rms of token t of the tile (1 without a norm), t < count: warp w takes
-// tokens w, w + warps, ... four at a time, each lane 16-byte loads of the four rows
-// together (K % 4 == 0), so a warp waits for x about once per 2048 values of K, not once
-// per 32; then one barrier for the whole block.
-__device__ __forceinline__ void tile_inv_rms(const float* xt, int K, const wt* norm_w, float eps,
-                                             int n_t, int count, float* inv_rms) {
-  const int lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
-  for (int t0 = threadIdx.x / WARP; t0 < count; t0 += 4 * warps) {
-    float ss[4] = {0.f, 0.f, 0.f, 0.f};
-    if (norm_w && (K & 3) == 0) {
-#pragma unroll 4
-      for (int k = 4 * lane; k < K; k += 4 * WARP) {
-        float4 v[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int t = t0 + i * warps;
-          v[i] = t < n_t ? *reinterpret_cast<const float4*>(xt + (long long)t * K + k)
-                         : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          ss[i] += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
-      }
-    } else if (norm_w) {
-      for (int k = lane; k < K; k += WARP)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int t = t0 + i * warps;
-          if (t < n_t) ss[i] = fmaf(xt[(long long)t * K + k], xt[(long long)t * K + k], ss[i]);
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int t = t0 + i * warps;
-      const float s = warp_sum(ss[i]);
-      if (lane == 0 && t < count) inv_rms[t] = norm_w ? 1.f / sqrtf(s / K + eps) : 1.f;
-    }
-  }
-  __syncthreads();
+// Prefill tiles (_t16) on the tensor cores: y = W . xhat for T16_TOKENS tokens and the
+// T16_UNITS units (2 * T16_UNITS rows) of a block (grid = (ceil(n_max / T16_TOKENS),
+// ceil(units / T16_UNITS)): the token tiles of a row group are neighbours in launch order,
+// so a weight read by one comes from L2 for the others). The block's W warps (4 .. 16, the
+// backend's choice: t16_warps) split K: warp w takes the 32-column chunks w, w + W, ...,
+// so that a short matrix still has many warps an SM to hide latency (few rows make few
+// blocks; a warp with many chunks in a row would wait on each). Each multiplies its chunks with
+// mma.m16n8k8 in TF32, the 16 rows of the A operand the r0 rows of units u0 .. u0 + 7 and
+// then their r1 rows, the two n8 tiles of B its 16 tokens. Within a chunk, lane (g, t)
+// (g = lane / 4, t = lane % 4) loads the 8 columns 8t .. 8t + 7 of its unit's two rows and
+// of tokens g and 8 + g (one 16-byte load a row of 16-bit weights), and k-step j takes its
+// columns 8t + 2j and 8t + 2j + 1 as the operands' logical columns t and t + 4: every
+// lane's A and B agree on which column is which, and every column of the chunk is one
+// logical column of one step.
+// Exactness: a bf16 or fp16 weight is exact in TF32; the activation is split into a TF32
+// high part and the TF32 rounding of what is left (x = hi + lo to about 2^-22 of x), so two
+// products carry each term to fp32 accuracy (fp32 weights are split too: three products,
+// lo x lo dropped). xhat = x * norm_w multiplies the tensor cores; 1 / rms, a factor of the
+// whole token, multiplies the sum in the epilogue, from the sum of squares the warps take
+// of the x they load anyway. The warps' partial sums meet in shared memory, in warp order,
+// and thread i runs the epilogue of unit i / 16, token i % 16.
+#if defined(RT_WEIGHT_F32)   // chunks a warp loads together before it multiplies them
+#define TC_BATCH_W 1
+#else
+#define TC_BATCH_W 2
+#endif
+
+__device__ __forceinline__ unsigned to_tf32(float f) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(f));
+  return r;
 }
 
-// Four consecutive weights, raw (common.cuh's load_w<4>); or, scalar, the last `count` (< 4)
-// of a row, zeros past it.
-__device__ __forceinline__ w4raw load_w4_scalar(const wt* p, int count) {
-  wt v[4];
+// c += A . B for one m16n8k8 TF32 step (fragments as the PTX ISA lays them out).
+__device__ __forceinline__ void mma_tf32(float* c, unsigned a0, unsigned a1, unsigned a2,
+                                         unsigned a3, unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Eight consecutive weights of a row from p, raw: one vector load when `vec` and all eight
+// lie before the row's end (count = values left in the row), else scalars, zeros past it.
+__device__ __forceinline__ w8raw load_w8_upto(const wt* p, int count, bool vec) {
+  if (vec && count >= 8) return load_w8(p);
+  wt v[8];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) v[j] = j < count ? p[j] : (wt)0;
-  w4raw r;
+  for (int j = 0; j < 8; ++j) v[j] = j < count ? p[j] : (wt)0;
+  w8raw r;
 #if defined(RT_WEIGHT_F32)
   r.a = make_float4(v[0], v[1], v[2], v[3]);
+  r.b = make_float4(v[4], v[5], v[6], v[7]);
 #else
-  r.a = make_uint2(v[0] | ((unsigned)v[1] << 16), v[2] | ((unsigned)v[3] << 16));
+  r.a = make_uint4(v[0] | ((unsigned)v[1] << 16), v[2] | ((unsigned)v[3] << 16),
+                   v[4] | ((unsigned)v[5] << 16), v[6] | ((unsigned)v[7] << 16));
 #endif
   return r;
 }
 
-// Four consecutive floats from p: one 16-byte load when `aligned` (and count >= 4), else
-// the first min(count, 4) with zeros after them.
-__device__ __forceinline__ float4 load4f_upto(const float* p, int count, bool aligned) {
-  if (aligned && count >= 4) return *reinterpret_cast<const float4*>(p);
-  return make_float4(p[0], count > 1 ? p[1] : 0.f, count > 2 ? p[2] : 0.f,
-                     count > 3 ? p[3] : 0.f);
-}
-
-// Four RMSNorm weights from p as fp32, ones past the first min(count, 4).
-__device__ __forceinline__ float4 load_norm4_upto(const wt* p, int count) {
-  return make_float4(w2f(p[0]), count > 1 ? w2f(p[1]) : 1.f, count > 2 ? w2f(p[2]) : 1.f,
-                     count > 3 ? w2f(p[3]) : 1.f);
-}
-
-// One step of a warp's reduce-scatter of value pairs: before it, s holds 2 * O pairs (4 * O
-// values); the lanes with bit O set keep the upper O pairs, the others the lower, each
-// adding its partner's (lane ^ O) copy of what it keeps.
-template <int O>
-__device__ __forceinline__ void reduce_scatter_step(float* s, int lane) {
-  const bool up = (lane & O) != 0;
-#pragma unroll
-  for (int i = 0; i < 2 * O; ++i) {
-    const float lo = s[i], hi = s[i + 2 * O];
-    s[i] = (up ? hi : lo) + __shfl_xor_sync(FULL_MASK, up ? lo : hi, O);
+// Eight consecutive fp32 activations from p, as load_w8_upto (`vec`: p 16-byte aligned).
+__device__ __forceinline__ void load8f_upto(const float* p, int count, bool vec, float* o) {
+  if (vec && count >= 8) {
+    load8f(p, o);
+    return;
   }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j] = j < count ? p[j] : 0.f;
 }
 
-#define T16_KC 640                 // values of K a stage: a multiple of 128 (5 chunks a lane)
-#define T16_PITCH (T16_KC + 4)
-#define T16_BATCH 5                // float4 loads a thread has in flight while staging
-#define T16_BATCHES (T16_TOKENS * T16_KC / 4 / 128 / T16_BATCH)
+// A weight as a TF32 operand: exact for bf16 and fp16. fp32 weights: hi, and lo = the TF32
+// rounding of w - hi.
+__device__ __forceinline__ void w_tf32(float w, unsigned& hi, unsigned& lo) {
+#if defined(RT_WEIGHT_F32)
+  hi = to_tf32(w);
+  lo = to_tf32(w - __uint_as_float(hi));
+#else
+  hi = __float_as_uint(w);
+  lo = 0u;
+#endif
+}
 
-// Prefill tiles (_t16): y = W . xhat for T16_TOKENS tokens and the 8 units (16 rows) of a
-// block of 4 warps, 2 units (4 rows) a warp (grid = (ceil(units / 8), ceil(n_max / 16)),
-// tiles past the call's tokens exit). The lanes run along K: lane l takes the 4-weight
-// chunks l, l + 32, ... of its warp's 4 rows, so a warp's weight load is 256 contiguous
-// bytes a row (the design before, a lane per token, read each chunk at one address for
-// 16 lanes: 32 bytes a load, too few in flight to stream the weights), each weight is
-// converted once, and each 16-byte read of xhat feeds 16 multiply-adds (4 rows). xhat (x,
-// or rmsnorm(x) * norm_w) is staged in shared memory T16_KC values of K at a time, every
-// thread issuing its loads of a stage together, and a lane's next chunk loads while it
-// multiplies the current one (its first before the wait for the previous kernel). At the
-// end a lane holds 4 rows x 16 tokens of partial sums; a butterfly over the warp
-// (reduce-scatter, 62 shuffles) leaves lane l the two rows of unit l / 16, token l % 16,
-// which it runs through the epilogue.
 template <int EPI>
 __device__ void tile16_body(int* __restrict__ state, const wt* __restrict__ W, int rows, int K,
                             const float* __restrict__ x, const wt* __restrict__ norm_w, float eps,
                             float* __restrict__ out, int units, int last_only, QkvArgs qa,
                             int /* split: always 1 */) {
-  static_assert(T16_BATCHES * T16_BATCH * 4 * 128 == T16_TOKENS * T16_KC, "staging items");
-  static_assert(T16_KC % 128 == 0, "a stage must hold whole rounds of the warp's chunks");
-  __shared__ __align__(16) float xs[T16_TOKENS][T16_PITCH];
-  __shared__ float inv_rms[T16_TOKENS];
-  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-  const int u0 = blockIdx.x * T16_UNITS + 2 * warp;   // this warp's two units
-  const bool vec = (K & 3) == 0;
-  const int n4 = (K + 3) / 4;
-  const wt* wrow[4];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    int r0, r1, kind;
-    unit_rows<EPI>(min(u0 + i, units - 1), rows, qa, &r0, &r1, &kind);
-    wrow[2 * i] = W + (long long)r0 * K;
-    wrow[2 * i + 1] = W + (long long)r1 * K;
-  }
-  int g = lane;   // this lane's chunk: weights W[., 4g .. 4g + 3]
-  w4raw cur[4];
-  if (g < n4) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      cur[j] = vec ? load_w<4>(wrow[j] + 4 * g) : load_w4_scalar(wrow[j] + 4 * g, min(4, K - 4 * g));
-  }
-  pdl_wait_then_release();   // the weights are in flight; x comes from the previous kernel
-  const int n = state[STATE_N], start = state[STATE_START];
-  const int t0 = last_only ? n - 1 : blockIdx.y * T16_TOKENS;
-  const int n_t = last_only ? 1 : min(T16_TOKENS, n - t0);
-  if (n_t <= 0) return;  // the whole block leaves together
-  const float* xt = x + (long long)t0 * K;
-  tile_inv_rms(xt, K, norm_w, eps, n_t, T16_TOKENS, inv_rms);
-  float acc[T16_TOKENS][4];
-#pragma unroll
-  for (int t = 0; t < T16_TOKENS; ++t)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc[t][j] = 0.f;
-  for (int kb = 0; kb < K; kb += T16_KC) {
-    const int kc = min(T16_KC, K - kb);
-#pragma unroll 1
-    for (int b = 0; b < T16_BATCHES; ++b) {
-      float4 v[T16_BATCH], nw[T16_BATCH];
-#pragma unroll
-      for (int s = 0; s < T16_BATCH; ++s) {
-        const int item = threadIdx.x + 128 * (b * T16_BATCH + s);
-        const int tt = item / (T16_KC / 4), k = kb + (item % (T16_KC / 4)) * 4;
-        v[s] = make_float4(0.f, 0.f, 0.f, 0.f);
-        nw[s] = make_float4(1.f, 1.f, 1.f, 1.f);
-        if (tt < n_t && k < K) {
-          v[s] = load4f_upto(xt + (long long)tt * K + k, K - k, vec);
-          if (norm_w) nw[s] = load_norm4_upto(norm_w + k, K - k);
-        }
-      }
-#pragma unroll
-      for (int s = 0; s < T16_BATCH; ++s) {
-        const int item = threadIdx.x + 128 * (b * T16_BATCH + s);
-        const int tt = item / (T16_KC / 4), k4 = (item % (T16_KC / 4)) * 4;
-        if (k4 < kc) {   // whole chunks of 4, zeros past K
-          const float r = tt < n_t ? inv_rms[tt] : 0.f;
-          *reinterpret_cast<float4*>(&xs[tt][k4]) =
-              make_float4(v[s].x * r * nw[s].x, v[s].y * r * nw[s].y, v[s].z * r * nw[s].z,
-                          v[s].w * r * nw[s].w);
-        }
-      }
-    }
-    __syncthreads();
-    const int g_end = (kb + kc + 3) / 4;
-#pragma unroll 1
-    for (; g < g_end; g += WARP) {
-      const int gn = g + WARP;
-      w4raw nxt[4];
-      if (gn < n4) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          nxt[j] = vec ? load_w<4>(wrow[j] + 4 * gn)
-                       : load_w4_scalar(wrow[j] + 4 * gn, min(4, K - 4 * gn));
-      }
-      float w[4][4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) w_floats<4>(cur[j], w[j]);
-#pragma unroll
-      for (int t = 0; t < T16_TOKENS; ++t) {
-        const float4 xv = *reinterpret_cast<const float4*>(&xs[t][4 * g - kb]);
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          acc[t][j] = fmaf(w[j][3], xv.w, fmaf(w[j][2], xv.z,
-                      fmaf(w[j][1], xv.y, fmaf(w[j][0], xv.x, acc[t][j]))));
-      }
-      if (gn < n4) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) cur[j] = nxt[j];
-      }
-    }
-    __syncthreads();   // the stage is rewritten next
-  }
-  // reduce-scatter over the warp: pair p = 16 * unit + token (rows r0, r1 of the unit) is
-  // s[2p], s[2p + 1]; each step keeps the half of the pairs whose index bit matches the
-  // lane's, adding the partner's copy of it, so lane l ends with pair l in s[0], s[1]
-  float s[64];
-#pragma unroll
-  for (int p = 0; p < 32; ++p) {
-    s[2 * p] = acc[p % T16_TOKENS][2 * (p / T16_TOKENS)];
-    s[2 * p + 1] = acc[p % T16_TOKENS][2 * (p / T16_TOKENS) + 1];
-  }
-  reduce_scatter_step<16>(s, lane);
-  reduce_scatter_step<8>(s, lane);
-  reduce_scatter_step<4>(s, lane);
-  reduce_scatter_step<2>(s, lane);
-  reduce_scatter_step<1>(s, lane);
-  const int u = u0 + lane / T16_TOKENS, tt = lane % T16_TOKENS;
-  if (u >= units || tt >= n_t) return;
+  static_assert(T16_TOKENS == 16 && T16_UNITS == 8, "two n8 tiles of tokens, one m16 tile of rows");
+  __shared__ float2 red[T16_MAX_WARPS][T16_UNITS][T16_TOKENS];   // each warp's (y0, y1) sums
+  __shared__ float ssq[T16_MAX_WARPS][T16_TOKENS];               // and sums of squares of x
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+  const int g = lane / 4, t = lane % 4;
+  const int u0 = blockIdx.y * T16_UNITS;
   int r0, r1, kind;
+  unit_rows<EPI>(min(u0 + g, units - 1), rows, qa, &r0, &r1, &kind);
+  const wt* w0 = W + (long long)r0 * K;
+  const wt* w1 = W + (long long)r1 * K;
+  const bool wvec = (K % (16 / (int)sizeof(wt))) == 0, xvec = (K & 3) == 0;
+  const int n_chunks = (K + 31) / 32;
+  w8raw wa[TC_BATCH_W], wb[TC_BATCH_W];
+#pragma unroll
+  for (int b = 0; b < TC_BATCH_W; ++b) {   // the first weights load before the wait
+    const int k = 32 * (warp + warps * b) + 8 * t;
+    if (k < K) { wa[b] = load_w8_upto(w0 + k, K - k, wvec); wb[b] = load_w8_upto(w1 + k, K - k, wvec); }
+  }
+  pdl_wait_then_release();   // x comes from the previous kernel
+  const int n = state[STATE_N], start = state[STATE_START];
+  if (last_only && blockIdx.x > 0) return;
+  const int t0 = last_only ? n - 1 : blockIdx.x * T16_TOKENS;
+  const int n_t = last_only ? 1 : min(T16_TOKENS, n - t0);
+  if (n_t <= 0) return;   // the whole block leaves together
+  const bool ta = g < n_t, tb = 8 + g < n_t;   // this lane's B tokens: t0 + g, t0 + 8 + g
+  const float* xa = x + (long long)(t0 + g) * K;
+  const float* xb = x + (long long)(t0 + 8 + g) * K;
+  float acc[2][2][4];   // [n8 tile][term: x hi, x lo][fragment]
+#if defined(RT_WEIGHT_F32)
+  float acc_wlo[2][4];  // fp32 weights' low parts times x hi
+#endif
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int f = 0; f < 4; ++f) {
+      acc[i][0][f] = acc[i][1][f] = 0.f;
+#if defined(RT_WEIGHT_F32)
+      acc_wlo[i][f] = 0.f;
+#endif
+    }
+  float ss[2] = {0.f, 0.f};
+  for (int c0 = warp; c0 < n_chunks; c0 += warps * TC_BATCH_W) {
+    if (c0 != warp) {
+#pragma unroll
+      for (int b = 0; b < TC_BATCH_W; ++b) {
+        const int k = 32 * (c0 + warps * b) + 8 * t;
+        if (k < K) { wa[b] = load_w8_upto(w0 + k, K - k, wvec); wb[b] = load_w8_upto(w1 + k, K - k, wvec); }
+      }
+    }
+    float xv[TC_BATCH_W][2][8];
+#pragma unroll
+    for (int b = 0; b < TC_BATCH_W; ++b) {
+      const int k = 32 * (c0 + warps * b) + 8 * t;
+      load8f_upto(xa + k, ta ? K - k : 0, xvec, xv[b][0]);
+      load8f_upto(xb + k, tb ? K - k : 0, xvec, xv[b][1]);
+    }
+#pragma unroll
+    for (int b = 0; b < TC_BATCH_W; ++b) {
+      const int k = 32 * (c0 + warps * b) + 8 * t;
+      if (c0 + warps * b >= n_chunks) break;   // the same for the whole warp
+      float fa[8], fb[8], nw[8];
+      if (k < K) {
+        w8_floats(wa[b], fa);
+        w8_floats(wb[b], fb);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) fa[j] = fb[j] = 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) nw[j] = 1.f;
+      if (norm_w && k < K) {
+        if (wvec && K - k >= 8) {
+          load8(norm_w + k, nw);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) if (j < K - k) nw[j] = w2f(norm_w[k + j]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          ss[i] = fmaf(xv[b][i][j], xv[b][i][j], ss[i]);
+          xv[b][i][j] *= nw[j];
+        }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        unsigned a0, a1, a2, a3, l0, l1, l2, l3;
+        w_tf32(fa[2 * j], a0, l0);
+        w_tf32(fb[2 * j], a1, l1);
+        w_tf32(fa[2 * j + 1], a2, l2);
+        w_tf32(fb[2 * j + 1], a3, l3);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float v0 = xv[b][i][2 * j], v1 = xv[b][i][2 * j + 1];
+          const unsigned h0 = to_tf32(v0), h1 = to_tf32(v1);
+          const unsigned e0 = to_tf32(v0 - __uint_as_float(h0));
+          const unsigned e1 = to_tf32(v1 - __uint_as_float(h1));
+          mma_tf32(acc[i][0], a0, a1, a2, a3, h0, h1);
+          mma_tf32(acc[i][1], a0, a1, a2, a3, e0, e1);
+#if defined(RT_WEIGHT_F32)
+          mma_tf32(acc_wlo[i], l0, l1, l2, l3, h0, h1);
+#endif
+        }
+      }
+    }
+  }
+  // lane (g, t) holds, for n8 tile i: unit u0 + g, tokens 8i + 2t + e (e = 0, 1): y0 in
+  // fragment e, y1 in fragment 2 + e
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float y0 = acc[i][0][e] + acc[i][1][e], y1 = acc[i][0][2 + e] + acc[i][1][2 + e];
+#if defined(RT_WEIGHT_F32)
+      y0 += acc_wlo[i][e];
+      y1 += acc_wlo[i][2 + e];
+#endif
+      red[warp][g][8 * i + 2 * t + e] = make_float2(y0, y1);
+    }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {   // token 8i + g's squares over the lanes t of its row
+    float s = ss[i];
+    s += __shfl_xor_sync(FULL_MASK, s, 1);
+    s += __shfl_xor_sync(FULL_MASK, s, 2);
+    if (t == 0) ssq[warp][8 * i + g] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x >= T16_UNITS * T16_TOKENS) return;
+  const int lu = threadIdx.x / T16_TOKENS, tt = threadIdx.x % T16_TOKENS;
+  const int u = u0 + lu;
+  if (u >= units || tt >= n_t) return;
+  float y0 = 0.f, y1 = 0.f, sq = 0.f;
+  for (int w = 0; w < warps; ++w) {
+    y0 += red[w][lu][tt].x;
+    y1 += red[w][lu][tt].y;
+    sq += ssq[w][tt];
+  }
+  if (norm_w) {
+    const float inv_rms = 1.f / sqrtf(sq / K + eps);
+    y0 *= inv_rms;
+    y1 *= inv_rms;
+  }
   unit_rows<EPI>(u, rows, qa, &r0, &r1, &kind);
-  epilogue<EPI>(state, t0 + tt, u, rows, r0, r1, kind, s[0], s[1], out, last_only, start, qa);
+  epilogue<EPI>(state, t0 + tt, u, rows, r0, r1, kind, y0, y1, out, last_only, start, qa);
 }
 
 #ifndef MV_BATCH  // chunks of 8 weights per lane and batch: set by the loader (cuda_kernels.py)
@@ -522,7 +537,7 @@ __device__ void staged_body(int* __restrict__ state, const wt* __restrict__ W, i
 #error "MV_MIN_BLOCKS must be defined by the build options"
 #endif
 #define BOUNDS_t1 __launch_bounds__(128, MV_MIN_BLOCKS)   // the backend's matmul block
-#define BOUNDS_t16 __launch_bounds__(128, 3)   // the backend's matmul block, 3 an SM
+#define BOUNDS_t16 __launch_bounds__(32 * T16_MAX_WARPS)   // the backend's t16_warps
 
 // Every wrapper takes `split` last (warps per unit); the _t16 bodies need it to be 1.
 #define MATMUL_PLAIN(NAME, BOUNDS, BODY)                                                    \

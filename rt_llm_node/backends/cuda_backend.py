@@ -52,7 +52,10 @@ QMV_THREADS = (512, 256, 128)
 QMV_FILL = 0.5
 T16_UNITS = GEOMETRY['T16_UNITS']      # units (row pairs) of a 16-token prefill tile's block
 T16_TOKENS = GEOMETRY['T16_TOKENS']
+T16_MAX_WARPS = GEOMETRY['T16_MAX_WARPS']   # and at most this many warps (its launch bounds)
 VERIFY_NT = GEOMETRY['VERIFY_NT']      # tokens a block of the verify rows' float matmuls
+ATT_QTILE, ATT_PQ = GEOMETRY['ATT_QTILE'], GEOMETRY['ATT_PQ']   # attn_partial's queries
+ATT_THREADS, MASS_KEYS = GEOMETRY['ATT_THREADS'], GEOMETRY['MASS_KEYS']
 PD_THREADS, PD_KEYS = GEOMETRY['PD_THREADS'], GEOMETRY['PD_KEYS']   # decode_persistent
 PD_MAX_SHARED = 40 * 1024        # its dynamic shared memory: the largest input vector
 # the staged one-token matmuls (matmul.cu, staged_body): a block's rows, norm and xhat in
@@ -60,10 +63,13 @@ PD_MAX_SHARED = 40 * 1024        # its dynamic shared memory: the largest input 
 # one or two blocks an SM, else the matrix stays on the streaming _t1 kernel
 SP_THREADS, SP_MAX_SHARED, SP_MAX_BLOCKS_PER_SM = GEOMETRY['SP_THREADS'], 96 * 1024, 2
 MAX_DYNAMIC_SHARED = 8           # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cuda.h
-# the prefill's attn_partial: at most this many blocks beyond one a row (each row's block
-# then loops over its splits), so that a prefill near the start of the cache does not
-# launch a block for every empty split of the whole capacity
+# the prefill's attn_partial: at most this many blocks beyond one a query tile (each tile's
+# block then loops over its splits), so that a prefill near the start of the cache does
+# not launch a block for every empty split of the whole capacity
 ATT_PREFILL_BLOCKS = 2048
+# attn_mass: warps a block (a warp sums every w-th row): a prefill's many rows, or the
+# decode step's (a verify row repeats the decode step's sums, so the two agree)
+MASS_WARPS_PREFILL, MASS_WARPS_DECODE = 32, 8
 # the most tokens a verify pass takes (speculative_tokens' largest value and the token before)
 VERIFY_MAX = 17
 # decode_step='auto': decode-graph replays timed per candidate at configure, and the
@@ -115,6 +121,23 @@ class CudaOptions:
             raise ValueError('a verify pass repeats the per-kernel, unstaged decode step bit '
                              "for bit: verify_tokens needs decode_step 'kernels' or 'auto' "
                              'and staged_decode None or False')
+
+
+def t16_warps(k):
+    """Warps of a prefill tile's block (tile16_body) for rows of K = k.
+
+    They split K in 32-column chunks: doubled from 4 while each keeps at least two (few
+    rows make few blocks, and a warp summing many chunks in a row waits on each in turn).
+    """
+    chunks, warps = -(-k // 32), 4
+    while warps < T16_MAX_WARPS and chunks >= 4 * warps:
+        warps *= 2
+    return warps
+
+
+def attn_partial_shared(chunk, d):
+    """Bytes of dynamic shared memory of an attn_partial block (attention.cu)."""
+    return 4 * (chunk * (2 * d + 1) + ATT_QTILE * d + chunk * ATT_PQ + 2 * ATT_QTILE)
 
 
 def staged_plan(units, k, weight_bytes, n_sm):
@@ -303,6 +326,10 @@ class CudaBackend:
             self._allocate(checkpoint)
             self.kernels = KernelSet(self.weight_dtype, options.device_id,
                                      kv_int8=self.kv_int8)
+            if self.att_smem > 48 * 1024:
+                from cupy_backends.cuda.api import driver
+                driver.funcSetAttribute(self.kernels.functions['attn_partial'].ptr,
+                                        MAX_DYNAMIC_SHARED, self.att_smem)
             if self.quantized:
                 self._allow_quant_shared()
             self.stream = cp.cuda.Stream(non_blocking=True)
@@ -581,7 +608,7 @@ class CudaBackend:
         # keys per attention split: the split's keys and values fit 32 KiB of shared memory
         d = cfg.head_dim
         self.chunk = 64 if d <= 64 else 32 if d <= 128 else 16
-        self.att_smem = (2 * self.chunk * d + self.chunk + d) * 4
+        self.att_smem = attn_partial_shared(self.chunk, d)
         self.n_splits = (cap + self.chunk - 1) // self.chunk
         if self.n_splits > ATT_MAX_SPLITS:   # the merge keeps a weight per split in shared memory
             raise BackendError(f'kv capacity {cap} needs {self.n_splits} attention splits '
@@ -713,13 +740,17 @@ class CudaBackend:
             is at most what is resident (its blocks stride over the row groups), ``rows`` rows
             of it (a verify pass: one a token).
             """
-            if not one_token:   # tile16_body: T16_UNITS units a block, two a warp
-                return ((units + T16_UNITS - 1) // T16_UNITS, tiles), _i32(1)
+            if not one_token:   # tile16_body: token tiles, then T16_UNITS units a block
+                return (tiles, (units + T16_UNITS - 1) // T16_UNITS), _i32(1)
             split = matvec_split(units, k, mv_batch, self.n_sm)
             blocks = (units * split + warps - 1) // warps
             suffix = '_tv' if verify else '_t1'
             resident = max(1, self._resident_blocks(kernel + suffix)) * self.n_sm
             return (min(blocks, resident), rows), _i32(split)
+
+        def tblock(k):
+            """Return the block of a matmul over K = k: 4 warps, or a prefill tile's t16_warps."""
+            return block if one else (32 * t16_warps(k),)
 
         def launch(name, grid, block, *args, shared=0):   # every kernel after the first
             self._launch(name, grid, block, *args, shared=shared, dependent=True)
@@ -763,7 +794,7 @@ class CudaBackend:
             else:
                 args = (self.state, self.dequantized, _i32(w.rows), _i32(w.k), *tail,
                         _i32(units), _i32(0), split)
-            self._launch(kind + sfx, grid, block, *args)
+            self._launch(kind + sfx, grid, tblock(w.k), *args)
 
         def matmul(kind, units, k, *args):
             """Return the residual or swiglu matmul.
@@ -781,7 +812,7 @@ class CudaBackend:
                        _i32(units), _i32(per_block), shared=shared)
             else:
                 grid, split = mm(units, k, kind)
-                launch(kind + sfx, grid, block, self.state, *args, _i32(units), _i32(0),
+                launch(kind + sfx, grid, tblock(k), self.state, *args, _i32(units), _i32(0),
                        split)
         if decode and self._pd_args is not None:
             self._cooperative(self.kernels.functions['decode_persistent'], (self.n_sm,),
@@ -823,7 +854,7 @@ class CudaBackend:
                        _i32(per_block), shared=shared)
             else:
                 grid, split = mm(*shapes['qkv'], 'matmul_qkv_rope')
-                launch('matmul_qkv_rope' + sfx, grid, block, *qkv_args, split)
+                launch('matmul_qkv_rope' + sfx, grid, tblock(hid), *qkv_args, split)
             if self.kv_int8:
                 launch('kv_quantize', (n_max,), (32 * min(cfg.num_kv_heads, 8),), self.state,
                        self.k_stage, self.v_stage, kc, vc, ksc, vsc, _i32(cfg.num_kv_heads),
@@ -837,9 +868,9 @@ class CudaBackend:
                        _i32(cfg.num_kv_heads), _i32(d), _i32(cap), _i32(self.n_splits),
                        _i32(self.chunk), scale, _i32(score_stride), _i32(ml_stride))
             else:
-                rows = cfg.num_heads * n_max
-                split_blocks = min(self.n_splits, max(1, -(-ATT_PREFILL_BLOCKS // rows)))
-                launch('attn_partial', (rows, split_blocks), (128,),
+                tiles_h = cfg.num_heads * -(-n_max // ATT_QTILE)
+                split_blocks = min(self.n_splits, max(1, -(-ATT_PREFILL_BLOCKS // tiles_h)))
+                launch('attn_partial', (tiles_h, split_blocks), (ATT_THREADS,),
                        self.state, self.q, kc, vc, ksc, vsc, self.scores, self.part_ml,
                        self.part_o, _i32(n_max), _i32(cfg.num_heads),
                        _i32(cfg.num_kv_heads), _i32(d), _i32(cap), _i32(self.n_splits),
@@ -883,7 +914,8 @@ class CudaBackend:
         With ``row_ml`` the rows hold raw scores and their softmax max and sum. ``rows`` > 0
         (a verify pass): that many tokens' rows, each summed into its own mass row of ``out``.
         """
-        self._launch('attn_mass', ((self.capacity + 31) // 32, max(1, rows)), (256,),
+        warps = MASS_WARPS_DECODE if row_ml is not None else MASS_WARPS_PREFILL
+        self._launch('attn_mass', (-(-self.capacity // MASS_KEYS), max(1, rows)), (32 * warps,),
                      self.state, probs, NULL if row_ml is None else row_ml,
                      self.mass if out is None else out, _i32(n_max), _i32(n_rows),
                      _i32(self.capacity), _i32(1 if first else 0),

@@ -22,14 +22,16 @@ GEOMETRY = {
     'STATE_TOKEN': 0, 'STATE_START': 1, 'STATE_N': 2, 'STATE_MASS_ACC': 3, 'STATE_FLAGS': 4,
     'STATE_RESULT': 5, 'STATE_COUNTER': 6,
     # matmul.cu: 16-token prefill tiles of T16_UNITS row pairs; staged one-token blocks
-    'T16_TOKENS': 16, 'T16_UNITS': 8, 'SP_THREADS': 128,
+    'T16_TOKENS': 16, 'T16_UNITS': 8, 'T16_MAX_WARPS': 16, 'SP_THREADS': 128,
     # and the verify rows' one-token matmuls (_tv): tokens a block
     'VERIFY_NT': 8,
     # decode_persistent.cu: its block, and the cached keys of one attention work item
     'PD_THREADS': 256, 'PD_KEYS': 32,
     # attention.cu: most splits of the cache length one attention row merges (a weight each
-    # in shared memory); the backend checks its capacity against it
-    'ATT_MAX_SPLITS': 1024,
+    # in shared memory); the backend checks its capacity against it. A prefill's
+    # attn_partial block of ATT_THREADS takes ATT_QTILE queries, their exps ATT_PQ floats a
+    # key apart; an attn_mass block MASS_KEYS keys
+    'ATT_MAX_SPLITS': 1024, 'ATT_QTILE': 16, 'ATT_PQ': 20, 'ATT_THREADS': 512, 'MASS_KEYS': 8,
 }
 # Chunks of 8 weights a lane of a one-token matmul loads in one batch (-DMV_BATCH), and the
 # blocks of 128 threads such a kernel must fit on one multiprocessor (-DMV_MIN_BLOCKS, its

@@ -10,6 +10,12 @@ import numpy as np
 import pytest
 
 from rt_llm_node.backends import cuda_available
+from rt_llm_node.backends.cuda_backend import ATT_QTILE
+from rt_llm_node.backends.cuda_backend import ATT_THREADS
+from rt_llm_node.backends.cuda_backend import attn_partial_shared
+from rt_llm_node.backends.cuda_backend import MASS_KEYS
+from rt_llm_node.backends.cuda_backend import MASS_WARPS_PREFILL
+from rt_llm_node.backends.cuda_backend import t16_warps
 from rt_llm_node.backends.numpy_backend import apply_rope
 from rt_llm_node.backends.numpy_backend import attention
 from rt_llm_node.backends.numpy_backend import rmsnorm
@@ -47,9 +53,14 @@ def matmul_kernel(k, family, tt):
 
 def matmul_grid(units, split, tt, n_rows=32):
     """Return the grid the backend gives each matmul kernel over ``n_rows`` tokens of x."""
-    if tt == 16:      # 8 units (2 a warp) x 16 tokens a block
-        return ((units + 7) // 8, (n_rows + 15) // 16)
+    if tt == 16:      # 16 tokens x 8 units a block, the token tiles first
+        return ((n_rows + 15) // 16, (units + 7) // 8)
     return ((units * split + 3) // 4, n_rows)
+
+
+def matmul_block(tt, K):
+    """Return the block the backend gives a matmul over K: 4 warps, a prefill tile t16_warps."""
+    return (32 * (t16_warps(K) if tt == 16 else 4),)
 
 
 def matmul_rows(dtype, tt):
@@ -93,7 +104,7 @@ def test_matmul_residual(kit, n, tt, K, split, rng):
     out = cp.asarray(out0)
     units = (rows + 1) // 2   # 39: with split 2 or 4 the last block has idle warps
     grid = matmul_grid(units, split, tt, n_rows)
-    matmul_kernel(k, 'matmul_residual', tt)(grid, (128,), (
+    matmul_kernel(k, 'matmul_residual', tt)(grid, matmul_block(tt, K), (
         state(cp, 3, n), w, i32(rows), i32(K), cp.asarray(x), NULL, np.float32(1e-5), out,
         i32(units), i32(0), i32(split)))
     ref = out0.copy()
@@ -124,17 +135,19 @@ def test_matmul_store_last_token_with_rmsnorm(kit, split, rng):
     assert st.get()[4] & 1
 
 
-@pytest.mark.parametrize('n,tt,split', [(1, 1, 1), (1, 1, 2), (11, 16, 1), (30, 16, 1)])
-def test_matmul_swiglu(kit, n, tt, split, rng):
+# K = 1000: a prefill tile of 8 warps, each summing its share of the squares for the norm
+@pytest.mark.parametrize('n,tt,split,K', [(1, 1, 1, 64), (1, 1, 2, 64), (11, 16, 1, 64),
+                                          (30, 16, 1, 64), (30, 16, 1, 1000)])
+def test_matmul_swiglu(kit, n, tt, split, K, rng):
     cp, k, dtype = kit
     n_rows = matmul_rows(dtype, tt)
-    inter, K = 40, 64
+    inter = 40
     w, wf = weights(cp, dtype, (2 * inter, K), rng)
     nw, nwf = weights(cp, dtype, (K,), rng, scale=1.0)
     x = rng.standard_normal((n_rows, K)).astype(np.float32)
     act = poisoned(cp, (n_rows, inter))
     grid = matmul_grid(inter, split, tt, n_rows)
-    matmul_kernel(k, 'matmul_swiglu', tt)(grid, (128,), (
+    matmul_kernel(k, 'matmul_swiglu', tt)(grid, matmul_block(tt, K), (
         state(cp, 0, n), w, i32(2 * inter), i32(K), cp.asarray(x), nw, np.float32(1e-5), act,
         i32(inter), i32(0), i32(split)))
     gu = rmsnorm(x[:n], nwf, 1e-5) @ wf.T
@@ -320,15 +333,16 @@ def test_attention_and_mass(kit, start, n, d, split_blocks, rng):
     old = rng.random(cap).astype(np.float32)
     mass = cp.asarray(old)
     dq, dk, dv = cp.asarray(q), cp.asarray(kc), cp.asarray(vc)
-    k.attn_partial((heads * n_max, split_blocks or splits), (128,), (
+    tiles = heads * -(-n_max // ATT_QTILE)   # a block takes ATT_QTILE queries of a head
+    k.attn_partial((tiles, split_blocks or splits), (ATT_THREADS,), (
         st, dq, dk, dv, NULL, NULL, scores, part_ml, part_o, i32(n_max), i32(heads), i32(kv),
         i32(d),
         i32(cap), i32(splits), i32(chunk), np.float32(1 / np.sqrt(d))),
-        shared_mem=(2 * chunk * d + chunk + d) * 4)
+        shared_mem=attn_partial_shared(chunk, d))
     k.attn_combine((heads * n_max,), (128,), (
         st, part_ml, part_o, out, scores, i32(n_max), i32(heads), i32(d), i32(cap),
         i32(splits), i32(chunk)))
-    k.attn_mass(((cap + 31) // 32,), (256,), (
+    k.attn_mass((-(-cap // MASS_KEYS),), (32 * MASS_WARPS_PREFILL,), (
         st, scores, NULL, mass, i32(n_max), i32(heads * n_max), i32(cap), i32(1), i32(0)))
     end = start + n
     ref_out, ref_mass = attention(q[:n].reshape(n, heads, d), kc[:end], vc[:end], start)
@@ -361,8 +375,8 @@ def test_attn_decode_merges_splits_in_the_last_block(kit, start, d, kv, rng):
             row_ml, counters, i32(heads), i32(kv), i32(d), i32(cap), i32(splits), i32(chunk),
             np.float32(1 / np.sqrt(d)), i32(0), i32(0)))
         mass = poisoned(cp, (cap,))
-        k.attn_mass(((cap + 31) // 32,), (256,), (st, scores, row_ml, mass, i32(1), i32(heads),
-                                                  i32(cap), i32(1), i32(0)))
+        k.attn_mass((-(-cap // MASS_KEYS),), (256,), (
+            st, scores, row_ml, mass, i32(1), i32(heads), i32(cap), i32(1), i32(0)))
         ref_out, ref_mass = attention(q.reshape(1, heads, d), kc[:start + 1], vc[:start + 1],
                                       start)
         close(out.get(), ref_out.reshape(-1))
@@ -378,7 +392,7 @@ def test_attention_mass_adds_up_over_layers_and_chunks(kit, rng):
     start, n = 20, 3
     for first, acc in ((1, 1), (0, 0)):
         mass = cp.asarray(old)
-        k.attn_mass(((cap + 31) // 32,), (256,), (
+        k.attn_mass((-(-cap // MASS_KEYS),), (256,), (
             state(cp, start, n, mass_acc=acc), cp.asarray(probs), NULL, mass, i32(n_max),
             i32(rows),
             i32(cap), i32(first), i32(0)))
@@ -417,7 +431,7 @@ def test_attn_decode_rows_equal_decode_steps_bit_for_bit(kit, start, d, kv, rng)
             poisoned(cp, (n, heads, splits, d)), out, row_ml, cp.zeros(n * heads, np.int32),
             i32(heads), i32(kv), i32(d), i32(cap), i32(splits), i32(chunk), scale,
             i32(heads * cap), i32(heads * 2)))
-        k.attn_mass(((cap + 31) // 32, grid_z), (256,), (
+        k.attn_mass((-(-cap // MASS_KEYS), grid_z), (256,), (
             st, scores, row_ml, mass, i32(1), i32(heads), i32(cap), i32(1),
             i32(heads * cap if n > 1 else 0)))
         return out.get(), row_ml.get(), mass.get()
