@@ -1,11 +1,12 @@
 """Where a CUDA decode step spends its time: per kernel (CUDA events), graph replay, host calls.
 
     PYTHONPATH=. python3 dev/cuda/profile_cuda.py [--shape smollm2-135m] [--context 256]
-        [--prefill] [--format i8/32]
+        [--prefill | --verify N] [--format i8/32]
 
 The decode graph's replay as the persistent step (where the shape allows it) and as a kernel
 per phase; host calls; then each kernel of the first layer and the LM head timed in a
-graph-captured chain of its own kind; the 48-token prefill. ``--format``: the weights in a
+graph-captured chain of its own kind (``--prefill``: the kernels of a 48-token prefill;
+``--verify N``: of a verify pass of N rows); the 48-token prefill. ``--format``: the weights in a
 runtime integer format of benchmarks/bench_quant.py (bf16: as stored).
 """
 
@@ -31,6 +32,7 @@ def main():
     parser.add_argument('--context', type=int, default=256)
     parser.add_argument('--repeats', type=int, default=50)
     parser.add_argument('--prefill', action='store_true', help='profile a 48-token prefill')
+    parser.add_argument('--verify', type=int, default=0, help='profile a verify pass of N rows')
     parser.add_argument('--chain', type=int, default=32, help='launches per kernel graph')
     parser.add_argument('--format', default='bf16', choices=sorted(FORMATS))
     args = parser.parse_args()
@@ -45,7 +47,7 @@ def main():
         replay = time_decode_replay(persistent, args.context, args.repeats)
         print(f'  gpu: decode graph replay, persistent {np.median(replay) * 1e3:.1f} us')
         del persistent
-    backend = CudaBackend(checkpoint, 1088, CudaOptions('kernels'))
+    backend = CudaBackend(checkpoint, 1088, CudaOptions('kernels', verify_tokens=args.verify))
     vocab = checkpoint.config.vocab_size
     backend.prefill(np.random.default_rng(0).integers(0, vocab, args.context))
     backend.attention_mass()
@@ -88,11 +90,14 @@ def main():
     def record(name, grid, block, *a, **kw):
         recorded.append((name, grid, block, a, kw))
     backend._launch = record
-    n_max, n = (64, 48) if args.prefill else (1, 1)
-    backend._enqueue_forward(n_max)
+    n_max, n = (64, 48) if args.prefill else (args.verify, args.verify) if args.verify else (1, 1)
+    backend._enqueue_forward(n_max, verify=bool(args.verify))
     backend._launch = launch
-    per_layer = (len(recorded) - (3 if n_max == 1 else 2)) // checkpoint.config.num_layers
-    picked = recorded[1:1 + per_layer] + recorded[-1:]   # first layer, then the LM head
+    # the embedding, the layers, then the tail: the mass (one token), the LM head and
+    # (verify) the rows' arg-maxes
+    tail = 1 + (n_max == 1 or args.verify > 0) + (args.verify > 0)
+    per_layer = (len(recorded) - 1 - tail) // checkpoint.config.num_layers
+    picked = recorded[1:1 + per_layer] + recorded[len(recorded) - tail:]
     total_us = 0.0
     for i, (name, grid, block, a, kw) in enumerate(picked):
         backend.rollback(args.context)
@@ -111,7 +116,7 @@ def main():
             stop.synchronize()
             times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / args.chain)
         us = float(np.median(times))
-        count = 1 if i == len(picked) - 1 else checkpoint.config.num_layers   # the LM head once
+        count = 1 if i >= per_layer else checkpoint.config.num_layers   # the tail once
         total_us += us * count
         line = f'  kernel {name:22s} grid {str(tuple(grid)):12s} {us:8.2f} us'
         mbytes = None
