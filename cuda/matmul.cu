@@ -269,6 +269,14 @@ __device__ void tile16_body(int* __restrict__ state, const wt* __restrict__ W, i
 #error "MV_BATCH must be defined by the build options"
 #endif
 
+// Where element k of a token's xhat sits in a verify block's staged row of K (K % 8 == 0):
+// the first four of each chunk of 8 in the first half of the row, the last four in the
+// second, so that lane c's two 16-byte reads of chunk c are at 16 * c in each half.
+__device__ __forceinline__ int tv_slot(int k, int K) {
+  return ((k & 7) >= 4 ? K / 2 : 0) + 4 * (k >> 3) + (k & 3);
+}
+#define TV_LOADS 8   // 16-byte loads of x a thread issues together when it stages them
+
 // One token (decode, or the last token for the LM head), grid-stride: block b takes the
 // unit groups b, b + gridDim.x, ... (a group = blockDim / 32 / split units), so a grid
 // sized to what is resident streams the whole matrix without waves of block exits and
@@ -282,7 +290,11 @@ __device__ void tile16_body(int* __restrict__ state, const wt* __restrict__ W, i
 // NT tokens a block (a verify pass, _tv: tokens blockIdx.y * NT ..): each weight loaded
 // once serves them all, and each token's sums are those of the one-token kernel (NT = 1)
 // for it alone, term for term in the same order: the rows of a verify pass equal decode
-// steps bit for bit.
+// steps bit for bit. When the launch gives it the dynamic shared memory (the block's tokens
+// * K floats, the backend's tv_shared), the block first stages every token's xhat there,
+// each value the very product x * (1 / rms) * norm_w the unstaged loop forms, so that the
+// loop over rows reads it from shared memory instead of loading and normalizing x again
+// for every row pair (tv_slot: where each value sits).
 template <int EPI, int NT>
 __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, int rows, int K,
                             const float* __restrict__ x, const wt* __restrict__ norm_w,
@@ -321,17 +333,60 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
     }
   }
   pdl_wait_then_release();   // the weights are in flight; x comes from the previous kernel
+  extern __shared__ __align__(16) float tv_xs[];   // staged xhat: [nt][K], swizzled
+  unsigned dyn_shared = 0;
+  if (NT > 1) asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_shared));
+  const bool stage = NT > 1 && vec && 4ull * nt * K <= dyn_shared;
+  if (stage) {   // the block's x, 16 bytes a load and TV_LOADS loads a thread in flight
+    const int n4 = nt * K / 4, k4 = K / 4;
+    const float4* x4 = reinterpret_cast<const float4*>(xt);
+    for (int i = threadIdx.x; i < n4; i += TV_LOADS * blockDim.x) {
+      float4 v[TV_LOADS];
+#pragma unroll
+      for (int b = 0; b < TV_LOADS; ++b) {
+        const int at = i + b * blockDim.x;
+        if (at < n4) v[b] = x4[at];
+      }
+#pragma unroll
+      for (int b = 0; b < TV_LOADS; ++b) {
+        const int at = i + b * blockDim.x;
+        if (at < n4) {   // four values of one half of a chunk: contiguous when staged
+          const int t = at / k4, k = 4 * (at - t * k4);
+          *reinterpret_cast<float4*>(tv_xs + t * K + tv_slot(k, K)) = v[b];
+        }
+      }
+    }
+    __syncthreads();
+  }
   float inv_rms[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     inv_rms[t] = 1.f;
-    if (norm_w && t < nt) {
+    if (norm_w && t < nt) {   // the sum of squares in the one-token kernel's order
       const float* xr = xt + (long long)t * K;
+      const float* xs = tv_xs + t * K;
       float ss = 0.f;
-      for (int k = threadIdx.x; k < K; k += blockDim.x) ss = fmaf(xr[k], xr[k], ss);
+      for (int k = threadIdx.x; k < K; k += blockDim.x) {
+        const float v = stage ? xs[tv_slot(k, K)] : xr[k];
+        ss = fmaf(v, v, ss);
+      }
       ss = block_sum(ss, scratch);
       inv_rms[t] = 1.f / sqrtf(ss / K + eps);
     }
+  }
+  if (stage && norm_w) {   // xhat in place (without a norm, x * 1 * 1 is x: nothing to do)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t < nt) {
+        float* xs = tv_xs + t * K;
+        for (int k = threadIdx.x; k < K; k += blockDim.x) {
+          const float nw = w2f(norm_w[k]);
+          const int at = tv_slot(k, K);
+          xs[at] = xs[at] * inv_rms[t] * nw;
+        }
+      }
+    }
+    __syncthreads();
   }
   // rounds: every warp of the block runs the same count (the split's barrier needs it)
   for (int round = 0, base_u = blockIdx.x * per_group; base_u < units;
@@ -379,7 +434,22 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
             wa[b] = load_w8(nw0 + 8 * cn);
             wb[b] = load_w8(nw1 + 8 * cn);
           }
-          if (have) {
+          if (have && stage) {   // xhat from shared memory: two 16-byte halves a chunk
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+              if (t < nt) {
+                const float* xs = tv_xs + t * K;
+                const float4 lo = *reinterpret_cast<const float4*>(xs + 4 * c);
+                const float4 hi = *reinterpret_cast<const float4*>(xs + K / 2 + 4 * c);
+                const float xn[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                  a0[t] = fmaf(fa[j], xn[j], a0[t]);
+                  a1[t] = fmaf(fb[j], xn[j], a1[t]);
+                }
+              }
+            }
+          } else if (have) {
             const int k = 8 * c;
             float nw[8];
             load_norm8(norm_w, k, nw);

@@ -1,13 +1,14 @@
 """Where a CUDA decode step spends its time: per kernel (CUDA events), graph replay, host calls.
 
     PYTHONPATH=. python3 dev/cuda/profile_cuda.py [--shape smollm2-135m] [--context 256]
-        [--prefill | --verify N] [--format i8/32]
+        [--prefill | --verify N [--verify-x global]] [--format i8/32]
 
 The decode graph's replay as the persistent step (where the shape allows it) and as a kernel
 per phase; host calls; then each kernel of the first layer and the LM head timed in a
 graph-captured chain of its own kind (``--prefill``: the kernels of a 48-token prefill;
-``--verify N``: of a verify pass of N rows); the 48-token prefill. ``--format``: the weights in a
-runtime integer format of benchmarks/bench_quant.py (bf16: as stored).
+``--verify N``: of a verify pass of N rows; ``--verify-x global``: its matmuls reading x from
+global memory, none staging it in shared memory); the 48-token prefill. ``--format``: the
+weights in a runtime integer format of benchmarks/bench_quant.py (bf16: as stored).
 """
 
 import argparse
@@ -20,6 +21,7 @@ from devkit import time_decode_replay  # noqa: I100  (puts benchmarks/ on the pa
 from bench_quant import FORMATS  # noqa: I100,I201
 from bench_quant import to_format  # noqa: I100
 
+from rt_llm_node.backends import cuda_backend
 from rt_llm_node.backends.cuda_backend import CudaBackend
 from rt_llm_node.backends.cuda_backend import CudaOptions
 from rt_llm_node.model import load_checkpoint
@@ -33,10 +35,14 @@ def main():
     parser.add_argument('--repeats', type=int, default=50)
     parser.add_argument('--prefill', action='store_true', help='profile a 48-token prefill')
     parser.add_argument('--verify', type=int, default=0, help='profile a verify pass of N rows')
+    parser.add_argument('--verify-x', choices=('staged', 'global'), default='staged',
+                        help="'global': no verify matmul stages its xhat in shared memory")
     parser.add_argument('--chain', type=int, default=32, help='launches per kernel graph')
     parser.add_argument('--format', default='bf16', choices=sorted(FORMATS))
     args = parser.parse_args()
     import cupy as cp
+    if args.verify_x == 'global':
+        cuda_backend.TV_MAX_SHARED = 0
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = load_checkpoint(write_random_checkpoint(tmp, args.shape))
     checkpoint = to_format(checkpoint, FORMATS[args.format][1])

@@ -70,6 +70,10 @@ ATT_PREFILL_BLOCKS = 2048
 # attn_mass: warps a block (a warp sums every w-th row): a prefill's many rows, or the
 # decode step's (a verify row repeats the decode step's sums, so the two agree)
 MASS_WARPS_PREFILL, MASS_WARPS_DECODE = 32, 8
+# a verify block's staged xhat (matmul.cu, matvec_body with NT > 1): its tokens' K floats in
+# at most this much dynamic shared memory, so that three blocks of 128 threads still fit an
+# SM (their registers allow three); a longer row is read from global memory as before
+TV_MAX_SHARED = 72 * 1024
 # the most tokens a verify pass takes (speculative_tokens' largest value and the token before)
 VERIFY_MAX = 17
 # decode_step='auto': decode-graph replays timed per candidate at configure, and the
@@ -156,6 +160,16 @@ def staged_plan(units, k, weight_bytes, n_sm):
         if shared <= SP_MAX_SHARED:
             return -(-units // per_block), per_block, shared
     return None
+
+
+def tv_shared(tokens, k):
+    """Return the dynamic shared memory of a verify matmul block of ``tokens`` over K = ``k``.
+
+    Its staged xhat, or 0 (read from global memory) where the rows are not 16-byte chunks or
+    it would not fit.
+    """
+    need = 4 * tokens * k
+    return need if k % 8 == 0 and need <= TV_MAX_SHARED else 0
 
 
 def matvec_split(units, k, mv_batch, n_sm, warps=MATMUL_WARPS):
@@ -332,6 +346,12 @@ class CudaBackend:
                                         MAX_DYNAMIC_SHARED, self.att_smem)
             if self.quantized:
                 self._allow_quant_shared()
+            if self.verify_tokens:   # a verify block's staged xhat (tv_shared)
+                from cupy_backends.cuda.api import driver
+                for name in ('matmul_qkv_rope_tv', 'matmul_residual_tv', 'matmul_swiglu_tv',
+                             'matmul_store_tv'):
+                    driver.funcSetAttribute(self.kernels.functions[name].ptr,
+                                            MAX_DYNAMIC_SHARED, TV_MAX_SHARED)
             self.stream = cp.cuda.Stream(non_blocking=True)
             self._resident = {}
             self._choose_launch(options.dependent_launch)
@@ -733,7 +753,16 @@ class CudaBackend:
         block = (32 * warps,)
         mv_batch = MV_BATCH[self.weight_dtype]
 
-        def mm(units, k, kernel, one_token=one, rows=ty):
+        def xshared(k, norm=True):
+            """Dynamic shared memory of a matmul over K = k: a verify block's staged xhat.
+
+            Only where the matmul normalizes its input (q/k/v, gate/up, the LM head): the
+            staging pays for itself by the normalization it saves each row pair; a plain x
+            (o, down) is read as fast from global memory.
+            """
+            return tv_shared(min(n_max, VERIFY_NT), k) if verify and norm else 0
+
+        def mm(units, k, kernel, one_token=one, rows=ty, norm=True):
             """(grid, split) of a matmul over ``units`` row pairs of length ``k``.
 
             The one-token (_t1) kernels may split K, the 16-token tiles never do; a one-token grid
@@ -745,7 +774,8 @@ class CudaBackend:
             split = matvec_split(units, k, mv_batch, self.n_sm)
             blocks = (units * split + warps - 1) // warps
             suffix = '_tv' if verify else '_t1'
-            resident = max(1, self._resident_blocks(kernel + suffix)) * self.n_sm
+            resident = max(1, self._resident_blocks(kernel + suffix, 32 * warps,
+                                                    xshared(k, norm))) * self.n_sm
             return (min(blocks, resident), rows), _i32(split)
 
         def tblock(k):
@@ -811,9 +841,10 @@ class CudaBackend:
                 launch(kind + '_sp', (blocks,), (SP_THREADS,), self.state, *args,
                        _i32(units), _i32(per_block), shared=shared)
             else:
-                grid, split = mm(units, k, kind)
+                norm = args[4] is not NULL
+                grid, split = mm(units, k, kind, norm=norm)
                 launch(kind + sfx, grid, tblock(k), self.state, *args, _i32(units), _i32(0),
-                       split)
+                       split, shared=xshared(k, norm))
         if decode and self._pd_args is not None:
             self._cooperative(self.kernels.functions['decode_persistent'], (self.n_sm,),
                               (PD_THREADS,), (self.state, self._pd_args), self._pd_shared(),
@@ -854,7 +885,8 @@ class CudaBackend:
                        _i32(per_block), shared=shared)
             else:
                 grid, split = mm(*shapes['qkv'], 'matmul_qkv_rope')
-                launch('matmul_qkv_rope' + sfx, grid, tblock(hid), *qkv_args, split)
+                launch('matmul_qkv_rope' + sfx, grid, tblock(hid), *qkv_args, split,
+                       shared=xshared(hid))
             if self.kv_int8:
                 launch('kv_quantize', (n_max,), (32 * min(cfg.num_kv_heads, 8),), self.state,
                        self.k_stage, self.v_stage, kc, vc, ksc, vsc, _i32(cfg.num_kv_heads),
@@ -900,7 +932,8 @@ class CudaBackend:
             grid, split = mm(vocab_units, hid, 'matmul_store', one_token=True)
             launch('matmul_store' + ('_tv' if verify else '_t1'), grid, block,
                    self.state, self.lm_head, _i32(cfg.vocab_size), _i32(hid), self.x,
-                   self.final_norm, eps, logits, _i32(vocab_units), _i32(last_only), split)
+                   self.final_norm, eps, logits, _i32(vocab_units), _i32(last_only), split,
+                   shared=xshared(hid))
         if verify:   # each row's greedy token among its allowed ids
             v = self.verify_tokens
             launch('argmax_rows', (ARGMAX_BLOCKS, n_max), (256,), self.state, self.logits_rows,

@@ -15,7 +15,9 @@ from rt_llm_node.backends.cuda_backend import ATT_THREADS
 from rt_llm_node.backends.cuda_backend import attn_partial_shared
 from rt_llm_node.backends.cuda_backend import MASS_KEYS
 from rt_llm_node.backends.cuda_backend import MASS_WARPS_PREFILL
+from rt_llm_node.backends.cuda_backend import MAX_DYNAMIC_SHARED
 from rt_llm_node.backends.cuda_backend import t16_warps
+from rt_llm_node.backends.cuda_backend import VERIFY_NT
 from rt_llm_node.backends.numpy_backend import apply_rope
 from rt_llm_node.backends.numpy_backend import attention
 from rt_llm_node.backends.numpy_backend import rmsnorm
@@ -213,11 +215,20 @@ def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias, split, rng):
     check_qkv(c, n, bias, atol=matmul_atol(tt))
 
 
-# the verify rows' matmuls (_tv, VERIFY_NT tokens a block): ten tokens, two rows of blocks
+# the verify rows' matmuls (_tv, VERIFY_NT tokens a block): ten tokens, two rows of blocks;
+# xhat read from global memory, or staged in the dynamic shared memory the launch gives
+# (K = 36 is not in 16-byte chunks: given the memory, the kernel still reads x directly)
 @pytest.mark.parametrize('K,split,norm', [(96, 1, True), (600, 4, False), (4104, 2, True),
                                           (36, 2, True)])
-def test_verify_matmuls_repeat_the_one_token_kernel_bit_for_bit(kit, K, split, norm, rng):
+@pytest.mark.parametrize('staged_x', [False, True])
+def test_verify_matmuls_repeat_the_one_token_kernel_bit_for_bit(kit, K, split, norm,
+                                                                staged_x, rng):
+    from cupy_backends.cuda.api import driver
     cp, k, dtype = kit
+    shared = 4 * VERIFY_NT * K if staged_x else 0
+    for name in ('matmul_residual_tv', 'matmul_qkv_rope_tv'):
+        driver.funcSetAttribute(k.functions[name].ptr, MAX_DYNAMIC_SHARED,
+                                max(shared, 48 * 1024))
     n, rows, start = 10, 77, 5
     units = (rows + 1) // 2
     w, _ = weights(cp, dtype, (rows, K), rng)
@@ -230,7 +241,8 @@ def test_verify_matmuls_repeat_the_one_token_kernel_bit_for_bit(kit, K, split, n
         k.functions['matmul_residual' + family_sfx](
             ((units * split + 3) // 4, -(-tokens // (8 if family_sfx == '_tv' else 1))),
             (128,), (state(cp, first, tokens), w, i32(rows), i32(K), cp.asarray(x_rows), nw,
-                     np.float32(1e-5), out, i32(units), i32(0), i32(split)))
+                     np.float32(1e-5), out, i32(units), i32(0), i32(split)),
+            shared_mem=shared if family_sfx == '_tv' else 0)
         return out.get()
     rows_tv = residual('_tv', n, x, out0, start)
     for t in range(n):
@@ -239,7 +251,8 @@ def test_verify_matmuls_repeat_the_one_token_kernel_bit_for_bit(kit, K, split, n
     # q/k/v with RoPE at each token's position
     c = qkv_case(cp, dtype, n, rng)
     grid = ((c.units * split + 3) // 4, 2)
-    k.matmul_qkv_rope_tv(grid, (128,), qkv_args(cp, c, n, True, split))
+    k.matmul_qkv_rope_tv(grid, (128,), qkv_args(cp, c, n, True, split),
+                         shared_mem=4 * VERIFY_NT * c.K if staged_x else 0)
     q_tv, kc_tv, vc_tv = c.q.get(), c.kc.get(), c.vc.get()
     x_all = c.x
     for t in range(n):
