@@ -767,7 +767,8 @@ class CudaBackend:
 
             The one-token (_t1) kernels may split K, the 16-token tiles never do; a one-token grid
             is at most what is resident (its blocks stride over the row groups), ``rows`` rows
-            of it (a verify pass: one a token).
+            of it (a verify pass: one a token); ``norm``: the matmul normalizes its input (a
+            verify block then stages xhat, xshared, which may leave fewer blocks resident).
             """
             if not one_token:   # tile16_body: token tiles, then T16_UNITS units a block
                 return (tiles, (units + T16_UNITS - 1) // T16_UNITS), _i32(1)
