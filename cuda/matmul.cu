@@ -3,9 +3,9 @@
 // given: each block takes 1 / rms of its tokens itself.
 //
 // Geometry: block = 128 threads (4 warps) but for _t16 (prefill, 16-token tiles on the
-// tensor cores, tile16_body): a block of 4 to 16 warps owns 8 units (16 rows) and 16
-// tokens, its warps splitting K; grid = (ceil(n_max / 16), ceil(units / 8)); tiles
-// at or past state[STATE_N] tokens exit. _t1 (one token: decode, and the LM head's last token): a
+// tensor cores, tile16_body): a block of 4 to 16 warps owns T16_UNITS units (2 * T16_UNITS
+// rows) and T16_TOKENS tokens, its warps splitting K; grid = (ceil(n_max / T16_TOKENS),
+// ceil(units / T16_UNITS)); tiles at or past state[STATE_N] tokens exit. _t1 (one token: decode, and the LM head's last token): a
 // warp owns a unit (two output rows); a unit may go to `split` warps (1, 2 or 4) that
 // share its K, and the grid may be smaller than ceil(units * split / 4): the blocks
 // stride over the row groups (grid-stride), each warp loading its next unit's weights
@@ -35,12 +35,14 @@
 // ceil(units / T16_UNITS)): the token tiles of a row group are neighbours in launch order,
 // so a weight read by one comes from L2 for the others). The block's W warps (4 .. 16, the
 // backend's choice: t16_warps) split K: warp w takes the 32-column chunks w, w + W, ...,
-// so that a short matrix still has many warps an SM to hide latency (few rows make few
-// blocks; a warp with many chunks in a row would wait on each). Each multiplies its chunks with
-// mma.m16n8k8 in TF32, the 16 rows of the A operand the r0 rows of units u0 .. u0 + 7 and
-// then their r1 rows, the two n8 tiles of B its 16 tokens. Within a chunk, lane (g, t)
-// (g = lane / 4, t = lane % 4) loads the 8 columns 8t .. 8t + 7 of its unit's two rows and
-// of tokens g and 8 + g (one 16-byte load a row of 16-bit weights), and k-step j takes its
+// so that a grid of few blocks still has many warps an SM to hide latency (a warp with many
+// chunks in a row would wait on each). Each warp multiplies its chunks with mma.m16n8k8 in
+// TF32 for all of the block's rows and tokens: m16 tile m (of T16_UNITS / 8) takes as the 16
+// rows of A the r0 rows of units u0 + 8m .. u0 + 8m + 7 and then their r1 rows, n8 tile i (of
+// T16_TOKENS / 8) of B tokens 8i .. 8i + 7, so each weight loaded serves T16_TOKENS tokens and
+// each activation 2 * T16_UNITS rows. Within a chunk, lane (g, t)
+// (g = lane / 4, t = lane % 4) loads the 8 columns 8t .. 8t + 7 of its units' two rows and
+// of tokens 8i + g (one 16-byte load a row of 16-bit weights), and k-step j takes its
 // columns 8t + 2j and 8t + 2j + 1 as the operands' logical columns t and t + 4: every
 // lane's A and B agree on which column is which, and every column of the chunk is one
 // logical column of one step.
@@ -50,11 +52,11 @@
 // lo x lo dropped). xhat = x * norm_w multiplies the tensor cores; 1 / rms, a factor of the
 // whole token, multiplies the sum in the epilogue, from the sum of squares the warps take
 // of the x they load anyway. The warps' partial sums meet in shared memory, in warp order,
-// and thread i runs the epilogue of unit i / 16, token i % 16.
+// and the block's threads run the epilogues of its (unit, token) pairs in turn.
 #if defined(RT_WEIGHT_F32)   // chunks a warp loads together before it multiplies them
 #define TC_BATCH_W 1
 #else
-#define TC_BATCH_W 2
+#define TC_BATCH_W T16_BATCH
 #endif
 
 __device__ __forceinline__ unsigned to_tf32(float f) {
@@ -118,23 +120,35 @@ __device__ void tile16_body(int* __restrict__ state, const wt* __restrict__ W, i
                             const float* __restrict__ x, const wt* __restrict__ norm_w, float eps,
                             float* __restrict__ out, int units, int last_only, QkvArgs qa,
                             int /* split: always 1 */) {
-  static_assert(T16_TOKENS == 16 && T16_UNITS == 8, "two n8 tiles of tokens, one m16 tile of rows");
+  static_assert(T16_TOKENS % 8 == 0 && T16_UNITS % 8 == 0, "n8 tiles of tokens, m16 tiles of rows");
+  constexpr int TM = T16_UNITS / 8, TN = T16_TOKENS / 8;   // m16 tiles, n8 tiles a warp
   __shared__ float2 red[T16_MAX_WARPS][T16_UNITS][T16_TOKENS];   // each warp's (y0, y1) sums
   __shared__ float ssq[T16_MAX_WARPS][T16_TOKENS];               // and sums of squares of x
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
   const int g = lane / 4, t = lane % 4;
   const int u0 = blockIdx.y * T16_UNITS;
-  int r0, r1, kind;
-  unit_rows<EPI>(min(u0 + g, units - 1), rows, qa, &r0, &r1, &kind);
-  const wt* w0 = W + (long long)r0 * K;
-  const wt* w1 = W + (long long)r1 * K;
+  const wt* w0[TM];
+  const wt* w1[TM];
+#pragma unroll
+  for (int m = 0; m < TM; ++m) {
+    int r0, r1, kind;
+    unit_rows<EPI>(min(u0 + 8 * m + g, units - 1), rows, qa, &r0, &r1, &kind);
+    w0[m] = W + (long long)r0 * K;
+    w1[m] = W + (long long)r1 * K;
+  }
   const bool wvec = (K % (16 / (int)sizeof(wt))) == 0, xvec = (K & 3) == 0;
   const int n_chunks = (K + 31) / 32;
-  w8raw wa[TC_BATCH_W], wb[TC_BATCH_W];
+  w8raw wa[TC_BATCH_W][TM], wb[TC_BATCH_W][TM];
 #pragma unroll
   for (int b = 0; b < TC_BATCH_W; ++b) {   // the first weights load before the wait
     const int k = 32 * (warp + warps * b) + 8 * t;
-    if (k < K) { wa[b] = load_w8_upto(w0 + k, K - k, wvec); wb[b] = load_w8_upto(w1 + k, K - k, wvec); }
+    if (k < K) {
+#pragma unroll
+      for (int m = 0; m < TM; ++m) {
+        wa[b][m] = load_w8_upto(w0[m] + k, K - k, wvec);
+        wb[b][m] = load_w8_upto(w1[m] + k, K - k, wvec);
+      }
+    }
   }
   pdl_wait_then_release();   // x comes from the previous kernel
   const int n = state[STATE_N], start = state[STATE_START];
@@ -142,50 +156,54 @@ __device__ void tile16_body(int* __restrict__ state, const wt* __restrict__ W, i
   const int t0 = last_only ? n - 1 : blockIdx.x * T16_TOKENS;
   const int n_t = last_only ? 1 : min(T16_TOKENS, n - t0);
   if (n_t <= 0) return;   // the whole block leaves together
-  const bool ta = g < n_t, tb = 8 + g < n_t;   // this lane's B tokens: t0 + g, t0 + 8 + g
-  const float* xa = x + (long long)(t0 + g) * K;
-  const float* xb = x + (long long)(t0 + 8 + g) * K;
-  float acc[2][2][4];   // [n8 tile][term: x hi, x lo][fragment]
+  const int tiles = (n_t + 7) / 8;   // n8 tiles holding a token (the same for the whole block)
+  float acc[TM][TN][2][4];   // [m16 tile][n8 tile][term: x hi, x lo][fragment]
 #if defined(RT_WEIGHT_F32)
-  float acc_wlo[2][4];  // fp32 weights' low parts times x hi
+  float acc_wlo[TM][TN][4];  // fp32 weights' low parts times x hi
 #endif
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int m = 0; m < TM; ++m)
 #pragma unroll
-    for (int f = 0; f < 4; ++f) {
-      acc[i][0][f] = acc[i][1][f] = 0.f;
+    for (int i = 0; i < TN; ++i)
+#pragma unroll
+      for (int f = 0; f < 4; ++f) {
+        acc[m][i][0][f] = acc[m][i][1][f] = 0.f;
 #if defined(RT_WEIGHT_F32)
-      acc_wlo[i][f] = 0.f;
+        acc_wlo[m][i][f] = 0.f;
 #endif
-    }
-  float ss[2] = {0.f, 0.f};
+      }
+  float ss[TN];
+#pragma unroll
+  for (int i = 0; i < TN; ++i) ss[i] = 0.f;
   for (int c0 = warp; c0 < n_chunks; c0 += warps * TC_BATCH_W) {
     if (c0 != warp) {
 #pragma unroll
       for (int b = 0; b < TC_BATCH_W; ++b) {
         const int k = 32 * (c0 + warps * b) + 8 * t;
-        if (k < K) { wa[b] = load_w8_upto(w0 + k, K - k, wvec); wb[b] = load_w8_upto(w1 + k, K - k, wvec); }
+        if (k < K) {
+#pragma unroll
+          for (int m = 0; m < TM; ++m) {
+            wa[b][m] = load_w8_upto(w0[m] + k, K - k, wvec);
+            wb[b][m] = load_w8_upto(w1[m] + k, K - k, wvec);
+          }
+        }
       }
     }
-    float xv[TC_BATCH_W][2][8];
+    float xv[TC_BATCH_W][TN][8];   // token 8i + g of the tile, columns 8t .. 8t + 7
 #pragma unroll
     for (int b = 0; b < TC_BATCH_W; ++b) {
       const int k = 32 * (c0 + warps * b) + 8 * t;
-      load8f_upto(xa + k, ta ? K - k : 0, xvec, xv[b][0]);
-      load8f_upto(xb + k, tb ? K - k : 0, xvec, xv[b][1]);
+#pragma unroll
+      for (int i = 0; i < TN; ++i) {
+        const bool here = 8 * i + g < n_t;
+        load8f_upto(x + (long long)(t0 + 8 * i + g) * K + k, here ? K - k : 0, xvec, xv[b][i]);
+      }
     }
 #pragma unroll
     for (int b = 0; b < TC_BATCH_W; ++b) {
       const int k = 32 * (c0 + warps * b) + 8 * t;
       if (c0 + warps * b >= n_chunks) break;   // the same for the whole warp
-      float fa[8], fb[8], nw[8];
-      if (k < K) {
-        w8_floats(wa[b], fa);
-        w8_floats(wb[b], fb);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) fa[j] = fb[j] = 0.f;
-      }
+      float nw[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) nw[j] = 1.f;
       if (norm_w && k < K) {
@@ -197,72 +215,97 @@ __device__ void tile16_body(int* __restrict__ state, const wt* __restrict__ W, i
         }
       }
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
+      for (int i = 0; i < TN; ++i)
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           ss[i] = fmaf(xv[b][i][j], xv[b][i][j], ss[i]);
           xv[b][i][j] *= nw[j];
         }
+      float fa[TM][8], fb[TM][8];
+#pragma unroll
+      for (int m = 0; m < TM; ++m) {
+        if (k < K) {
+          w8_floats(wa[b][m], fa[m]);
+          w8_floats(wb[b][m], fb[m]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) fa[m][j] = fb[m][j] = 0.f;
+        }
+      }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        unsigned a0, a1, a2, a3, l0, l1, l2, l3;
-        w_tf32(fa[2 * j], a0, l0);
-        w_tf32(fb[2 * j], a1, l1);
-        w_tf32(fa[2 * j + 1], a2, l2);
-        w_tf32(fb[2 * j + 1], a3, l3);
+        unsigned h0[TN], h1[TN], e0[TN], e1[TN];   // the tokens' x, hi and lo parts
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
+        for (int i = 0; i < TN; ++i) {
           const float v0 = xv[b][i][2 * j], v1 = xv[b][i][2 * j + 1];
-          const unsigned h0 = to_tf32(v0), h1 = to_tf32(v1);
-          const unsigned e0 = to_tf32(v0 - __uint_as_float(h0));
-          const unsigned e1 = to_tf32(v1 - __uint_as_float(h1));
-          mma_tf32(acc[i][0], a0, a1, a2, a3, h0, h1);
-          mma_tf32(acc[i][1], a0, a1, a2, a3, e0, e1);
+          h0[i] = to_tf32(v0);
+          h1[i] = to_tf32(v1);
+          e0[i] = to_tf32(v0 - __uint_as_float(h0[i]));
+          e1[i] = to_tf32(v1 - __uint_as_float(h1[i]));
+        }
+#pragma unroll
+        for (int m = 0; m < TM; ++m) {
+          unsigned a0, a1, a2, a3, l0, l1, l2, l3;
+          w_tf32(fa[m][2 * j], a0, l0);
+          w_tf32(fb[m][2 * j], a1, l1);
+          w_tf32(fa[m][2 * j + 1], a2, l2);
+          w_tf32(fb[m][2 * j + 1], a3, l3);
+#pragma unroll
+          for (int i = 0; i < TN; ++i) {
+            if (i >= tiles) break;   // no token of the block in this n8 tile
+            mma_tf32(acc[m][i][0], a0, a1, a2, a3, h0[i], h1[i]);
+            mma_tf32(acc[m][i][1], a0, a1, a2, a3, e0[i], e1[i]);
 #if defined(RT_WEIGHT_F32)
-          mma_tf32(acc_wlo[i], l0, l1, l2, l3, h0, h1);
+            mma_tf32(acc_wlo[m][i], l0, l1, l2, l3, h0[i], h1[i]);
 #endif
+          }
         }
       }
     }
   }
-  // lane (g, t) holds, for n8 tile i: unit u0 + g, tokens 8i + 2t + e (e = 0, 1): y0 in
-  // fragment e, y1 in fragment 2 + e
+  // lane (g, t) holds, for m16 tile m and n8 tile i: unit u0 + 8m + g, tokens 8i + 2t + e
+  // (e = 0, 1): y0 in fragment e, y1 in fragment 2 + e
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int m = 0; m < TM; ++m)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      float y0 = acc[i][0][e] + acc[i][1][e], y1 = acc[i][0][2 + e] + acc[i][1][2 + e];
+    for (int i = 0; i < TN; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float y0 = acc[m][i][0][e] + acc[m][i][1][e];
+        float y1 = acc[m][i][0][2 + e] + acc[m][i][1][2 + e];
 #if defined(RT_WEIGHT_F32)
-      y0 += acc_wlo[i][e];
-      y1 += acc_wlo[i][2 + e];
+        y0 += acc_wlo[m][i][e];
+        y1 += acc_wlo[m][i][2 + e];
 #endif
-      red[warp][g][8 * i + 2 * t + e] = make_float2(y0, y1);
-    }
+        red[warp][8 * m + g][8 * i + 2 * t + e] = make_float2(y0, y1);
+      }
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {   // token 8i + g's squares over the lanes t of its row
+  for (int i = 0; i < TN; ++i) {   // token 8i + g's squares over the lanes t of its row
     float s = ss[i];
     s += __shfl_xor_sync(FULL_MASK, s, 1);
     s += __shfl_xor_sync(FULL_MASK, s, 2);
     if (t == 0) ssq[warp][8 * i + g] = s;
   }
   __syncthreads();
-  if (threadIdx.x >= T16_UNITS * T16_TOKENS) return;
-  const int lu = threadIdx.x / T16_TOKENS, tt = threadIdx.x % T16_TOKENS;
-  const int u = u0 + lu;
-  if (u >= units || tt >= n_t) return;
-  float y0 = 0.f, y1 = 0.f, sq = 0.f;
-  for (int w = 0; w < warps; ++w) {
-    y0 += red[w][lu][tt].x;
-    y1 += red[w][lu][tt].y;
-    sq += ssq[w][tt];
+  for (int p = threadIdx.x; p < T16_UNITS * T16_TOKENS; p += blockDim.x) {
+    const int lu = p / T16_TOKENS, tt = p % T16_TOKENS;
+    const int u = u0 + lu;
+    if (u >= units || tt >= n_t) continue;
+    float y0 = 0.f, y1 = 0.f, sq = 0.f;
+    for (int w = 0; w < warps; ++w) {
+      y0 += red[w][lu][tt].x;
+      y1 += red[w][lu][tt].y;
+      sq += ssq[w][tt];
+    }
+    if (norm_w) {
+      const float inv_rms = 1.f / sqrtf(sq / K + eps);
+      y0 *= inv_rms;
+      y1 *= inv_rms;
+    }
+    int r0, r1, kind;
+    unit_rows<EPI>(u, rows, qa, &r0, &r1, &kind);
+    epilogue<EPI>(state, t0 + tt, u, rows, r0, r1, kind, y0, y1, out, last_only, start, qa);
   }
-  if (norm_w) {
-    const float inv_rms = 1.f / sqrtf(sq / K + eps);
-    y0 *= inv_rms;
-    y1 *= inv_rms;
-  }
-  unit_rows<EPI>(u, rows, qa, &r0, &r1, &kind);
-  epilogue<EPI>(state, t0 + tt, u, rows, r0, r1, kind, y0, y1, out, last_only, start, qa);
 }
 
 #ifndef MV_BATCH  // chunks of 8 weights per lane and batch: set by the loader (cuda_kernels.py)

@@ -53,6 +53,8 @@ QMV_FILL = 0.5
 T16_UNITS = GEOMETRY['T16_UNITS']      # units (row pairs) of a 16-token prefill tile's block
 T16_TOKENS = GEOMETRY['T16_TOKENS']
 T16_MAX_WARPS = GEOMETRY['T16_MAX_WARPS']   # and at most this many warps (its launch bounds)
+T16_WARPS_SM = 8     # a prefill tile grid's warps a multiprocessor that t16_warps aims at
+T16_MIN_CHUNKS = 1   # and the 32-column chunks each warp keeps at least
 VERIFY_NT = GEOMETRY['VERIFY_NT']      # tokens a block of the verify rows' float matmuls
 ATT_QTILE, ATT_PQ = GEOMETRY['ATT_QTILE'], GEOMETRY['ATT_PQ']   # attn_partial's queries
 ATT_THREADS, MASS_KEYS = GEOMETRY['ATT_THREADS'], GEOMETRY['MASS_KEYS']
@@ -127,14 +129,18 @@ class CudaOptions:
                              'and staged_decode None or False')
 
 
-def t16_warps(k):
-    """Warps of a prefill tile's block (tile16_body) for rows of K = k.
+def t16_warps(k, blocks, n_sm):
+    """Warps of a prefill tile's block (tile16_body) for rows of K = k in a grid of ``blocks``.
 
-    They split K in 32-column chunks: doubled from 4 while each keeps at least two (few
-    rows make few blocks, and a warp summing many chunks in a row waits on each in turn).
+    They split K in 32-column chunks: doubled from 4 (up to T16_MAX_WARPS) while the grid
+    has fewer than T16_WARPS_SM warps a multiprocessor and each warp keeps at least
+    T16_MIN_CHUNKS chunks. A grid of many blocks hides latency with its blocks (short ones
+    end and others start while a block sums its share); one of few, with the warps that
+    share each block's K. Measured on the H200 (docs/architecture.md, "Prefill").
     """
     chunks, warps = -(-k // 32), 4
-    while warps < T16_MAX_WARPS and chunks >= 4 * warps:
+    while (warps < T16_MAX_WARPS and blocks * warps < T16_WARPS_SM * n_sm
+           and chunks >= T16_MIN_CHUNKS * 2 * warps):
         warps *= 2
     return warps
 
@@ -779,9 +785,9 @@ class CudaBackend:
                                                     xshared(k, norm))) * self.n_sm
             return (min(blocks, resident), rows), _i32(split)
 
-        def tblock(k):
+        def tblock(k, grid):
             """Return the block of a matmul over K = k: 4 warps, or a prefill tile's t16_warps."""
-            return block if one else (32 * t16_warps(k),)
+            return block if one else (32 * t16_warps(k, grid[0] * grid[1], self.n_sm),)
 
         def launch(name, grid, block, *args, shared=0):   # every kernel after the first
             self._launch(name, grid, block, *args, shared=shared, dependent=True)
@@ -825,7 +831,7 @@ class CudaBackend:
             else:
                 args = (self.state, self.dequantized, _i32(w.rows), _i32(w.k), *tail,
                         _i32(units), _i32(0), split)
-            self._launch(kind + sfx, grid, tblock(w.k), *args)
+            self._launch(kind + sfx, grid, tblock(w.k, grid), *args)
 
         def matmul(kind, units, k, *args):
             """Return the residual or swiglu matmul.
@@ -844,7 +850,7 @@ class CudaBackend:
             else:
                 norm = args[4] is not NULL
                 grid, split = mm(units, k, kind, norm=norm)
-                launch(kind + sfx, grid, tblock(k), self.state, *args, _i32(units), _i32(0),
+                launch(kind + sfx, grid, tblock(k, grid), self.state, *args, _i32(units), _i32(0),
                        split, shared=xshared(k, norm))
         if decode and self._pd_args is not None:
             self._cooperative(self.kernels.functions['decode_persistent'], (self.n_sm,),
@@ -886,7 +892,7 @@ class CudaBackend:
                        _i32(per_block), shared=shared)
             else:
                 grid, split = mm(*shapes['qkv'], 'matmul_qkv_rope')
-                launch('matmul_qkv_rope' + sfx, grid, tblock(hid), *qkv_args, split,
+                launch('matmul_qkv_rope' + sfx, grid, tblock(hid, grid), *qkv_args, split,
                        shared=xshared(hid))
             if self.kv_int8:
                 launch('kv_quantize', (n_max,), (32 * min(cfg.num_kv_heads, 8),), self.state,

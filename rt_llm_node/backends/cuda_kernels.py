@@ -21,8 +21,9 @@ GEOMETRY = {
     # the run state (common.cuh): token, start, n, mass_acc, flags are written by the host
     'STATE_TOKEN': 0, 'STATE_START': 1, 'STATE_N': 2, 'STATE_MASS_ACC': 3, 'STATE_FLAGS': 4,
     'STATE_RESULT': 5, 'STATE_COUNTER': 6,
-    # matmul.cu: 16-token prefill tiles of T16_UNITS row pairs; staged one-token blocks
-    'T16_TOKENS': 16, 'T16_UNITS': 8, 'T16_MAX_WARPS': 16, 'SP_THREADS': 128,
+    # matmul.cu: prefill tiles of T16_TOKENS tokens and T16_UNITS row pairs a block, each
+    # warp loading T16_BATCH chunks of K together; staged one-token blocks
+    'T16_TOKENS': 16, 'T16_UNITS': 16, 'T16_MAX_WARPS': 16, 'T16_BATCH': 1, 'SP_THREADS': 128,
     # and the verify rows' one-token matmuls (_tv): tokens a block
     'VERIFY_NT': 8,
     # decode_persistent.cu: its block, and the cached keys of one attention work item

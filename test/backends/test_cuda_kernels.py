@@ -16,6 +16,8 @@ from rt_llm_node.backends.cuda_backend import attn_partial_shared
 from rt_llm_node.backends.cuda_backend import MASS_KEYS
 from rt_llm_node.backends.cuda_backend import MASS_WARPS_PREFILL
 from rt_llm_node.backends.cuda_backend import MAX_DYNAMIC_SHARED
+from rt_llm_node.backends.cuda_backend import T16_TOKENS
+from rt_llm_node.backends.cuda_backend import T16_UNITS
 from rt_llm_node.backends.cuda_backend import t16_warps
 from rt_llm_node.backends.cuda_backend import VERIFY_NT
 from rt_llm_node.backends.numpy_backend import apply_rope
@@ -55,14 +57,18 @@ def matmul_kernel(k, family, tt):
 
 def matmul_grid(units, split, tt, n_rows=32):
     """Return the grid the backend gives each matmul kernel over ``n_rows`` tokens of x."""
-    if tt == 16:      # 16 tokens x 8 units a block, the token tiles first
-        return ((n_rows + 15) // 16, (units + 7) // 8)
+    if tt == 16:      # T16_TOKENS tokens x T16_UNITS units a block, the token tiles first
+        return (-(-n_rows // T16_TOKENS), -(-units // T16_UNITS))
     return ((units * split + 3) // 4, n_rows)
 
 
-def matmul_block(tt, K):
-    """Return the block the backend gives a matmul over K: 4 warps, a prefill tile t16_warps."""
-    return (32 * (t16_warps(K) if tt == 16 else 4),)
+def matmul_block(tt, K, grid):
+    """Return the block the backend gives a matmul over K: 4 warps, a prefill tile t16_warps.
+
+    A test's grid is small: given 64 multiprocessors, its warps double as far as K allows
+    (4 up to K = 256, 8 up to 512, then 16).
+    """
+    return (32 * (t16_warps(K, grid[0] * grid[1], 64) if tt == 16 else 4),)
 
 
 def matmul_rows(dtype, tt):
@@ -88,14 +94,16 @@ def test_embed_gather(kit, rng):
 
 
 # split: warps sharing a row pair's K (one-token kernels); K = 4104 needs two batches of
-# loads per lane in each half, 2600 splits unevenly, 36 takes the scalar path. _t16: one
-# stage of K (600), seven with a partial last one (4104), three on the scalar path
-# (1500), x rows not 16-byte aligned (37), two full token tiles (32)
+# loads per lane in each half, 2600 splits unevenly, 36 takes the scalar path. _t16 (its
+# warps as matmul_block gives them): 4 warps (96, 36, 37), 8 (300), 16 with a partial last
+# chunk (4104) or on the scalar path (1500), x rows not 16-byte aligned (37), two full token
+# tiles of 16 (32)
 @pytest.mark.parametrize('n,tt,K,split', [(1, 1, 96, 1), (1, 1, 96, 2), (1, 1, 600, 4),
                                           (1, 1, 4104, 1), (1, 1, 4104, 2), (1, 1, 2600, 4),
                                           (1, 1, 36, 2), (13, 16, 96, 1), (20, 16, 36, 1),
                                           (5, 16, 600, 1), (32, 16, 4104, 1),
-                                          (17, 16, 1500, 1), (7, 16, 37, 1)])
+                                          (17, 16, 1500, 1), (7, 16, 37, 1),
+                                          (9, 16, 300, 1)])
 def test_matmul_residual(kit, n, tt, K, split, rng):
     cp, k, dtype = kit
     n_rows = matmul_rows(dtype, tt)
@@ -106,7 +114,7 @@ def test_matmul_residual(kit, n, tt, K, split, rng):
     out = cp.asarray(out0)
     units = (rows + 1) // 2   # 39: with split 2 or 4 the last block has idle warps
     grid = matmul_grid(units, split, tt, n_rows)
-    matmul_kernel(k, 'matmul_residual', tt)(grid, matmul_block(tt, K), (
+    matmul_kernel(k, 'matmul_residual', tt)(grid, matmul_block(tt, K, grid), (
         state(cp, 3, n), w, i32(rows), i32(K), cp.asarray(x), NULL, np.float32(1e-5), out,
         i32(units), i32(0), i32(split)))
     ref = out0.copy()
@@ -149,7 +157,7 @@ def test_matmul_swiglu(kit, n, tt, split, K, rng):
     x = rng.standard_normal((n_rows, K)).astype(np.float32)
     act = poisoned(cp, (n_rows, inter))
     grid = matmul_grid(inter, split, tt, n_rows)
-    matmul_kernel(k, 'matmul_swiglu', tt)(grid, matmul_block(tt, K), (
+    matmul_kernel(k, 'matmul_swiglu', tt)(grid, matmul_block(tt, K, grid), (
         state(cp, 0, n), w, i32(2 * inter), i32(K), cp.asarray(x), nw, np.float32(1e-5), act,
         i32(inter), i32(0), i32(split)))
     gu = rmsnorm(x[:n], nwf, 1e-5) @ wf.T
