@@ -1,4 +1,4 @@
-"""What the studies in dev/cuda share: their kernels, the cluster launcher, the replay timer.
+"""What the studies in dev/cuda share: their kernels, the cluster launcher, the timers.
 
 The probe kernels (probes.cu) and the bandwidth kernels (benchmarks/bandwidth.cu) are built
 by the runtime's loader, with its options and headers, but are not part of the node's
@@ -18,6 +18,31 @@ CLUSTER_DIMENSION = 4                    # CUlaunchAttributeID, cuda.h
 NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14   # CUfunction_attribute, cuda.h: clusters of 9-16
 PROBES = ('grid_sync_probe', 'layer_floor_probe', 'layer_floor_step', 'layer_floor_splitk',
           'cluster_floor_probe', 'cluster_push_probe', 'read_sum', 'read_sum_wide')
+
+
+def chain_us(backend, launch, name, grid, block, args, kwargs, chain, repeats=10):
+    """GPU us of one launch of kernel ``name``: ``chain`` of them captured back to back in a graph.
+
+    ``launch`` is the backend's own _launch (as the forward calls it); the run state must be
+    written before. Median over ``repeats`` replays (CUDA events), divided by ``chain``.
+    """
+    import cupy as cp
+    import numpy as np
+    stream = backend.stream
+    with stream:
+        stream.begin_capture()
+        for _ in range(chain):
+            launch(name, grid, block, *args, **kwargs)
+        graph = stream.end_capture()
+    graph.upload(stream)
+    start, stop, times = cp.cuda.Event(), cp.cuda.Event(), []
+    for _ in range(repeats):
+        start.record(stream)
+        graph.launch(stream)
+        stop.record(stream)
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / chain)
+    return float(np.median(times))
 
 
 def probe_kernels(weight_dtype):

@@ -17,7 +17,8 @@ import time
 
 import numpy as np
 
-from devkit import time_decode_replay  # noqa: I100  (puts benchmarks/ on the path)
+from devkit import chain_us  # noqa: I100  (puts benchmarks/ on the path)
+from devkit import time_decode_replay  # noqa: I100
 from bench_quant import FORMATS  # noqa: I100,I201
 from bench_quant import to_format  # noqa: I100
 
@@ -108,20 +109,7 @@ def main():
     for i, (name, grid, block, a, kw) in enumerate(picked):
         backend.rollback(args.context)
         backend._write_state(7, args.context, n, 0)
-        with stream:
-            stream.begin_capture()
-            for _ in range(args.chain):
-                launch(name, grid, block, *a, **kw)
-            graph = stream.end_capture()
-        graph.upload(stream)
-        times = []
-        for _ in range(10):
-            start.record(stream)
-            graph.launch(stream)
-            stop.record(stream)
-            stop.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / args.chain)
-        us = float(np.median(times))
+        us = chain_us(backend, launch, name, grid, block, a, kw, args.chain)
         count = 1 if i >= per_layer else checkpoint.config.num_layers   # the tail once
         total_us += us * count
         line = f'  kernel {name:22s} grid {str(tuple(grid)):12s} {us:8.2f} us'

@@ -20,7 +20,7 @@ import tempfile
 
 import numpy as np
 
-import devkit  # noqa: F401,I100  (puts benchmarks/ on the path)
+from devkit import chain_us  # noqa: I100  (puts benchmarks/ on the path)
 from bench_cuda import time_graph  # noqa: I100,I201
 
 from rt_llm_node.backends import cuda_backend
@@ -38,8 +38,7 @@ def configure(units, tokens, warps, batch=1, min_chunks=1):
 
 def kernel_warps(backend, most, chain=20):
     """Each matmul of a prefill's first layer at 4 .. ``most`` warps, us (a chain of its own)."""
-    import cupy as cp
-    recorded, launch, stream = [], backend._launch, backend.stream
+    recorded, launch = [], backend._launch
     backend._launch = lambda name, grid, block, *a, **kw: recorded.append((name, grid, a, kw))
     backend._enqueue_forward(64)
     backend._launch = launch
@@ -54,20 +53,8 @@ def kernel_warps(backend, most, chain=20):
         warps = 4
         while warps <= most:
             backend._write_state(7, 200, 48, 0)
-            with stream:
-                stream.begin_capture()
-                for _ in range(chain):
-                    launch(name, grid, (32 * warps,), *a, **kw)
-                graph = stream.end_capture()
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            times = []
-            for _ in range(10):
-                start.record(stream)
-                graph.launch(stream)
-                stop.record(stream)
-                stop.synchronize()
-                times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3 / chain)
-            row.append(f'{warps} warps {np.median(times):6.2f}')
+            us = chain_us(backend, launch, name, grid, (32 * warps,), a, kw, chain)
+            row.append(f'{warps} warps {us:6.2f}')
             warps *= 2
         print(f'    {name:22s} K {int(a[3]):5d} grid {str(tuple(grid)):10s} ' + '  '.join(row))
 
