@@ -66,7 +66,7 @@ def matmul_block(tt, K, grid):
     """Return the block the backend gives a matmul over K: 4 warps, a prefill tile t16_warps.
 
     A test's grid is small: given 64 multiprocessors, its warps double as far as K allows
-    (4 up to K = 256, 8 up to 512, then 16).
+    (4 up to K = 224, 8 up to 480, then 16).
     """
     return (32 * (t16_warps(K, grid[0] * grid[1], 64) if tt == 16 else 4),)
 
