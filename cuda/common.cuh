@@ -209,6 +209,24 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return block_reduce<warp_sum>(v, 0.f, scratch);
 }
 
+// block_sum of N values at once (each thread's v[0 .. N-1]), one pair of barriers for all:
+// each value's sum is block_sum's, term for term. scratch: >= 32 * N floats.
+template <int N>
+__device__ __forceinline__ void block_sums(float* v, float* scratch) {
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+  const int n_warps = (blockDim.x + WARP - 1) / WARP;
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] = warp_sum(v[i]);
+  __syncthreads();
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) scratch[i * WARP + warp] = v[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] = warp_sum(lane < n_warps ? scratch[i * WARP + lane] : 0.f);
+}
+
 __device__ __forceinline__ float block_max(float v, float* scratch) {
   return block_reduce<warp_max>(v, NEG_INF, scratch);
 }

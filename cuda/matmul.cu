@@ -343,7 +343,7 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
                             const float* __restrict__ x, const wt* __restrict__ norm_w,
                             float eps, float* __restrict__ out, int units, int last_only,
                             QkvArgs qa, int split) {
-  __shared__ float scratch[WARP];
+  __shared__ float scratch[WARP * NT];
   __shared__ float2 part_sums[2][8][NT];   // [round parity][warp][token]: its share of K
   const int n = state[STATE_N], start = state[STATE_START];
   // grid.y: one block row per NT tokens
@@ -403,19 +403,24 @@ __device__ void matvec_body(int* __restrict__ state, const wt* __restrict__ W, i
   }
   float inv_rms[NT];
 #pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    inv_rms[t] = 1.f;
-    if (norm_w && t < nt) {   // the sum of squares in the one-token kernel's order
-      const float* xr = xt + (long long)t * K;
-      const float* xs = tv_xs + t * K;
-      float ss = 0.f;
-      for (int k = threadIdx.x; k < K; k += blockDim.x) {
-        const float v = stage ? xs[tv_slot(k, K)] : xr[k];
-        ss = fmaf(v, v, ss);
+  for (int t = 0; t < NT; ++t) inv_rms[t] = 1.f;
+  if (norm_w) {   // each token's sum of squares in the one-token kernel's order, reduced together
+    float ss[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) ss[t] = 0.f;
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+      const int at = stage ? tv_slot(k, K) : k;
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        if (t < nt) {
+          const float v = stage ? tv_xs[t * K + at] : xt[(long long)t * K + k];
+          ss[t] = fmaf(v, v, ss[t]);
+        }
       }
-      ss = block_sum(ss, scratch);
-      inv_rms[t] = 1.f / sqrtf(ss / K + eps);
     }
+    block_sums<NT>(ss, scratch);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) if (t < nt) inv_rms[t] = 1.f / sqrtf(ss[t] / K + eps);
   }
   if (stage && norm_w) {   // xhat in place (without a norm, x * 1 * 1 is x: nothing to do)
 #pragma unroll
