@@ -29,7 +29,7 @@ BASE = 248
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument('--shapes', default='smollm2-135m,qwen2.5-0.5b,llama-3.2-1b')
-    parser.add_argument('--nt', default='8,6,3,1', help='VERIFY_NT values, comma-separated')
+    parser.add_argument('--nt', default='8,6,4,3,2', help='VERIFY_NT values, comma-separated')
     parser.add_argument('--rows', type=int, default=6)
     parser.add_argument('--repeats', type=int, default=100)
     args = parser.parse_args()

@@ -1042,7 +1042,7 @@ class CudaBackend:
         """Run ``token_ids`` [k] in one pass, each row exactly as its decode() call would.
 
         The numpy backend's contract: each row runs the decode step's sums in the same order
-        (the _tv matmuls, eight tokens a block, and a block row a token for the rest), so the
+        (the _tv matmuls, VERIFY_NT tokens a block, and a block row a token for the rest), so the
         cache and each row's logits and attention mass equal those of k decode() calls bit
         for bit. ``allowed[i]``:
         sorted permitted ids after row i, or None. Returns int64 [k], the greedy token after

@@ -24,8 +24,8 @@ GEOMETRY = {
     # matmul.cu: prefill tiles of T16_TOKENS tokens and T16_UNITS row pairs a block, each
     # warp loading T16_BATCH chunks of K together; staged one-token blocks
     'T16_TOKENS': 16, 'T16_UNITS': 16, 'T16_MAX_WARPS': 16, 'T16_BATCH': 1, 'SP_THREADS': 128,
-    # and the verify rows' one-token matmuls (_tv): tokens a block
-    'VERIFY_NT': 8,
+    # and the verify rows' one-token matmuls (_tv): tokens a block (dev/cuda/sweep_tv.py)
+    'VERIFY_NT': 4,
     # decode_persistent.cu: its block, and the cached keys of one attention work item
     'PD_THREADS': 256, 'PD_KEYS': 32,
     # attention.cu: most splits of the cache length one attention row merges (a weight each

@@ -223,8 +223,9 @@ def test_matmul_qkv_rope_writes_q_and_cache(kit, n, tt, bias, split, rng):
     check_qkv(c, n, bias, atol=matmul_atol(tt))
 
 
-# the verify rows' matmuls (_tv, VERIFY_NT tokens a block): ten tokens, two rows of blocks;
-# xhat read from global memory, or staged in the dynamic shared memory the launch gives
+# the verify rows' matmuls (_tv, VERIFY_NT tokens a block): ten tokens, three rows of blocks
+# (the last one short); xhat read from global memory, or staged in the dynamic shared memory
+# the launch gives
 # (K = 36 is not in 16-byte chunks: given the memory, the kernel still reads x directly)
 @pytest.mark.parametrize('K,split,norm', [(96, 1, True), (600, 4, False), (4104, 2, True),
                                           (36, 2, True)])

@@ -37,7 +37,8 @@ def smollm2(tmp_path_factory):
 def test_verify_rows_equal_decode_steps_bit_for_bit(smollm2, weights, kv_dtype):
     checkpoint = quantize_checkpoint(load_checkpoint(smollm2), weights)
     vocab = checkpoint.config.vocab_size
-    # ten rows: two rows of blocks of the float kernels (VERIFY_NT = 8 tokens a block)
+    # ten rows: three rows of blocks of the float kernels (VERIFY_NT = 4 tokens a block),
+    # the last one short
     backend = cuda_backend(checkpoint, 192, verify_tokens=10, kv_dtype=kv_dtype)
     assert backend.decode_step == 'kernels' and not backend.staged_decode
     rng = np.random.default_rng(1)
