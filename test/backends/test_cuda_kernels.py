@@ -248,7 +248,7 @@ def test_verify_matmuls_repeat_the_one_token_kernel_bit_for_bit(kit, K, split, n
     def residual(family_sfx, tokens, x_rows, out_rows, first):
         out = cp.asarray(out_rows)
         k.functions['matmul_residual' + family_sfx](
-            ((units * split + 3) // 4, -(-tokens // (8 if family_sfx == '_tv' else 1))),
+            ((units * split + 3) // 4, -(-tokens // (VERIFY_NT if family_sfx == '_tv' else 1))),
             (128,), (state(cp, first, tokens), w, i32(rows), i32(K), cp.asarray(x_rows), nw,
                      np.float32(1e-5), out, i32(units), i32(0), i32(split)),
             shared_mem=shared if family_sfx == '_tv' else 0)
@@ -259,7 +259,7 @@ def test_verify_matmuls_repeat_the_one_token_kernel_bit_for_bit(kit, K, split, n
         assert np.array_equal(rows_tv[t], one[0]), t
     # q/k/v with RoPE at each token's position
     c = qkv_case(cp, dtype, n, rng)
-    grid = ((c.units * split + 3) // 4, 2)
+    grid = ((c.units * split + 3) // 4, -(-n // VERIFY_NT))
     k.matmul_qkv_rope_tv(grid, (128,), qkv_args(cp, c, n, True, split),
                          shared_mem=4 * VERIFY_NT * c.K if staged_x else 0)
     q_tv, kc_tv, vc_tv = c.q.get(), c.kc.get(), c.vc.get()
