@@ -74,7 +74,7 @@ ATT_PREFILL_BLOCKS = 2048
 MASS_WARPS_PREFILL, MASS_WARPS_DECODE = 32, 8
 # a verify block's staged xhat (matmul.cu, matvec_body with NT > 1): its tokens' K floats in
 # at most this much dynamic shared memory, so that three blocks of 128 threads still fit an
-# SM (their registers allow three); a longer row is read from global memory as before
+# SM; a block whose tokens' rows need more reads x from global memory as before
 TV_MAX_SHARED = 72 * 1024
 # the most tokens a verify pass takes (speculative_tokens' largest value and the token before)
 VERIFY_MAX = 17
