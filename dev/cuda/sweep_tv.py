@@ -1,6 +1,6 @@
 """Verify-pass geometry: a verify of N rows per VERIFY_NT (tokens a block of the _tv matmuls).
 
-    PYTHONPATH=. python3 dev/cuda/sweep_tv.py [--shapes smollm2-135m,...] [--nt 8,6,3,1]
+    PYTHONPATH=. python3 dev/cuda/sweep_tv.py [--shapes smollm2-135m,...] [--nt 8,6,4,3,2]
         [--rows 6]
 
 Each VERIFY_NT is a build of its own (GEOMETRY is a -D of every build); printed per shape:
