@@ -2,18 +2,18 @@
 // with the layer's epilogue fused in. xhat = x, or rmsnorm(x) * norm_w when norm_w is
 // given: each block takes 1 / rms of its tokens itself.
 //
-// Geometry: block = 128 threads (4 warps) but for _t16 (prefill, 16-token tiles on the
-// tensor cores, tile16_body): a block of 4 to 16 warps owns T16_UNITS units (2 * T16_UNITS
-// rows) and T16_TOKENS tokens, its warps splitting K; grid = (ceil(n_max / T16_TOKENS),
-// ceil(units / T16_UNITS)); tiles at or past state[STATE_N] tokens exit. _t1 (one token: decode, and the LM head's last token): a
-// warp owns a unit (two output rows); a unit may go to `split` warps (1, 2 or 4) that
-// share its K, and the grid may be smaller than ceil(units * split / 4): the blocks
-// stride over the row groups (grid-stride), each warp loading its next unit's weights
-// while it sums the current one. The _t1 kernels issue a warp's first MV_BATCH weight
-// loads per row and lane before the wait for the previous kernel, so the weights stream
-// in while the block waits (nothing but the weights is needed to start). _sp (one token,
-// staged_body): a block of 4 warps owns `per_block` units whose rows it copies into
-// shared memory before that wait; see staged_body.
+// Geometry: block = 128 threads (4 warps) but for _t16 (prefill, 16-token tiles on the tensor
+// cores, tile16_body): a block of 4 to 16 warps owns T16_UNITS units (2 * T16_UNITS rows) and
+// T16_TOKENS tokens, its warps splitting K; grid = (ceil(n_max / T16_TOKENS), ceil(units /
+// T16_UNITS)); tiles at or past state[STATE_N] tokens exit. _t1 (one token: decode, and the LM
+// head's last token): a warp owns a unit (two output rows); a unit may go to `split` warps (1, 2
+// or 4) that share its K, and the grid may be smaller than ceil(units * split / 4): the blocks
+// stride over the row groups (grid-stride), each warp loading its next unit's weights while it
+// sums the current one. The _t1 kernels issue a warp's first MV_BATCH weight loads per row and
+// lane before the wait for the previous kernel, so the weights stream in while the block waits
+// (nothing but the weights is needed to start). _sp (one token, staged_body): a block of 4 warps
+// owns `per_block` units whose rows it copies into shared memory before that wait; see
+// staged_body.
 // Dtypes: W, bias, norm_w: wt; x, outputs and sums: fp32; cache slots fp32.
 //
 // Epilogues (one extern "C" wrapper each):
