@@ -22,7 +22,12 @@ Optionally (speculative decoding: the numpy backend, and the CUDA one built with
 - ``verify(token_ids, allowed)``: run ``k`` tokens in one call and return the greedy token
   after each (among ``allowed[i]``), row-exact: every row's logits, attention mass and cache
   entries equal those of ``k`` decode calls bit for bit;
-- ``row_mass(i)``: row ``i``'s attention mass from the last verify.
+- ``row_mass(i)``: row ``i``'s attention mass from the last verify;
+- ``prefill_verify(prefill_ids, drafts, allowed)``: ``prefill(prefill_ids)`` and a verify of
+  ``drafts`` after it in one call (the CUDA backend runs the two side by side); returns the
+  greedy token after the prefill and after each draft verified. Its verify rows are the
+  prefill's last token (row 0, with the prefill's attention mass) and the drafts, so rolling
+  back to the prefill's end leaves exactly what ``prefill`` would have.
 
 The argument checks of that contract live here, once, for both backends.
 """

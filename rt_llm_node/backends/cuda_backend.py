@@ -10,6 +10,7 @@ graphs and allocates nothing on the device. No cuBLAS, no torch.
 
 from dataclasses import dataclass
 import functools
+from types import SimpleNamespace
 from typing import Optional
 
 import numpy as np
@@ -359,6 +360,11 @@ class CudaBackend:
                     driver.funcSetAttribute(self.kernels.functions[name].ptr,
                                             MAX_DYNAMIC_SHARED, TV_MAX_SHARED)
             self.stream = cp.cuda.Stream(non_blocking=True)
+            self._queue = self.stream   # where _launch enqueues
+            if self.verify_tokens:      # a fused pass's verify rows, and its fork and joins
+                self.side_stream = cp.cuda.Stream(non_blocking=True)
+                event = functools.partial(cp.cuda.Event, disable_timing=True)
+                self._fused_events = (event(), event(), [event() for _ in range(cfg.num_layers)])
             self._resident = {}
             self._choose_launch(options.dependent_launch)
             verify = self.verify_tokens > 0
@@ -631,6 +637,7 @@ class CudaBackend:
             self.k_stage, self.v_stage = cp.zeros(stage, f32), cp.zeros(stage, f32)
         else:
             self.k_scale = self.v_scale = self.k_scale_tmp = self.v_scale_tmp = None
+            self.k_stage = self.v_stage = None
         # keys per attention split: the split's keys and values fit 32 KiB of shared memory
         d = cfg.head_dim
         self.chunk = 64 if d <= 64 else 32 if d <= 128 else 16
@@ -668,18 +675,41 @@ class CudaBackend:
         self.host_flags = self._pinned(2, np.int32)
         self.host_mass = self._pinned(cap, f32)
         self.host_logits = self._pinned(cfg.vocab_size, f32)
+        # the buffers a forward runs on (_enqueue_forward's lane)
+        self.lane = SimpleNamespace(state=self.state, ids=self.ids, x=self.x, q=self.q,
+                                    attn_out=self.attn_out, act=self.act, part_ml=self.part_ml,
+                                    part_o=self.part_o, counters=self.counters,
+                                    k_stage=self.k_stage, v_stage=self.v_stage)
         self._allocate_verify()
         self.length = 0
         self._logits_valid = False
 
     def _allocate_verify(self):
-        """Buffers of the verify pass: each row's logits, scores, softmax sums, mass, argmax."""
-        cp, cfg, cap, rows = self.cp, self.config, self.capacity, self.verify_tokens
+        """Buffers of the verify pass: each row's logits, scores, softmax sums, mass, argmax.
+
+        A row more than a pass takes: a fused pass (``prefill_verify``) keeps its prefill's
+        last token in row 0 and its verify rows after it. And the side lane, the activations,
+        run state and ids of a fused pass's verify rows, which run beside its prefill.
+        """
+        cp, cfg, cap = self.cp, self.config, self.capacity
         self._rows = None      # the last verify's (start, rows kept) while its rows count
         self._row = None       # the row whose logits and mass are current (else the buffers)
+        self.verify_rows = rows = self.verify_tokens + 1 if self.verify_tokens else 0
         if not rows:
             return
         f32, i32 = np.float32, np.int32
+        k = self.verify_tokens
+        self.side_lane = SimpleNamespace(
+            state=cp.zeros(STATE_WORDS, i32), ids=cp.zeros(k, i32),
+            x=cp.zeros((k, cfg.hidden_size), f32), q=cp.zeros((k, cfg.q_size), f32),
+            attn_out=cp.zeros((k, cfg.q_size), f32),
+            act=cp.zeros((k, cfg.intermediate_size), f32),
+            part_ml=cp.zeros((cfg.num_heads * k, self.n_splits, 2), f32),
+            part_o=cp.zeros((cfg.num_heads * k, self.n_splits, cfg.head_dim), f32),
+            counters=cp.zeros(k * cfg.num_heads, i32),
+            k_stage=cp.zeros((k, cfg.num_kv_heads, cfg.head_dim), f32) if self.kv_int8 else None,
+            v_stage=cp.zeros((k, cfg.num_kv_heads, cfg.head_dim), f32) if self.kv_int8 else None)
+        self.host_side_flags = self._pinned(2, i32)
         self.logits_rows = cp.zeros((rows, cfg.vocab_size), f32)
         self.scores_ver = cp.zeros((rows, cfg.num_layers, cfg.num_heads, cap), f32)
         self.ml_ver = cp.zeros((rows, cfg.num_layers, cfg.num_heads, 2), f32)
@@ -726,25 +756,33 @@ class CudaBackend:
         return ring[index]
 
     def _launch(self, name, grid, block, *args, shared=0, dependent=False):
-        """Launch a kernel on the stream.
+        """Launch a kernel on the stream being enqueued.
 
-        ``dependent``: it may start before the previous kernel of the forward ends (it waits for
-        its results with griddepcontrol.wait).
+        ``_queue``: the backend's stream, or the side stream while a fused pass enqueues its
+        verify rows. ``dependent``: it may start before the previous kernel of the forward
+        ends (it waits for its results with griddepcontrol.wait).
         """
         function = self.kernels.functions[name]
         if dependent and self._dependent is not None:
-            self._dependent(function, grid, block, args, shared, self.stream)
+            self._dependent(function, grid, block, args, shared, self._queue)
         else:
-            function(grid, block, args, shared_mem=shared, stream=self.stream)
+            function(grid, block, args, shared_mem=shared, stream=self._queue)
 
-    def _enqueue_forward(self, n_max, verify=False):
-        """Every kernel of one forward over up to n_max tokens (state says how many).
+    def _enqueue_forward(self, n_max, verify=False, lane=None, row=0, fused=False,
+                         at_attention=None):
+        """Every kernel of one forward over up to n_max tokens (lane.state says how many).
 
         ``verify``: a verify pass, each token a row of its own run by the decode step's
         kernels (one-token matmuls with a row of blocks a token, attn_decode with a query a
-        token), every row's logits kept and their arg-maxes taken.
+        token), every row's logits kept and their arg-maxes taken, into the verify buffers
+        from row ``row`` on. ``lane``: the activations, run state and token ids it uses (the
+        backend's own, or the side lane of a fused pass). ``fused``: a prefill whose last
+        token's logits, attention mass and greedy token go to row 0 of the verify buffers
+        (``prefill_verify``). ``at_attention(i)``: called before layer i's attention is
+        enqueued, once that layer's keys and values are.
         """
         cfg, cap = self.config, self.capacity
+        lane = lane or self.lane
         decode = n_max == 1 and not verify
         one = decode or verify            # the one-token kernels
         tiles = (n_max + T16_TOKENS - 1) // T16_TOKENS
@@ -817,7 +855,7 @@ class CudaBackend:
                 extra = (_i32(units), _i32(last_only)) if epilogue != 'qkv_rope' else ()
                 if epilogue == 'qkv_rope':
                     tail = tail[:3] + (_i32(units),) + tail[3:]
-                launch(name, (blocks, 1 if last_only else qty), (threads,), self.state,
+                launch(name, (blocks, 1 if last_only else qty), (threads,), lane.state,
                        *w.args(), _i32(w.rows), _i32(w.k), *tail, *extra, _i32(split),
                        shared=shared)
                 return
@@ -826,10 +864,10 @@ class CudaBackend:
                    *w.args(), _i32(w.rows), _i32(w.k), self.dequantized)
             grid, split = mm(units, w.k, kind)
             if epilogue == 'qkv_rope':
-                args = (self.state, self.dequantized, _i32(w.rows), _i32(w.k), *tail[:3],
+                args = (lane.state, self.dequantized, _i32(w.rows), _i32(w.k), *tail[:3],
                         _i32(units), *tail[3:], split)
             else:
-                args = (self.state, self.dequantized, _i32(w.rows), _i32(w.k), *tail,
+                args = (lane.state, self.dequantized, _i32(w.rows), _i32(w.k), *tail,
                         _i32(units), _i32(0), split)
             self._launch(kind + sfx, grid, tblock(w.k, grid), *args)
 
@@ -845,27 +883,27 @@ class CudaBackend:
             plan = staged(units, k)
             if plan is not None:
                 blocks, per_block, shared = plan
-                launch(kind + '_sp', (blocks,), (SP_THREADS,), self.state, *args,
+                launch(kind + '_sp', (blocks,), (SP_THREADS,), lane.state, *args,
                        _i32(units), _i32(per_block), shared=shared)
             else:
                 norm = args[4] is not NULL
                 grid, split = mm(units, k, kind, norm=norm)
-                launch(kind + sfx, grid, tblock(k, grid), self.state, *args, _i32(units), _i32(0),
+                launch(kind + sfx, grid, tblock(k, grid), lane.state, *args, _i32(units), _i32(0),
                        split, shared=xshared(k, norm))
         if decode and self._pd_args is not None:
             self._cooperative(self.kernels.functions['decode_persistent'], (self.n_sm,),
-                              (PD_THREADS,), (self.state, self._pd_args), self._pd_shared(),
+                              (PD_THREADS,), (lane.state, self._pd_args), self._pd_shared(),
                               self.stream)
             return
         if isinstance(self.embed, DeviceQuant):   # decode: the token from state, else ids
-            self._launch(f'qembed_gather_{self.embed.fmt}', (n_max,), (256,), self.state,
-                         self.ids, *self.embed.args(), _i32(hid), self.x,
+            self._launch(f'qembed_gather_{self.embed.fmt}', (n_max,), (256,), lane.state,
+                         lane.ids, *self.embed.args(), _i32(hid), lane.x,
                          _i32(1 if decode else 0))
         else:
-            self._launch('embed_gather', (n_max,), (256,), self.state, self.ids, self.embed,
-                         self.x, _i32(hid), _i32(1 if decode else 0))
+            self._launch('embed_gather', (n_max,), (256,), lane.state, lane.ids, self.embed,
+                         lane.x, _i32(hid), _i32(1 if decode else 0))
         if verify:   # each row's raw scores and softmax sums, as decode_step keeps one's
-            scores, row_ml = self.scores_ver[0], self.ml_ver[0]
+            scores, row_ml = self.scores_ver[row], self.ml_ver[row]
             score_stride, ml_stride = self.scores_ver[0].size, self.ml_ver[0].size
         else:
             scores, row_ml, score_stride, ml_stride = self.scores_dec, self.ml_dec, 0, 0
@@ -876,10 +914,10 @@ class CudaBackend:
             kc, vc = self.k[i], self.v[i]
             ksc, vsc = ((self.k_scale[i], self.v_scale[i]) if self.kv_int8 else (NULL, NULL))
             # the int8 cache: q/k/v write the call's keys and values to the staging rows
-            kw, vw = (self.k_stage, self.v_stage) if self.kv_int8 else (kc, vc)
-            qkv_args = (self.state, layer.wqkv, _i32(qkv_rows), _i32(hid), self.x,
+            kw, vw = (lane.k_stage, lane.v_stage) if self.kv_int8 else (kc, vc)
+            qkv_args = (lane.state, layer.wqkv, _i32(qkv_rows), _i32(hid), lane.x,
                         layer.attn_norm, eps, _i32(qkv_units),
-                        layer.bqkv if layer.bqkv is not None else NULL, self.q, kw, vw,
+                        layer.bqkv if layer.bqkv is not None else NULL, lane.q, kw, vw,
                         self.cos, self.sin, _i32(cfg.num_heads), _i32(cfg.num_kv_heads),
                         _i32(d), _i32(cap))
             plan = staged(*shapes['qkv'])
@@ -895,14 +933,16 @@ class CudaBackend:
                 launch('matmul_qkv_rope' + sfx, grid, tblock(hid, grid), *qkv_args, split,
                        shared=xshared(hid))
             if self.kv_int8:
-                launch('kv_quantize', (n_max,), (32 * min(cfg.num_kv_heads, 8),), self.state,
-                       self.k_stage, self.v_stage, kc, vc, ksc, vsc, _i32(cfg.num_kv_heads),
+                launch('kv_quantize', (n_max,), (32 * min(cfg.num_kv_heads, 8),), lane.state,
+                       lane.k_stage, lane.v_stage, kc, vc, ksc, vsc, _i32(cfg.num_kv_heads),
                        _i32(d))
+            if at_attention is not None:
+                at_attention(i)
             scale = np.float32(1.0 / np.sqrt(d))
             if one:   # the last split of each head merges them (no attn_combine)
                 launch('attn_decode', (cfg.num_heads, self.n_splits, qty), (128,),
-                       self.state, self.q, kc, vc, ksc, vsc, scores[i], self.part_ml,
-                       self.part_o, self.attn_out, row_ml[i], self.counters,
+                       lane.state, lane.q, kc, vc, ksc, vsc, scores[i], lane.part_ml,
+                       lane.part_o, lane.attn_out, row_ml[i], lane.counters,
                        _i32(cfg.num_heads),
                        _i32(cfg.num_kv_heads), _i32(d), _i32(cap), _i32(self.n_splits),
                        _i32(self.chunk), scale, _i32(score_stride), _i32(ml_stride))
@@ -910,45 +950,48 @@ class CudaBackend:
                 tiles_h = cfg.num_heads * -(-n_max // ATT_QTILE)
                 split_blocks = min(self.n_splits, max(1, -(-ATT_PREFILL_BLOCKS // tiles_h)))
                 launch('attn_partial', (tiles_h, split_blocks), (ATT_THREADS,),
-                       self.state, self.q, kc, vc, ksc, vsc, self.scores, self.part_ml,
-                       self.part_o, _i32(n_max), _i32(cfg.num_heads),
+                       lane.state, lane.q, kc, vc, ksc, vsc, self.scores, lane.part_ml,
+                       lane.part_o, _i32(n_max), _i32(cfg.num_heads),
                        _i32(cfg.num_kv_heads), _i32(d), _i32(cap), _i32(self.n_splits),
                        _i32(self.chunk), scale, shared=self.att_smem)
-                launch('attn_combine', (cfg.num_heads * n_max,), (128,), self.state,
-                       self.part_ml, self.part_o, self.attn_out, self.scores,
+                launch('attn_combine', (cfg.num_heads * n_max,), (128,), lane.state,
+                       lane.part_ml, lane.part_o, lane.attn_out, self.scores,
                        _i32(n_max), _i32(cfg.num_heads), _i32(d), _i32(cap),
                        _i32(self.n_splits), _i32(self.chunk))
-                self._enqueue_mass(self.scores, cfg.num_heads * n_max, n_max, first=i == 0)
+                self._enqueue_mass(lane.state, self.scores, cfg.num_heads * n_max, n_max,
+                                   first=i == 0, out=self.mass_rows[0] if fused else None)
             matmul('matmul_residual', *shapes['o'], layer.wo, _i32(hid),
-                   _i32(cfg.q_size), self.attn_out, NULL, eps, self.x)
+                   _i32(cfg.q_size), lane.attn_out, NULL, eps, lane.x)
             matmul('matmul_swiglu', *shapes['gate_up'], layer.wgate_up, _i32(2 * inter),
-                   _i32(hid), self.x, layer.mlp_norm, eps, self.act)
+                   _i32(hid), lane.x, layer.mlp_norm, eps, lane.act)
             matmul('matmul_residual', *shapes['down'], layer.wdown, _i32(hid),
-                   _i32(inter), self.act, NULL, eps, self.x)
+                   _i32(inter), lane.act, NULL, eps, lane.x)
         if one:
-            self._enqueue_mass(scores, cfg.num_layers * cfg.num_heads, 1, first=True,
-                               row_ml=row_ml, rows=qty if verify else 0,
-                               out=self.mass_rows if verify else self.mass)
+            self._enqueue_mass(lane.state, scores, cfg.num_layers * cfg.num_heads, 1,
+                               first=True, row_ml=row_ml, rows=qty if verify else 0,
+                               out=self.mass_rows[row:] if verify else self.mass)
         vocab_units = (cfg.vocab_size + 1) // 2
         # the LM head: the last token's logits, or (verify) every row's
-        logits, last_only = (self.logits_rows, 0) if verify else (self.logits_buf, 1)
+        logits, last_only = ((self.logits_rows[row:], 0) if verify else
+                             (self.logits_rows[0] if fused else self.logits_buf, 1))
         if isinstance(self.lm_head, DeviceQuant):
             quant_matmul('matmul_store', vocab_units, self.lm_head,
-                         (self.x, self.final_norm, eps, logits), last_only=last_only)
+                         (lane.x, self.final_norm, eps, logits), last_only=last_only)
         else:
             grid, split = mm(vocab_units, hid, 'matmul_store', one_token=True)
             launch('matmul_store' + ('_tv' if verify else '_t1'), grid, block,
-                   self.state, self.lm_head, _i32(cfg.vocab_size), _i32(hid), self.x,
+                   lane.state, self.lm_head, _i32(cfg.vocab_size), _i32(hid), lane.x,
                    self.final_norm, eps, logits, _i32(vocab_units), _i32(last_only), split,
                    shared=xshared(hid))
-        if verify:   # each row's greedy token among its allowed ids
-            v = self.verify_tokens
-            launch('argmax_rows', (ARGMAX_BLOCKS, n_max), (256,), self.state, self.logits_rows,
-                   self.verify_in[2 * v:], self.verify_in[:v], self.verify_in[v:2 * v],
-                   _i32(cfg.vocab_size), self.verify_part_v, self.verify_part_i,
-                   self.verify_counters, self.verify_out)
+        if verify or fused:   # each row's greedy token among its allowed ids (a fused
+            # prefill: its last token's, row 0)
+            r, a = self.verify_rows, ARGMAX_BLOCKS * row
+            launch('argmax_rows', (ARGMAX_BLOCKS, n_max if verify else 1), (256,), lane.state,
+                   self.logits_rows[row:], self.verify_in[2 * r:], self.verify_in[row:r],
+                   self.verify_in[r + row:2 * r], _i32(cfg.vocab_size), self.verify_part_v[a:],
+                   self.verify_part_i[a:], self.verify_counters[row:], self.verify_out[row:])
 
-    def _enqueue_mass(self, probs, n_rows, n_max, first, row_ml=None, rows=0, out=None):
+    def _enqueue_mass(self, state, probs, n_rows, n_max, first, row_ml=None, rows=0, out=None):
         """mass[t] (+)= the probabilities of ``n_rows`` rows (stride capacity) at key t.
 
         With ``row_ml`` the rows hold raw scores and their softmax max and sum. ``rows`` > 0
@@ -956,17 +999,44 @@ class CudaBackend:
         """
         warps = MASS_WARPS_DECODE if row_ml is not None else MASS_WARPS_PREFILL
         self._launch('attn_mass', (-(-self.capacity // MASS_KEYS), max(1, rows)), (32 * warps,),
-                     self.state, probs, NULL if row_ml is None else row_ml,
+                     state, probs, NULL if row_ml is None else row_ml,
                      self.mass if out is None else out, _i32(n_max), _i32(n_rows),
                      _i32(self.capacity), _i32(1 if first else 0),
                      _i32(n_rows * self.capacity if rows else 0), dependent=True)
 
-    def _capture(self, n_max, verify=False):
+    def _enqueue_fused(self, n_max, k):
+        """Enqueue a prefill of up to n_max tokens and a verify of k rows after it, side by side.
+
+        The prefill runs on the backend's stream as ``prefill`` would (its last token's logits,
+        mass and greedy token into row 0 of the verify buffers); the verify rows run on the
+        side stream with the side lane's buffers, as ``verify`` would run them after that
+        prefill (rows 1 .. k), each layer's attention after the prefill has written that
+        layer's keys and values. Nothing else is shared: each pass's sums are its own alone.
+        """
+        main, side = self.stream, self.side_stream
+        fork, join, ready = self._fused_events
+        fork.record(main)
+        side.wait_event(fork)
+        self._enqueue_forward(n_max, fused=True, at_attention=lambda i: ready[i].record(main))
+        self._queue = side
+        try:
+            self._enqueue_forward(k, verify=True, lane=self.side_lane, row=1,
+                                  at_attention=lambda i: side.wait_event(ready[i]))
+        finally:
+            self._queue = main
+        join.record(side)
+        main.wait_event(join)
+
+    def _capture(self, n_max, verify=False, fused=0):
+        """Capture one forward as a CUDA graph (``fused``: with a verify of that many rows)."""
         stream = self.stream
         with stream:
             stream.begin_capture()
             try:
-                self._enqueue_forward(n_max, verify)
+                if fused:
+                    self._enqueue_fused(n_max, fused)
+                else:
+                    self._enqueue_forward(n_max, verify)
             finally:
                 graph = stream.end_capture()
         graph.upload(stream)
@@ -987,11 +1057,24 @@ class CudaBackend:
             self._enqueue_forward(n, verify=True)
             self.stream.synchronize()
             self.verify_graphs[n] = self._capture(n, verify=True)
+        self.fused_graphs = {}
+        for n_max in PREFILL_BUCKETS:
+            for k in self.verify_graphs:
+                n = min(n_max, self.capacity - k)
+                if n < 2:
+                    continue
+                self._write_fused_state(n, k)
+                self._enqueue_fused(n_max, k)
+                self.stream.synchronize()
+                self.fused_graphs[n_max, k] = self._capture(n_max, fused=k)
         for n_max, graph in self.graphs.items():   # and replay each once
             self._write_state(token=0, start=0, n=min(n_max, self.capacity), mass_acc=0)
             graph.launch(self.stream)
         for n, graph in self.verify_graphs.items():
             self._write_state(token=0, start=0, n=n, mass_acc=0)
+            graph.launch(self.stream)
+        for (n_max, k), graph in self.fused_graphs.items():
+            self._write_fused_state(min(n_max, self.capacity - k), k)
             graph.launch(self.stream)
         self.stream.synchronize()
         self.k.fill(0)
@@ -1000,10 +1083,15 @@ class CudaBackend:
         self._logits_valid = False
 
     # -- the calls -----------------------------------------------------------------
-    def _write_state(self, token, start, n, mass_acc):
+    def _write_state(self, token, start, n, mass_acc, state=None):
         slot = self._ring_slot(0, self.state_ring)
         slot[:5] = (token, start, n, mass_acc, 0)
-        self._to_device(self.state, slot, 5)
+        self._to_device(self.state if state is None else state, slot, 5)
+
+    def _write_fused_state(self, n, k, start=0, mass_acc=0):
+        """Write a fused pass's run states: n prefill tokens from ``start``, k rows after them."""
+        self._write_state(0, start, n, mass_acc)
+        self._write_state(0, start + n, k, 0, self.side_lane.state)
 
     def _token_ids(self, ids):
         return token_ids(ids, self.length, self.capacity, self.config.vocab_size)
@@ -1058,22 +1146,7 @@ class CudaBackend:
         if len(allowed) != n:
             raise BackendError(f'verify got {len(allowed)} allowed sets for {n} rows')
         self._settle_rows()   # the rows of an earlier verify are no longer the last call's
-        host, vocab = self.host_verify_in, self.config.vocab_size
-        at = 2 * v
-        for i, ok in enumerate(allowed):   # offsets, counts (-1: every id), the ids
-            host[i] = at - 2 * v
-            if ok is None:
-                host[v + i] = -1
-                continue
-            ok = np.asarray(ok, dtype=np.int64).reshape(-1)
-            if not 0 < len(ok) <= vocab:
-                raise BackendError(f'verify row {i} allows {len(ok)} ids (1 .. {vocab})')
-            if ok.min() < 0 or ok.max() >= vocab:
-                raise BackendError(f'verify row {i} allows ids outside the vocabulary')
-            host[v + i] = len(ok)
-            host[at:at + len(ok)] = ok
-            at += len(ok)
-        self._to_device(self.verify_in, host, at)
+        self._upload_allowed(allowed)
         slot = self._ring_slot(1, self.ids_ring)
         slot[:n] = ids
         self._to_device(self.ids, slot, n)
@@ -1087,6 +1160,82 @@ class CudaBackend:
         self.length += n
         self._logits_valid = True
         return self.host_verify_out[:n].astype(np.int64)
+
+    def _upload_allowed(self, allowed):
+        """Each row's allowed ids into argmax_rows' input (rows 0 ..)."""
+        host, vocab, r = self.host_verify_in, self.config.vocab_size, self.verify_rows
+        at = 2 * r
+        for i, ok in enumerate(allowed):   # offsets, counts (-1: every id), the ids
+            host[i] = at - 2 * r
+            if ok is None:
+                host[r + i] = -1
+                continue
+            ok = np.asarray(ok, dtype=np.int64).reshape(-1)
+            if not 0 < len(ok) <= vocab:
+                raise BackendError(f'verify row {i} allows {len(ok)} ids (1 .. {vocab})')
+            if ok.min() < 0 or ok.max() >= vocab:
+                raise BackendError(f'verify row {i} allows ids outside the vocabulary')
+            host[r + i] = len(ok)
+            host[at:at + len(ok)] = ok
+            at += len(ok)
+        self._to_device(self.verify_in, host, at)
+
+    @reports_device_errors
+    def prefill_verify(self, prefill_ids, drafts, allowed):
+        """Run ``prefill(prefill_ids)`` and a verify of ``drafts`` after it as one fused pass.
+
+        The backends' contract (``rt_llm_node.backends``): returns int64 [k + 1], the greedy
+        token after the prefill (among ``allowed[0]``) and after each of the k drafts verified
+        (among ``allowed[i + 1]``); the cache then holds the prefill and the k drafts, and
+        the verify's rows are the prefill's last token (row 0) and the drafts (rows 1 .. k).
+        The prefill's graph runs on this stream and the verify rows' beside it (``fused_graphs``,
+        ``_enqueue_fused``), each as it would alone: every row's logits, mass and cache entries
+        equal those of ``prefill`` and k ``decode`` calls bit for bit. A prefill longer than
+        the largest bucket runs its first chunks alone; a one-token prefill is a decode step,
+        so then the token and the drafts are one verify pass (at most ``verify_tokens`` rows:
+        fewer drafts may be verified than given).
+        """
+        ids = self._token_ids(prefill_ids)
+        feed = self._token_ids(np.concatenate([ids, np.asarray(drafts, np.int64).reshape(-1)])
+                               )[len(ids):]   # both fit, both in the vocabulary
+        k = len(feed)
+        if not 1 <= k <= self.verify_tokens:
+            raise BackendError(f'a fused pass verifies 1 .. {self.verify_tokens} drafts on '
+                               f'this backend (verify_tokens), not {k}')
+        if len(allowed) != k + 1:
+            raise BackendError(f'prefill_verify got {len(allowed)} allowed sets for {k} drafts '
+                               'and the prefill')
+        if len(ids) == 1:   # the token is a decode step: one verify pass of it and the drafts
+            rows = min(k + 1, self.verify_tokens)
+            return self.verify(np.concatenate([ids, feed])[:rows], list(allowed[:rows]))
+        self._settle_rows()
+        biggest = PREFILL_BUCKETS[-1]
+        head = len(ids) - ((len(ids) - 1) % biggest + 1)   # the chunks before the last
+        if head:
+            self.prefill(ids[:head])
+        chunk = ids[head:]
+        n_max = next(b for b in PREFILL_BUCKETS if b >= len(chunk))
+        if (n_max, k) not in self.fused_graphs:
+            raise BackendError(f'no fused pass of {len(chunk)} + {k} tokens in a cache of '
+                               f'{self.capacity}')
+        self._upload_allowed(allowed)
+        if head:   # the last chunk's mass adds to the earlier chunks' (in row 0)
+            with self.stream:
+                self.mass_rows[0][...] = self.mass
+        for lane, tokens in ((self.lane, chunk), (self.side_lane, feed)):
+            slot = self._ring_slot(1, self.ids_ring)
+            slot[:len(tokens)] = tokens
+            self._to_device(lane.ids, slot, len(tokens))
+        self._write_fused_state(len(chunk), k, self.length, 1 if head else 0)
+        self.fused_graphs[n_max, k].launch(self.stream)
+        self._copy(self.host_verify_out.ctypes.data, self.verify_out.data.ptr, 4 * (k + 1),
+                   self.cp.cuda.runtime.memcpyDeviceToHost)
+        self._finish(side=True)   # waits, and raises on non-finite logits
+        self._rows, self._row = (self.length + len(chunk) - 1, k + 1), k
+        self._rows_mass_valid = False
+        self.length += len(chunk) + k
+        self._logits_valid = True
+        return self.host_verify_out[:k + 1].astype(np.int64)
 
     def row_mass(self, i):
         """Float32 [start + i + 1]: the attention mass of row ``i`` of the last verify."""
@@ -1113,10 +1262,16 @@ class CudaBackend:
                 self.mass[...] = mass
         self._rows = self._row = None
 
-    def _finish(self):
-        """Wait for the queued work; raise if it produced non-finite logits."""
+    def _finish(self, side=False):
+        """Wait for the queued work; raise if it produced non-finite logits.
+
+        ``side``: a fused pass's verify rows ran too (their flags are in the side lane's state).
+        """
+        if side:
+            self._copy(self.host_side_flags.ctypes.data, self.side_lane.state[FLAGS:].data.ptr,
+                       self.host_side_flags.nbytes, self.cp.cuda.runtime.memcpyDeviceToHost)
         self._to_host(self.host_flags, self.state[FLAGS:])
-        if self.host_flags[0] & 1:
+        if self.host_flags[0] & 1 or (side and self.host_side_flags[0] & 1):
             raise BackendError('the model produced non-finite logits')
         return self.host_flags
 

@@ -317,6 +317,33 @@ class NumpyBackend:
         return np.array([int(np.argmax(row)) if ok is None else int(ok[np.argmax(row[ok])])
                          for row, ok in zip(logits, allowed)], np.int64)
 
+    def prefill_verify(self, prefill_ids, drafts, allowed):
+        """Run ``prefill(prefill_ids)`` and a verify of ``drafts`` after it in one call.
+
+        Returns int64 [k + 1]: the greedy token after the prefill (among ``allowed[0]``) and
+        after each draft (among ``allowed[i + 1]``). The verify's rows are the prefill's last
+        token (row 0: its logits, the prefill's attention mass) and the k drafts (rows 1 ..
+        k), so ``rollback`` to the prefill's end restores the prefill's logits and mass.
+        Here the two run one after the other; the CUDA backend runs them side by side.
+        """
+        prefill_ids = np.asarray(prefill_ids, dtype=np.int64).reshape(-1)
+        drafts = np.asarray(drafts, dtype=np.int64).reshape(-1)
+        if not len(drafts):
+            raise BackendError('prefill_verify needs at least one draft')
+        if len(allowed) != len(drafts) + 1:
+            raise BackendError(f'prefill_verify got {len(allowed)} allowed sets for '
+                               f'{len(drafts)} drafts and the prefill')
+        token_ids(np.concatenate([prefill_ids, drafts]), self.length, self.capacity,
+                  self.config.vocab_size)   # both fit, both in the vocabulary
+        self._forward(prefill_ids)
+        first, mass = self._logits, self._mass
+        predicted = self.verify(drafts, list(allowed[1:]))
+        start, logits, masses = self._rows
+        self._rows = (start - 1, [first] + list(logits), [mass] + list(masses))
+        ok = allowed[0]
+        head = int(np.argmax(first)) if ok is None else int(ok[np.argmax(first[ok])])
+        return np.concatenate([[head], predicted]).astype(np.int64)
+
     def row_mass(self, i):
         """Float32 [start + i + 1]: the attention mass of row ``i`` of the last verify."""
         if self._rows is None or not 0 <= i < len(self._rows[2]):

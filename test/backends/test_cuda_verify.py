@@ -80,6 +80,48 @@ def test_verify_rows_equal_decode_steps_bit_for_bit(smollm2, weights, kv_dtype):
     np.testing.assert_array_equal(backend.attention_mass(), masses[1][keep])
 
 
+@pytest.mark.parametrize('weights,kv_dtype,n_prefill', [
+    ('native', 'native', 48), ('native', 'native', 150), ('native', 'native', 1),
+    ('native', 'int8', 30), ('int8', 'native', 48), ('int4', 'native', 17)])
+def test_fused_pass_equals_prefill_then_decode_steps(smollm2, weights, kv_dtype, n_prefill):
+    """prefill_verify: the prefill and the verify rows beside it, each exactly as alone."""
+    checkpoint = quantize_checkpoint(load_checkpoint(smollm2), weights)
+    vocab = checkpoint.config.vocab_size
+    backend = cuda_backend(checkpoint, 320, verify_tokens=6, kv_dtype=kv_dtype)
+    rng = np.random.default_rng(2)
+    base = rng.integers(0, vocab, 90)
+    ids, drafts = rng.integers(0, vocab, n_prefill), rng.integers(0, vocab, 6)
+    allowed = [np.sort(rng.choice(vocab, 24, replace=False)) for _ in range(6)] + [None]
+    backend.prefill(base)
+    backend.prefill(ids)   # the plain calls: prefill, then a decode step a draft
+    logits, masses = [backend.logits()], [backend.attention_mass()]
+    chosen = [backend.argmax(allowed[0])]
+    for token, ok in zip(drafts, allowed[1:]):
+        backend.decode(int(token))
+        logits.append(backend.logits())
+        masses.append(backend.attention_mass())
+        chosen.append(backend.argmax(ok))
+    end = 90 + n_prefill
+    stepped_kv = backend.export_kv(90, end + 6)
+    backend.rollback(90)
+    predicted = backend.prefill_verify(ids, drafts, allowed)
+    rows = len(predicted)   # a one-token prefill: one verify pass of at most verify_tokens
+    assert rows == (6 if n_prefill == 1 else 7)
+    assert predicted.tolist() == chosen[:rows]
+    assert backend.length == end + rows - 1
+    for row in range(rows):
+        np.testing.assert_array_equal(backend.row_mass(row), masses[row])
+    np.testing.assert_array_equal(backend.logits(), logits[rows - 1])
+    for name, values in backend.export_kv(90, end + rows - 1).items():
+        np.testing.assert_array_equal(values, stepped_kv[name][:, :n_prefill + rows - 1],
+                                      err_msg=name)
+    backend.rollback(end)   # back to the prefill's end: what prefill left
+    np.testing.assert_array_equal(backend.logits(), logits[0])
+    np.testing.assert_array_equal(backend.attention_mass(), masses[0])
+    backend.decode(int(drafts[0]))
+    np.testing.assert_array_equal(backend.logits(), logits[1])
+
+
 def test_verify_refuses_what_it_cannot_run(smollm2):
     from rt_llm_node.backends.cuda_backend import CudaOptions
     checkpoint = load_checkpoint(smollm2)
@@ -94,6 +136,13 @@ def test_verify_refuses_what_it_cannot_run(smollm2):
         backend.verify([1, 2], [None, np.array([vocab])])
     with pytest.raises(BackendError, match='allows 0 ids'):
         backend.verify([1, 2], [None, np.array([], np.int64)])
+    assert backend.length == 3
+    with pytest.raises(BackendError, match='verify_tokens'):
+        backend.prefill_verify([4, 5], [1, 2, 3, 4], [None] * 5)
+    with pytest.raises(BackendError, match='allowed sets'):
+        backend.prefill_verify([4, 5], [1, 2], [None] * 2)
+    with pytest.raises(BackendError, match='do not fit'):
+        backend.prefill_verify(np.ones(60, np.int64), [1, 2], [None] * 3)
     assert backend.length == 3
     with pytest.raises(ValueError, match='verify_tokens'):
         CudaOptions(verify_tokens=4, decode_step='persistent')
