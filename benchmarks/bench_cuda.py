@@ -28,6 +28,7 @@ import numpy as np
 from report import markdown_table
 from report import print_table
 from report import write_section
+from rt_llm_node.engine import FUSE_BACKOFF
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.synthetic import write_random_checkpoint
 
@@ -163,7 +164,7 @@ def measure_hf(directory, repeats, context=256):
     return float(np.median(times)), float(np.percentile(times, 99))
 
 
-def full_ticks(backend, vocab, ticks, base=200, speculative=0, observations=1):
+def full_ticks(backend, vocab, ticks, base=200, speculative=0, observations=1, fused=False):
     """Wall ms of full ticks as the engine runs them; returns (ms [ticks], stats).
 
     A tick: prefill(48) at ``base`` cached, then ACTION_TOKENS greedy tokens among 24 allowed
@@ -171,10 +172,14 @@ def full_ticks(backend, vocab, ticks, base=200, speculative=0, observations=1):
     first token up to that many drafts, the last tick's action from there on where it began
     the same way, run with it in one verify pass (the backend's ``verify``); the drafts
     greedy decoding would have chosen are kept, the rest rolled back (the engine's rule).
+    ``fused``: the last action, up to ``speculative`` + 1 tokens of it, is verified beside
+    the prefill instead (``prefill_verify``), and the action goes on from what it kept; after
+    a fused pass that kept nothing, the next FUSE_BACKOFF ticks verify after the prefill
+    (the engine's rule).
     ``observations``: distinct observations the ticks cycle through (1: every tick's action
     is the last one, so every draft is right; 2: they alternate, and a draft is right only
-    where the two actions agree). stats: forward passes an action (mean), drafted and kept
-    tokens.
+    where the two actions agree). stats: forward passes an action after the prefill (mean),
+    drafted and kept tokens.
     """
     rng = np.random.default_rng(1)
     backend.rollback(0)
@@ -185,6 +190,7 @@ def full_ticks(backend, vocab, ticks, base=200, speculative=0, observations=1):
     passes = np.zeros(ticks)
     drafted = kept = 0
     last = []
+    fuse_from = 0
     gc.collect()
     gc.disable()
     try:
@@ -192,9 +198,14 @@ def full_ticks(backend, vocab, ticks, base=200, speculative=0, observations=1):
             backend.rollback(base)
             which = i % observations
             t0 = time.perf_counter()
-            backend.prefill(obs[which])
-            backend.attention_mass()
-            chosen, n, d, k = action(backend, allowed, speculative, last)
+            if fused and speculative and last and i >= fuse_from:
+                chosen, n, d, k = fused_action(backend, obs[which], allowed, speculative, last)
+                if not k:
+                    fuse_from = i + 1 + FUSE_BACKOFF
+            else:
+                backend.prefill(obs[which])
+                backend.attention_mass()
+                chosen, n, d, k = action(backend, allowed, speculative, last)
             if i >= 100:
                 out[i - 100] = (time.perf_counter() - t0) * 1e3
                 passes[i - 100] = n
@@ -206,10 +217,39 @@ def full_ticks(backend, vocab, ticks, base=200, speculative=0, observations=1):
     return out, {'passes': float(passes.mean()), 'drafted': drafted, 'kept': kept}
 
 
-def action(backend, allowed, speculative, last):
-    """Choose and run ACTION_TOKENS greedy tokens; returns (tokens, passes, drafted, kept)."""
-    token = backend.argmax(allowed)
-    chosen, passes, drafted, kept = [token], 0, 0, 0
+def fused_action(backend, observation, allowed, speculative, last):
+    """Prefill ``observation`` with the last action verified beside it, then finish the action.
+
+    The drafts are kept up to the first one greedy decoding would not have chosen (the
+    engine's rule); returns what ``action`` does, the fused pass not counted among the passes.
+    """
+    start = backend.length + len(observation)
+    drafts = list(last[:speculative + 1])
+    predicted = backend.prefill_verify(observation, drafts, [allowed] * (len(drafts) + 1))
+    rows = len(predicted) - 1
+    good = 0
+    while good < min(len(drafts), rows + 1) and int(predicted[good]) == drafts[good]:
+        good += 1
+    run = min(good, rows)   # a right draft without a row is the next token to run
+    backend.rollback(start + run)
+    for row in range(run + 1):   # the prefill's attention mass, then each kept row's
+        backend.row_mass(row)
+    chosen = drafts[:run]
+    if len(chosen) == ACTION_TOKENS:
+        return chosen, 0, len(drafts), good
+    chosen, passes, drafted, kept = action(backend, allowed, speculative, last,
+                                           chosen + [int(predicted[run])])
+    return chosen, passes, drafted + len(drafts), kept + good
+
+
+def action(backend, allowed, speculative, last, chosen=None):
+    """Choose and run ACTION_TOKENS greedy tokens; returns (tokens, passes, drafted, kept).
+
+    ``chosen``: the tokens chosen so far, the last not yet run (by default the greedy first).
+    """
+    chosen = [backend.argmax(allowed)] if chosen is None else list(chosen)
+    token = chosen[-1]
+    passes, drafted, kept = 0, 0, 0
     while True:
         n = len(chosen)   # drafts: the last action from here on, where it began the same
         drafts = list(last[n:ACTION_TOKENS][:speculative]) if last[:n] == chosen else []

@@ -7,11 +7,13 @@ Per model shape (random bf16 weights), in one run: the full tick of ``bench_cuda
 (prefill of 48 tokens at 200 cached, then 6 greedy action tokens among 24 allowed ids, host
 included, wall clock) on the backend the node builds without speculation (decode_step
 'auto') and on the one it builds with ``speculative_tokens`` = --tokens (verify passes of up
-to --tokens + 1 rows; decode step 'kernels', unstaged), the latter once with every draft
-right (the same observation every tick, so the last action is the next one) and once with
-the observations alternating (a draft is right only where the two actions agree). Also the
-GPU time of a decode step, of a verify pass of --tokens + 1 rows and of the 48-token
-prefill at 200 cached (CUDA events, median).
+to --tokens + 1 rows; decode step 'kernels', unstaged), the latter with the drafts verified
+after the prefill and with them verified beside it (the engine's fused pass), each with
+every draft right (the same observation every tick, so the last action is the next one),
+the fused one also with the observations alternating (a draft is right only where the two
+actions agree). Also the GPU time of a decode step, of a verify pass of --tokens + 1 rows,
+of the 48-token prefill and of that prefill with the verify beside it, at 200 cached (CUDA
+events, median).
 """
 
 import argparse
@@ -38,17 +40,24 @@ BASE = 200
 
 
 def gpu_times(backend, vocab, rows, repeats=200):
-    """Median GPU us of a decode step, a verify pass of ``rows``, ms of a 48-token prefill."""
+    """Median GPU times at BASE cached.
+
+    Us of a decode step and of a verify pass of ``rows``, ms of a 48-token prefill and of one
+    with ``rows`` drafts verified beside it (None: the backend has no verify).
+    """
     rng = np.random.default_rng(2)
     backend.rollback(0)
     backend.prefill(rng.integers(0, vocab, BASE))
     ids, feed = rng.integers(0, vocab, PREFILL), rng.integers(0, vocab, rows)
     decode = time_graph(backend, BASE, repeats, lambda: backend.decode(7))
-    verify = (time_graph(backend, BASE, repeats, lambda: backend.verify(feed, [None] * rows))
-              if backend.verify_tokens else None)
     prefill = time_graph(backend, BASE, repeats, lambda: backend.prefill(ids))
-    return (np.median(decode) * 1e3, None if verify is None else np.median(verify) * 1e3,
-            np.median(prefill))
+    if not backend.verify_tokens:
+        return np.median(decode) * 1e3, None, np.median(prefill), None
+    verify = time_graph(backend, BASE, repeats, lambda: backend.verify(feed, [None] * rows))
+    fused = time_graph(backend, BASE, repeats,
+                       lambda: backend.prefill_verify(ids, feed, [None] * (rows + 1)))
+    return (np.median(decode) * 1e3, np.median(verify) * 1e3, np.median(prefill),
+            np.median(fused))
 
 
 def main(argv=None):
@@ -72,26 +81,31 @@ def main(argv=None):
     header = ['shape', 'speculation', 'ticks', 'decode step', 'drafts', 'passes an action',
               'drafts kept', 'tick p50 ms', 'p99 ms', 'p99.9 ms', 'max ms',
               'decode step us (GPU)', f'verify of {args.tokens + 1} us (GPU)',
-              f'prefill {PREFILL} ms (GPU)', 'prefill / decode step']
+              f'prefill {PREFILL} ms (GPU)',
+              f'prefill {PREFILL} + verify of {args.tokens + 1} beside it ms (GPU)',
+              'prefill / decode step']
     rows = []
     capacity = 512
     for shape in [s for s in args.shapes.split(',') if s]:
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = load_checkpoint(write_random_checkpoint(tmp, shape, seed=0))
         vocab = checkpoint.config.vocab_size
-        runs = [('off', CudaOptions(decode_step='auto'), 0, 1, '-', args.ticks),
-                ('on', CudaOptions(verify_tokens=args.tokens + 1), args.tokens, 1, 'right',
-                 args.ticks),
-                ('on', None, args.tokens, 2, 'alternating', args.alternating_ticks)]
+        on = CudaOptions(verify_tokens=args.tokens + 1)
+        runs = [('off', CudaOptions(decode_step='auto'), 0, 1, '-', args.ticks, False),
+                ('on, after the prefill', on, args.tokens, 1, 'right', args.ticks, False),
+                ('on, beside the prefill', None, args.tokens, 1, 'right', args.ticks, True),
+                ('on, beside the prefill', None, args.tokens, 2, 'alternating',
+                 args.alternating_ticks, True)]
         backend = None
-        for label, options, tokens, observations, drafts, ticks in runs:
+        for label, options, tokens, observations, drafts, ticks, fused in runs:
             if options is not None:
                 del backend
                 gc.collect()
                 backend = CudaBackend(checkpoint, capacity, options)
-                decode_us, verify_us, prefill_ms = gpu_times(backend, vocab, args.tokens + 1)
-            ms, stats = full_ticks(backend, vocab, ticks, base=BASE,
-                                   speculative=tokens, observations=observations)
+                decode_us, verify_us, prefill_ms, fused_ms = gpu_times(backend, vocab,
+                                                                       args.tokens + 1)
+            ms, stats = full_ticks(backend, vocab, ticks, base=BASE, speculative=tokens,
+                                   observations=observations, fused=fused)
             pct = np.percentile(ms, [50, 99, 99.9])
             step = backend.decode_step + ('' if backend.staged_decode else ', unstaged')
             row = [shape, label, len(ms), step,
@@ -99,7 +113,8 @@ def main(argv=None):
                    (f"{stats['kept'] / stats['drafted']:.2f}" if stats['drafted'] else '-'),
                    f'{pct[0]:.3f}', f'{pct[1]:.3f}', f'{pct[2]:.3f}', f'{ms.max():.3f}',
                    f'{decode_us:.0f}', '-' if verify_us is None else f'{verify_us:.0f}',
-                   f'{prefill_ms:.2f}', f'{prefill_ms * 1e3 / decode_us:.1f}']
+                   f'{prefill_ms:.2f}', '-' if fused_ms is None else f'{fused_ms:.2f}',
+                   f'{prefill_ms * 1e3 / decode_us:.1f}']
             rows.append(row)
             print_table(header, [row])
         del backend
@@ -111,12 +126,16 @@ def main(argv=None):
                 f'then {ACTION_TOKENS} greedy action tokens among 24 allowed ids, each run, the '
                 'attention mass read after every call; host included, wall clock). Off: the '
                 "backend the node builds without speculation (decode_step 'auto'). On: "
-                f'speculative_tokens {args.tokens}: after the first token the last action from '
-                'there on (where it began the same way) is verified in one pass and the drafts '
-                'greedy decoding would have chosen are kept; drafts right: the same observation '
-                'every tick; alternating: two observations in turn. Passes an action: decode '
-                'steps and verify passes after the prefill. GPU columns: CUDA events, median, '
-                f'at {BASE} cached.\n\n'
+                f'speculative_tokens {args.tokens}, the drafts verified after the prefill: '
+                'after the first token the last action from there on (where it began the same '
+                'way) is verified in one pass; beside the prefill (what the engine does): the '
+                f'last action, up to {args.tokens + 1} tokens of it, is verified in a pass that '
+                'runs beside the prefill (prefill_verify), and the action goes on from what it '
+                'kept. Either way the drafts greedy decoding would have chosen are kept, the '
+                'rest rolled back. Drafts right: the same observation every tick; alternating: '
+                'two observations in turn. Passes an action: decode steps and verify passes '
+                'after the prefill (a pass beside it not counted). GPU columns: CUDA events, '
+                f'median, at {BASE} cached.\n\n'
                 + markdown_table(header, [row for row in rows if row[0] == shape]))
         if args.write:
             import platform

@@ -6,6 +6,9 @@ of prefill lengths, cache lengths and decode steps:
     prefill_ms(n, L) = a0 + a1 * n + a2 * n * L     (n new tokens over L cached)
     decode_ms(L)     = b0 + b1 * L                  (one token over L cached)
     compact_ms(m)    = c0 + c1 * m                  (m kept tokens re-rotated)
+    verify_ms(k, L)  = v0 + v1 * k + v2 * k * L     (a verify pass of k tokens)
+    fused_ms(n, k, L) = prefill_ms(n, L) + f0 + f1 * k + f2 * k * L
+                                                    (a prefill with k drafts verified beside it)
 
 Each grid point is timed several times and its upper quantile is what the model
 fits, so predictions lean pessimistic. Online, the measured time of every tick that
@@ -49,19 +52,23 @@ class CostModel:
 
     ``verify`` (a speculative verify pass) may be None: the backend has none, or the model
     was written before it; a pass is then priced as the decode steps it stands for.
+    ``fused`` (what verifying drafts beside a prefill adds to it, ``prefill_verify``) may be
+    None too: the drafts are then priced as a verify pass after the prefill.
     """
 
     prefill: tuple = (0.0, 0.0, 0.0)   # a0, a1 (per token), a2 (per token x cached token)
     decode: tuple = (0.0, 0.0)         # b0, b1 (per cached token)
     compact: tuple = (0.0, 0.0)        # c0, c1 (per kept token)
     verify: Optional[tuple] = None     # v0, v1 (per token), v2 (per token x cached token)
+    fused: Optional[tuple] = None      # f0, f1 (per draft), f2 (per draft x cached token)
 
     def to_json(self):
         """Return the coefficients as JSON text (what rt-llm-replay --cost-model reads)."""
         data = {'prefill': list(self.prefill), 'decode': list(self.decode),
                 'compact': list(self.compact)}
-        if self.verify is not None:
-            data['verify'] = list(self.verify)
+        for name in ('verify', 'fused'):
+            if getattr(self, name) is not None:
+                data[name] = list(getattr(self, name))
         return json.dumps(data, indent=2) + '\n'
 
     @classmethod
@@ -73,14 +80,17 @@ class CostModel:
                         decode=tuple(float(v) for v in data['decode']),
                         compact=tuple(float(v) for v in data['compact']),
                         verify=(None if data.get('verify') is None
-                                else tuple(float(v) for v in data['verify'])))
+                                else tuple(float(v) for v in data['verify'])),
+                        fused=(None if data.get('fused') is None
+                               else tuple(float(v) for v in data['fused'])))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f'not a cost model ({type(exc).__name__}: {exc})') from None
-        verify = model.verify or (0.0, 0.0, 0.0)
-        if (len(model.prefill), len(model.decode), len(model.compact), len(verify)) != (
-                3, 2, 2, 3) or not all(math.isfinite(v) for v in model.prefill + model.decode
-                                       + model.compact + verify):
-            raise ValueError('not a cost model (prefill and verify need 3 finite '
+        verify, fused = model.verify or (0.0, 0.0, 0.0), model.fused or (0.0, 0.0, 0.0)
+        if (len(model.prefill), len(model.decode), len(model.compact), len(verify),
+                len(fused)) != (3, 2, 2, 3, 3) or not all(
+                    math.isfinite(v) for v in model.prefill + model.decode + model.compact
+                    + verify + fused):
+            raise ValueError('not a cost model (prefill, verify and fused need 3 finite '
                              'coefficients, decode and compact 2)')
         return model
 
@@ -108,21 +118,32 @@ class CostModel:
         v0, v1, v2 = self.verify
         return v0 + v1 * n + v2 * n * cache_length
 
+    def fused_ms(self, n, k, cache_length):
+        """Raw predicted time of a prefill of ``n`` tokens with ``k`` drafts verified beside it.
+
+        The calibrated term on top of the prefill, or without one a verify pass after it.
+        """
+        if self.fused is None:
+            return self.prefill_ms(n, cache_length) + self.verify_ms(k, cache_length + n)
+        f0, f1, f2 = self.fused
+        return self.prefill_ms(n, cache_length) + f0 + f1 * k + f2 * k * cache_length
+
     def tick_ms(self, n_prefill, cache_length, n_decode, kept=None, restored=0,
-                pass_tokens=0):
+                pass_tokens=0, fused_tokens=0):
         """Raw predicted time of a whole tick (compaction if ``kept`` is given).
 
         ``restored``: tokens whose stored state is copied into the cache (an instruction
         switched back to), priced as a compaction that moves as many slots.
         ``pass_tokens``: with speculative decoding, the ``n_decode`` forward passes after the
         prefill are each priced as the dearer of a decode step and a verify pass of this many
-        tokens (0: decode steps).
+        tokens (0: decode steps). ``fused_tokens``: drafts verified beside the prefill.
         """
         total = self.compact_ms(restored) if restored else 0.0
         if kept is not None:
             total += self.compact_ms(kept)
             cache_length = kept
-        total += self.prefill_ms(n_prefill, cache_length)
+        total += (self.fused_ms(n_prefill, fused_tokens, cache_length) if fused_tokens
+                  else self.prefill_ms(n_prefill, cache_length))
         for step in range(n_decode):
             length = cache_length + n_prefill + step
             total += (max(self.decode_ms(length), self.verify_ms(pass_tokens, length))
@@ -155,7 +176,9 @@ def calibrate(backend, vocab_size, quantile=0.9, repeats=5, prefill_lengths=(1, 
     intercept to 5 ms instead of 1.8 and the node refused every tick of its run (no tick
     ran, so the admission scale, which learns from admitted ticks, could not correct it).
     A backend with speculative verify passes is timed on passes of ``verify_sizes`` tokens
-    too. Leaves the backend's cache empty. ``log(text)`` receives progress lines.
+    too, and (``prefill_verify``) on as many drafts verified beside the longest prefill, the
+    prefill alone subtracted. Leaves the backend's cache empty. ``log(text)`` receives
+    progress lines.
     """
     if rounds < 1 or repeats < 1:
         raise ValueError('calibration needs at least one round and one repeat')
@@ -199,6 +222,15 @@ def calibrate(backend, vocab_size, quantile=0.9, repeats=5, prefill_lengths=(1, 
                 figures['verify', (1.0, n, n * length)].append(timed(
                     lambda: backend.verify(prefill_ids[max_prefill][:n], [None] * n),
                     lambda: backend.rollback(length)))
+            alone = figures['prefill', (1.0, max_prefill, max_prefill * length)][-1]
+            fusable = sizes if hasattr(backend, 'prefill_verify') else []
+            for n in [n for n in fusable if length + max_prefill + n < capacity]:
+                # what the drafts add to the prefill they run beside
+                figures['fused', (1.0, n, n * length)].append(max(0.0, timed(
+                    lambda: backend.prefill_verify(prefill_ids[max_prefill],
+                                                   prefill_ids[max_prefill][:n],
+                                                   [None] * (n + 1)),
+                    lambda: backend.rollback(length)) - alone))
             if length > 1:
                 keep = np.arange(0, length, 2)
                 figures['compact', (1.0, len(keep))].append(timed(
@@ -216,7 +248,8 @@ def calibrate(backend, vocab_size, quantile=0.9, repeats=5, prefill_lengths=(1, 
         points = [(list(x), y) for (kind, x), y in median.items() if kind == what]
         return _fit([x for x, _ in points], [y for _, y in points]) if points else None
     return CostModel(prefill=fit('prefill'), decode=fit('decode'),
-                     compact=fit('compact') or (0.0, 0.0), verify=fit('verify'))
+                     compact=fit('compact') or (0.0, 0.0), verify=fit('verify'),
+                     fused=fit('fused'))
 
 
 CHECK_TOLERANCE = 1.5   # a stored cost model is kept while every checked point is within 1.5x
@@ -294,10 +327,15 @@ class Admission:
             self._rescale()
 
     def predict_ms(self, n_prefill, cache_length, n_decode, kept=None, restored=0,
-                   pass_tokens=0):
+                   pass_tokens=0, fused_tokens=0):
         """Pessimistic prediction of a tick's model time, margin included."""
-        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept, restored, pass_tokens)
+        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept, restored, pass_tokens,
+                                 fused_tokens)
         return raw * self.scale + self.margin_ms
+
+    def fused_ms(self, n, k, cache_length, scale=None):
+        """Pessimistic prediction of a prefill with ``k`` drafts beside it (for the watchdog)."""
+        return self.model.fused_ms(n, k, cache_length) * (self.scale if scale is None else scale)
 
     def verify_ms(self, n, cache_length, scale=None):
         """Pessimistic prediction of a verify pass of ``n`` tokens (for the watchdog)."""
@@ -314,7 +352,7 @@ class Admission:
         return predicted_ms <= available_ms
 
     def probe_instead(self, n_prefill, cache_length, n_decode, kept, available_ms, restored=0,
-                      pass_tokens=0):
+                      pass_tokens=0, fused_tokens=0):
         """Whether a tick ``admit`` refused should run as a probe instead.
 
         True after enough deadline refusals in a row, if it would fit were the model
@@ -322,30 +360,32 @@ class Admission:
         """
         if self.probe_ticks and self.refused_in_a_row >= self.probe_ticks * self.backoff:
             raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept, restored,
-                                     pass_tokens)
+                                     pass_tokens, fused_tokens)
             if raw * self.min_scale + self.margin_ms <= available_ms:
                 return True
         self.refused_in_a_row += 1
         return False
 
     def probe_scale(self, n_prefill, cache_length, n_decode, kept, elapsed_ms, restored=0,
-                    pass_tokens=0):
+                    pass_tokens=0, fused_tokens=0):
         """Return the watchdog's scale in a probe tick.
 
         What the tick has measured so far against the model (the learned scale is what the probe
         doubts), min_scale at the least.
         """
-        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept, restored, pass_tokens)
+        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept, restored, pass_tokens,
+                                 fused_tokens)
         return max(self.min_scale, elapsed_ms / raw if raw > 0 else 1.0)
 
     def observe(self, n_prefill, cache_length, n_decode, kept, measured_ms, probe=False,
-                in_time=True, restored=0, pass_tokens=0):
+                in_time=True, restored=0, pass_tokens=0, fused_tokens=0):
         """Learn from one admitted tick's measured model time.
 
         A ``probe`` that finished ``in_time`` lowers the floor to what it measured (min_scale at
         the least), one that did not doubles the wait for the next.
         """
-        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept, restored, pass_tokens)
+        raw = self.model.tick_ms(n_prefill, cache_length, n_decode, kept, restored, pass_tokens,
+                                 fused_tokens)
         ratio = measured_ms / raw if raw > 0 and np.isfinite(measured_ms) else None
         self.refused_in_a_row = 0
         if ratio is not None:

@@ -34,6 +34,9 @@ REFUSAL_REASONS = ('deadline', 'stale_input', 'not_ready', 'overrun_abort', 'bac
 
 
 DECODE_WINDOW = 150   # ticks (5 s at 30 Hz) over which the longest action is remembered
+# a fused pass whose first draft was wrong (the action no longer begins as the last one did)
+# ran its rows for nothing: the next this many ticks draft after the prefill instead
+FUSE_BACKOFF = 8
 
 
 class WallClock:
@@ -102,7 +105,8 @@ class TickRecord:
     n_fed: int = 0                 # action tokens run after the prefill (kept ones)
     drafted: int = 0               # speculative decoding: tokens drafted, kept, verify passes
     accepted: int = 0
-    verify_passes: int = 0
+    verify_passes: int = 0         # (a fused pass included)
+    fused: bool = False            # the action's drafts verified beside its prefill
     instruction: str = ''          # a new instruction placed: 'prefilled', 'restored' or ''
 
 
@@ -186,6 +190,7 @@ class TickEngine:
         self.speculative_tokens = min(int(speculative_tokens),
                                       max(0, verify_limit(backend) - 1))
         self.last_action_ids = []      # the last action's chosen tokens (a draft source)
+        self.fuse_from = 0             # the first tick that may verify drafts beside its prefill
         self._system_state = None      # (KV tensors, attention mass) of the prompt's prefill
         self.state = None              # (StateStore, fields) where the prompt's state is kept
         # an instruction_cache.InstructionCache: a new instruction goes right after the system
@@ -419,15 +424,17 @@ class TickEngine:
         passes = self.expected_passes(run.record.tick)
         plan.passes = plan.n_decode if passes is None else min(passes, plan.n_decode)
         plan.pass_tokens = 0 if passes is None else 1 + self.speculative_tokens
+        plan.fused_tokens = 1 + self.speculative_tokens if self._fuses(run.index) else 0
         plan.predicted = admission.predict_ms(plan.n_prefill, plan.length, plan.passes,
-                                              plan.kept, plan.restored, plan.pass_tokens)
+                                              plan.kept, plan.restored, plan.pass_tokens,
+                                              plan.fused_tokens)
         available = run.ms_left()
         run.record.predicted_ms, run.record.available_ms = plan.predicted, available
         run.record.n_prefill = plan.n_prefill
         if not admission.admit(plan.predicted, available):
             if not admission.probe_instead(plan.n_prefill, plan.length, plan.passes,
                                            plan.kept, available, plan.restored,
-                                           plan.pass_tokens):
+                                           plan.pass_tokens, plan.fused_tokens):
                 return run.refuse('deadline', plan.predicted, available=available)
             run.record.probe = True
         return plan
@@ -491,9 +498,72 @@ class TickEngine:
             run.record.evicted = self.session.apply_plan(plan.slots)
         run.lap('evict_ms')
         mark = self.session.mark()
-        segments = self.session.append_segments(list(parts))
+        n_prefill = self.session.pending_tokens + sum(len(p[0]) for p in parts)
+        fused = self._fused_drafts(run, plan, n_prefill)
+        if fused is None:
+            segments = self.session.append_segments(list(parts))
+        else:   # the action's drafts verified beside the prefill
+            drafts, states, allowed, rows = fused
+            segments, predicted = self.session.append_and_verify(list(parts), drafts[:rows],
+                                                                 allowed)
+            run.fused = (drafts, states, predicted)
+            run.record.fused = True
         run.lap('prefill_ms')
         return mark, segments[-1]
+
+    def _fuses(self, index):
+        """Tell whether tick ``index`` verifies the action's drafts beside its prefill.
+
+        Where the backend fuses the two passes, with speculation on, unless a recent fused
+        pass's first draft was wrong (``FUSE_BACKOFF``).
+        """
+        return (bool(self.speculative_tokens) and index >= self.fuse_from
+                and hasattr(self.session.backend, 'prefill_verify'))
+
+    def _fused_drafts(self, run, plan, n_prefill):
+        """Draft the whole action for a fused pass: (drafts, states, allowed, rows), or None.
+
+        The drafts (``_drafts`` from the grammar's start: the last action first), the grammar
+        state before each and after the last, the allowed ids after the prefill and after
+        each draft run, and how many drafts run as rows: a last draft that ends the action
+        needs no row (only its check), and the watchdog keeps only as many rows as leave time
+        to finish should none be kept. None: nothing to draft, or no room or time for a row.
+        """
+        if not plan.fused_tokens or not n_prefill:
+            return None
+        grammar, length = self.grammar, self.session.length
+        state = grammar.start()
+        limit = min(self.speculative_tokens + 1, self.backend.capacity - length - n_prefill - 1)
+        drafts = self._drafts(state, [], limit) if limit > 0 else []
+        states = [state]
+        for t in drafts:
+            states.append(grammar.advance(states[-1], t))
+        rows = len(drafts) - (1 if drafts and grammar.done(states[-1]) else 0)
+        remaining = grammar.min_remaining(state)
+        while rows and not self._can_fuse(run, plan, n_prefill, rows, remaining):
+            rows -= 1
+        if not rows:
+            return None
+        drafts = drafts[:rows + 1]
+        allowed = [None if grammar.done(s) else grammar.allowed(s) for s in states[:rows + 1]]
+        return drafts, states[:len(drafts) + 1], allowed, rows
+
+    def _can_fuse(self, run, plan, n_prefill, rows, remaining):
+        """Tell whether a fused pass can run and ``remaining`` tokens still follow in time.
+
+        The watchdog, as ``_can_finish``: the prefill with ``rows`` drafts beside it, none
+        of them kept at worst, then a decode step for each of the ``remaining`` tokens to
+        choose but the last.
+        """
+        admission = self.admission
+        scale = (admission.probe_scale(plan.n_prefill, plan.length, 0, plan.kept,
+                                       run.ms_since_admit(), plan.restored, plan.pass_tokens,
+                                       plan.fused_tokens)
+                 if run.record.probe else None)
+        length = self.session.length
+        need = (admission.fused_ms(n_prefill, rows, length, scale)
+                + (remaining - 1) * admission.step_ms(length + n_prefill, scale))
+        return run.now() + (need + admission.margin_ms) / 1e3 <= run.deadline
 
     def _decode_action(self, run, plan, segment, mark):
         """Greedy decode under the grammar, several tokens a pass where drafts are right.
@@ -507,8 +577,11 @@ class TickEngine:
         the deadline pass.
         """
         grammar, record = self.grammar, run.record
-        state, chosen = grammar.start(), []
-        token = self._choose(state)
+        if run.fused is not None:
+            token, state, chosen = self._keep_fused(run, segment)
+        else:
+            state, chosen = grammar.start(), []
+            token = self._choose(state)
         while True:
             state = grammar.advance(state, token)
             chosen.append(token)
@@ -527,7 +600,8 @@ class TickEngine:
                 self.admission.observe(plan.n_prefill, plan.length, record.n_decode,
                                        plan.kept, run.ms_since_admit(), record.probe,
                                        in_time=False, restored=plan.restored,
-                                       pass_tokens=plan.pass_tokens)
+                                       pass_tokens=plan.pass_tokens,
+                                       fused_tokens=plan.fused_tokens)
                 return run.refuse('overrun_abort', plan.predicted,
                                   f'{remaining} decode steps left would pass the deadline')
             record.n_decode += 1
@@ -540,22 +614,48 @@ class TickEngine:
             if token is None:   # the drafts finished the action
                 return state, chosen
 
+    def _keep_fused(self, run, segment):
+        """Keep what the fused pass's drafts got right; returns (token, state, chosen).
+
+        Drafts are kept up to the first one greedy decoding would not have chosen (the
+        prefill's greedy token checks the first, each draft's row the next). ``token``: the
+        greedy token after the kept drafts, chosen but not yet run (the loop of
+        ``_decode_action`` goes on from it); the kept drafts' rows stay, the rest is rolled
+        back.
+        """
+        drafts, states, predicted = run.fused
+        record, rows = run.record, len(predicted) - 1
+        checked = min(len(drafts), rows + 1)
+        kept = 0
+        while kept < checked and int(predicted[kept]) == drafts[kept]:
+            kept += 1
+        base = min(kept, rows)   # a right draft without a row is the token to run next
+        record.drafted += checked
+        record.accepted += kept
+        record.verify_passes += 1
+        if not kept:   # the action began otherwise than the last: draft after the prefill
+            self.fuse_from = run.index + 1 + FUSE_BACKOFF
+        self.session.keep_verified(segment, drafts, base)
+        record.n_fed += base
+        return int(predicted[base]), states[base], list(drafts[:base])
+
     def _choose(self, state):
         """Return the greedy token the grammar allows at ``state`` (the only one if forced)."""
         allowed = self.grammar.allowed(state)
         return int(allowed[0]) if len(allowed) == 1 else self.backend.argmax(allowed)
 
-    def _drafts(self, state, chosen):
+    def _drafts(self, state, chosen, limit=None):
         """Return tokens likely to follow ``chosen``, each allowed by the grammar.
 
-        At most ``speculative_tokens``, none past the action's end, only where the cache has
-        room for them without eviction. Sources, in order: the last action from this point
-        on (actions at a control rate change slowly); else what followed the most recent
-        earlier occurrence of the last two tokens in the cache (prompt lookup); then tokens
-        the grammar forces.
+        At most ``limit`` (by default ``speculative_tokens``, and only as many as the cache
+        has room for without eviction), none past the action's end. Sources, in order: the
+        last action from this point on (actions at a control rate change slowly); else what
+        followed the most recent earlier occurrence of the last two tokens in the cache
+        (prompt lookup); then tokens the grammar forces.
         """
-        limit = min(self.speculative_tokens,
-                    self.backend.capacity - self.session.length - 1)   # no eviction mid-pass
+        if limit is None:
+            limit = min(self.speculative_tokens,
+                        self.backend.capacity - self.session.length - 1)   # no eviction mid-pass
         if limit <= 0:
             return []
         n = len(chosen)
@@ -631,7 +731,7 @@ class TickEngine:
         admission = self.admission
         scale = (admission.probe_scale(plan.n_prefill, plan.length, run.record.n_decode,
                                        plan.kept, run.ms_since_admit(), plan.restored,
-                                       plan.pass_tokens)
+                                       plan.pass_tokens, plan.fused_tokens)
                  if run.record.probe else None)
         length = self.session.length
         step = admission.step_ms(length, scale)
@@ -652,7 +752,8 @@ class TickEngine:
         in_time = run.now() <= run.deadline
         self.admission.observe(plan.n_prefill, plan.length, record.n_decode, plan.kept,
                                run.ms_since_admit(), record.probe, in_time=in_time,
-                               restored=plan.restored, pass_tokens=plan.pass_tokens)
+                               restored=plan.restored, pass_tokens=plan.pass_tokens,
+                               fused_tokens=plan.fused_tokens)
         if not in_time:
             record.late = True
             self.session.rollback(mark)
@@ -694,6 +795,7 @@ class _Plan:
     restored: int = 0              # instruction tokens restored by copy, not prefilled
     passes: int = 0                # forward passes after the prefill the prediction prices
     pass_tokens: int = 0           # each priced as a verify pass of this many (0: a step)
+    fused_tokens: int = 0          # drafts verified beside the prefill (0: none)
 
 
 class _Run:
@@ -707,6 +809,7 @@ class _Run:
         self.record = TickRecord(self.index, stamp, deadline, capacity=engine.backend.capacity)
         self.stamp, self.deadline = stamp, deadline
         self.instruction = None   # a new instruction to place first: (its part, stored state)
+        self.fused = None         # a fused pass's (drafts, grammar states, greedy tokens)
         self.now = engine.clock.now
         self.t0 = self.last = self.admitted = self.now()
 
@@ -777,6 +880,12 @@ class ModelTimedBackend:
         start = self._backend.length
         predicted = self._backend.verify(token_ids, allowed)
         self._charge(self._admission.model.verify_ms(len(token_ids), start))
+        return predicted
+
+    def prefill_verify(self, prefill_ids, drafts, allowed):
+        start = self._backend.length
+        predicted = self._backend.prefill_verify(prefill_ids, drafts, allowed)
+        self._charge(self._admission.model.fused_ms(len(prefill_ids), len(predicted) - 1, start))
         return predicted
 
     def import_kv(self, tensors, start=0):

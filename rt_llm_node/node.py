@@ -441,6 +441,7 @@ class RtLlmNode(LifecycleNode):
                 self._stats['drafted'] += rec.drafted
                 self._stats['drafts_kept'] += rec.accepted
                 self._stats['verify_passes'] += rec.verify_passes
+                self._stats['fused_passes'] += int(rec.fused)
                 if rec.instruction:   # a new instruction placed: prefilled or restored
                     self._stats['instructions_' + rec.instruction] += 1
                 self._admission_scale = engine.admission.scale
@@ -551,12 +552,13 @@ class RtLlmNode(LifecycleNode):
                  'admission_scale': f'{scale:.3f}',
                  'admission_probes': stats.get('probes', 0),
                  # speculative decoding: forward passes an action (its prefill included),
-                 # tokens drafted and kept, verify passes
+                 # tokens drafted and kept, verify passes (those beside a prefill too)
                  'forward_passes_per_action':
                      f"{stats.get('forward_passes', 0) / max(1, stats.get('actions', 0)):.2f}",
                  'drafted_tokens': stats.get('drafted', 0),
                  'drafted_tokens_kept': stats.get('drafts_kept', 0),
                  'verify_passes': stats.get('verify_passes', 0),
+                 'fused_passes': stats.get('fused_passes', 0),
                  # instruction cache: new instructions placed by a prefill or a copy
                  'instructions_prefilled': stats.get('instructions_prefilled', 0),
                  'instructions_restored': stats.get('instructions_restored', 0)}

@@ -311,13 +311,14 @@ def summarize(records, bag_seconds, wall_s, clock_mode):
         'late': sum(r.late for r in records),
         'probes': sum(r.probe for r in records),
         # speculative decoding: forward passes an action (prefill, decode steps and verify
-        # passes), drafted tokens and those kept, verify passes
+        # passes), drafted tokens and those kept, verify passes (those beside a prefill too)
         'forward_passes_per_action': round(
             sum(1 + r.n_decode for r in records if r.decision == 'action')
             / max(1, sum(r.decision == 'action' for r in records)), 3),
         'drafted': sum(r.drafted for r in records),
         'drafted_kept': sum(r.accepted for r in records),
         'verify_passes': sum(r.verify_passes for r in records),
+        'fused_passes': sum(r.fused for r in records),
         # new instructions placed after the system prompt: by a prefill, or restored by copy
         'instructions_prefilled': sum(r.instruction == 'prefilled' for r in records),
         'instructions_restored': sum(r.instruction == 'restored' for r in records),

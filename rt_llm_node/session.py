@@ -25,6 +25,7 @@ class KVSession:
         self.backend = backend
         self.cache = KVCache(backend.capacity, policy, decay)
         self.pending = None            # (segment, [token ids]) or None
+        self._first_row = 0            # the backend's row of the last verify's first token
 
     @property
     def length(self):
@@ -56,11 +57,8 @@ class KVSession:
         """Evict (and compact) so that ``n_needed`` more tokens fit; returns tokens evicted."""
         return self.apply_plan(self.plan_room(n_needed, [(kind, topic)], protect))
 
-    def append_segments(self, parts):
-        """Prefill pending tokens and ``parts`` [(ids, kind, topic, stamp)] in one backend call.
-
-        Room must have been made. Returns the new segments.
-        """
+    def _open(self, parts):
+        """Return the chunks to prefill (pending tokens, then ``parts``) and their segments."""
         chunks, owners = [], []
         if self.pending:
             chunks.append(np.asarray(self.pending[1], dtype=np.int64))
@@ -69,6 +67,14 @@ class KVSession:
         for ids, kind, topic, stamp in parts:
             chunks.append(np.asarray(ids, dtype=np.int64))
             owners.append(self.cache.open_segment(kind, topic, stamp))
+        return chunks, owners
+
+    def append_segments(self, parts):
+        """Prefill pending tokens and ``parts`` [(ids, kind, topic, stamp)] in one backend call.
+
+        Room must have been made. Returns the new segments.
+        """
+        chunks, owners = self._open(parts)
         ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
         if len(ids) == 0:
             return owners[len(owners) - len(parts):]
@@ -77,6 +83,25 @@ class KVSession:
             self.cache.extend(segment, chunk)
         self.cache.add_attention(self.backend.attention_mass())
         return owners[len(owners) - len(parts):]
+
+    def append_and_verify(self, parts, drafts, allowed):
+        """``append_segments(parts)`` with ``drafts`` verified after them in the same call.
+
+        The backend's ``prefill_verify``: returns (the new segments, the greedy token after the
+        prefill and after each draft verified). The prefill enters the books as
+        ``append_segments`` would leave it; the drafts stay in the backend until
+        ``keep_verified`` says how many to keep. Room must have been made for all of them, and
+        there must be tokens to prefill.
+        """
+        chunks, owners = self._open(parts)
+        ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
+        predicted = self.backend.prefill_verify(ids, np.asarray(drafts, dtype=np.int64),
+                                                allowed)
+        for segment, chunk in zip(owners, chunks):
+            self.cache.extend(segment, chunk)
+        self.cache.add_attention(self.backend.row_mass(0))   # the prefill's
+        self._first_row = 1
+        return owners[len(owners) - len(parts):], predicted
 
     def append(self, token_ids, kind=OTHER, topic='', stamp=0.0, reserve=0):
         """Prefill ``token_ids`` as a new segment, first making room for them plus ``reserve``."""
@@ -114,19 +139,21 @@ class KVSession:
         The backend holds them until ``keep_verified`` says how many to keep; the caller
         makes sure they fit without eviction.
         """
+        self._first_row = 0
         return self.backend.verify(np.asarray(token_ids, dtype=np.int64), allowed)
 
     def keep_verified(self, segment, token_ids, n):
         """Keep the first ``n`` tokens of the last verify in ``segment``, forget the rest.
 
         The bookkeeping (slots, attention scores) is what ``n`` decode calls would leave:
-        each kept row's attention mass is added in turn.
+        each kept row's attention mass is added in turn (after ``append_and_verify`` the
+        drafts' rows follow the prefill's).
         """
         start = self.cache.length
         self.backend.rollback(start + n)
         for r in range(n):
             self.cache.extend(segment, np.asarray(token_ids[r:r + 1], dtype=np.int64))
-            self.cache.add_attention(self.backend.row_mass(r))
+            self.cache.add_attention(self.backend.row_mass(self._first_row + r))
 
     def defer(self, segment, token_ids):
         """Keep ``token_ids`` of ``segment`` pending until the next append."""

@@ -122,6 +122,42 @@ def test_verify_equals_decode_steps_bit_for_bit(tmp_path, demo, kv_dtype):
         verified.verify(feed[:2], allowed[:1])   # an allowed set a row
 
 
+def test_prefill_verify_equals_prefill_then_decode_steps(tmp_path, demo):
+    """The fused call: the prefill's greedy token and rows, then each draft's, as if stepped."""
+    checkpoint = random_model(tmp_path, demo, 2)
+    vocab = checkpoint.config.vocab_size
+    rng = np.random.default_rng(3)
+    fused, stepped = NumpyBackend(checkpoint, 96), NumpyBackend(checkpoint, 96)
+    for backend in (fused, stepped):
+        backend.prefill(np.full(10, 5))
+    ids, drafts = rng.integers(0, vocab, 20), rng.integers(0, vocab, 5)
+    allowed = [np.sort(rng.choice(vocab, 6, replace=False)) for _ in range(5)] + [None]
+    predicted = fused.prefill_verify(ids, drafts, allowed)
+    stepped.prefill(ids)
+    masses, logits = [stepped.attention_mass()], [stepped.logits()]
+    assert predicted[0] == stepped.argmax(allowed[0])
+    for row, token in enumerate(drafts, 1):
+        stepped.decode(token)
+        assert predicted[row] == stepped.argmax(allowed[row])
+        masses.append(stepped.attention_mass())
+        logits.append(stepped.logits())
+    assert len(predicted) == 6 and fused.length == 35
+    for row in range(6):
+        assert np.array_equal(fused.row_mass(row), masses[row])
+    assert np.array_equal(fused.kv.k[:, :35], stepped.kv.k[:, :35])
+    fused.rollback(30)   # the prefill's end: what the prefill left
+    assert np.array_equal(fused.logits(), logits[0])
+    assert np.array_equal(fused.attention_mass(), masses[0])
+    fused.prefill_verify(ids[:1], drafts[:2], allowed[:3])   # a one-token prefill too
+    assert fused.length == 33
+    for bad, match in (((ids, [], [None]), 'at least one draft'),
+                       ((ids, drafts, [None]), 'allowed sets'),
+                       ((np.ones(70, np.int64), drafts, [None] * 6), 'do not fit')):
+        with pytest.raises(BackendError, match=match):
+            fused.prefill_verify(*bad)
+    assert fused.length == 33
+
+
 @pytest.mark.parametrize('seed', range(6))
 def test_random_models_and_grammars_act_the_same_with_drafts(tmp_path, demo, seed):
     checkpoint = random_model(tmp_path, demo, seed)
@@ -130,12 +166,14 @@ def test_random_models_and_grammars_act_the_same_with_drafts(tmp_path, demo, see
     for speculative in (0, 2, 4, 8):
         engine, clock = engine_for(checkpoint, grammar, speculative, capacity=192)
         world = DemoWorld(seed, messages=MessageFactory(ros=False))
-        actions, passes, accepted = [], 0, 0
+        actions, passes, accepted, fused = [], 0, 0, 0
         for result in run_ticks(engine, clock, world, 90):
             actions.append(None if result.action is None else result.action.token_ids)
             passes += result.record.n_decode
             accepted += result.record.accepted
+            fused += result.record.fused
             world.step(0.1, 0.0)
+        assert (fused > 0) == (speculative > 0), 'drafts verified beside the prefill'
         cache = engine.session.cache
         runs[speculative] = (actions, cache.token_ids[:cache.length].copy(),
                              cache.mass[:cache.length].copy(), cache.evicted_tokens, passes,
@@ -216,26 +254,65 @@ def test_drafts_are_capped_by_what_the_backend_verifies_in_a_pass(demo):
 def test_the_gpu_benchmarks_draft_loop_chooses_the_greedy_tokens(tmp_path, demo):
     """benchmarks/bench_cuda.py's tick with drafts gives plain greedy decoding's tokens.
 
-    Run here on the numpy backend (its verify has the same contract as the GPU's).
+    With them verified after the prefill and beside it. Run here on the numpy backend (its
+    verify has the same contract as the GPU's).
     """
     import sys
     sys.path.insert(0, str(ROOT / 'benchmarks'))
     from bench_cuda import action
+    from bench_cuda import fused_action
     checkpoint = random_model(tmp_path, demo, 4)
     vocab = checkpoint.config.vocab_size
     rng = np.random.default_rng(5)
     allowed = np.sort(rng.choice(vocab, 24, replace=False))
     prompts = [rng.integers(0, vocab, 20) for _ in range(6)]
-    plain, drafted = NumpyBackend(checkpoint, 96), NumpyBackend(checkpoint, 96)
-    last, kept = [], 0
-    for prompt in prompts + prompts[::-1]:
-        for backend in (plain, drafted):
+    plain, drafted, fused = (NumpyBackend(checkpoint, 96) for _ in range(3))
+    last, kept, kept_fused = [], 0, 0
+    for prompt in prompts + prompts[::-1] + [prompts[0]] * 2:
+        for backend in (plain, drafted, fused):
             backend.rollback(0)
+        for backend in (plain, drafted):
             backend.prefill(prompt)
         want = action(plain, allowed, 0, [])
         got = action(drafted, allowed, 5, last)
-        assert got[0] == want[0]
-        assert want[1] == 6 and got[1] <= 6
-        assert np.array_equal(drafted.kv.k[:, :26], plain.kv.k[:, :26])
-        last, kept = got[0], kept + got[3]
+        if last:   # the last action verified beside the prefill
+            beside = fused_action(fused, prompt, allowed, 5, last)
+        else:
+            fused.prefill(prompt)
+            beside = action(fused, allowed, 5, last)
+        assert got[0] == want[0] == beside[0]
+        assert want[1] == 6 and got[1] <= 6 and beside[1] <= 6
+        for backend in (drafted, fused):
+            assert np.array_equal(backend.kv.k[:, :26], plain.kv.k[:, :26])
+        last, kept, kept_fused = got[0], kept + got[3], kept_fused + beside[3]
+    assert kept_fused > 0   # the repeated prompt: its whole action drafted right
+    assert beside[1] == 0 and beside[3] == 6
     assert kept > 0
+
+
+def test_a_wrong_first_draft_backs_off_to_drafting_after_the_prefill(demo):
+    """A fused pass that keeps nothing: the next FUSE_BACKOFF ticks draft after the prefill."""
+    from rt_llm_node.demo.task import action_grammar
+    from rt_llm_node.engine import FUSE_BACKOFF
+    grammar = action_grammar(demo.tokenizer, model_aim(default_model_path()))
+    runs = {}
+    for speculative in (0, 4):
+        engine, clock = engine_for(demo, grammar, speculative, 256)
+        world = DemoWorld(HELD_OUT_SEED0, messages=MessageFactory(ros=False))
+        records, actions = [], []
+        for i, result in enumerate(run_ticks(engine, clock, world, 30)):
+            records.append(result.record)
+            actions.append(None if result.action is None else result.action.token_ids)
+            world.step(*(result.action.values[f] for f in ('linear.x', 'angular.z'))
+                       if result.action else (0.0, 0.0))
+            if i == 9 and speculative:   # the next tick's first draft: a token it will not choose
+                first = engine.last_action_ids[0]
+                engine.last_action_ids = [int(next(t for t in grammar.allowed(grammar.start())
+                                                   if t != first))]
+        runs[speculative] = records, actions
+    assert runs[4][1] == runs[0][1]   # the same actions all the same
+    records = runs[4][0]
+    assert records[10].fused   # its one draft wrong (the later passes of the tick draft anew)
+    assert not any(r.fused for r in records[11:11 + FUSE_BACKOFF])
+    assert any(r.verify_passes for r in records[11:11 + FUSE_BACKOFF])   # drafts after it
+    assert records[11 + FUSE_BACKOFF].fused

@@ -415,6 +415,8 @@ def test_speculative_decoding_replays_the_same_decisions_in_fewer_passes(bags, t
     assert spec == plain
     assert plain_summary['drafted'] == 0 and plain_summary['verify_passes'] == 0
     assert spec_summary['drafted_kept'] > 0 and spec_summary['verify_passes'] > 0
+    # the action's drafts verified beside the prefill (the numpy backend has the call)
+    assert plain_summary['fused_passes'] == 0 < spec_summary['fused_passes']
     assert spec_summary['forward_passes_per_action'] < plain_summary['forward_passes_per_action']
     # the bag's instructions, each placed after the system prompt (the demo profile's cache)
     assert plain_summary['instructions_prefilled'] >= 1

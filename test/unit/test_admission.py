@@ -40,6 +40,20 @@ def test_a_cost_model_reads_back_what_it_wrote_and_refuses_anything_else():
     bad_verify['verify'] = [1, 2]
     with pytest.raises(ValueError, match='not a cost model'):
         CostModel.from_json(json.dumps(bad_verify))
+    # drafts verified beside a prefill: the calibrated term on top of the prefill, or
+    # without one a verify pass after it; a tick with them prices its prefill so
+    fused = CostModel(model.prefill, model.decode, model.compact, with_verify.verify,
+                      (0.4, 0.05, 0.001))
+    assert CostModel.from_json(fused.to_json()) == fused
+    assert fused.fused_ms(10, 6, 100) == pytest.approx(16.0 + 0.4 + 0.3 + 0.6)
+    assert with_verify.fused_ms(10, 6, 100) == pytest.approx(
+        16.0 + with_verify.verify_ms(6, 110))
+    assert fused.tick_ms(10, 100, 2, pass_tokens=6, fused_tokens=6) == pytest.approx(
+        fused.fused_ms(10, 6, 100) + fused.decode_ms(110) + fused.decode_ms(111))
+    bad_fused = json.loads(fused.to_json())
+    bad_fused['fused'] = [1, math.nan, 0]
+    with pytest.raises(ValueError, match='not a cost model'):
+        CostModel.from_json(json.dumps(bad_fused))
     for bad in ('not json', '[]', json.dumps({'prefill': [1, 2, 3], 'decode': [1]}),
                 json.dumps({'prefill': [1, 2], 'decode': [1, 2], 'compact': [1, 2]}),
                 json.dumps({'prefill': [1, 2, 'x'], 'decode': [1, 2], 'compact': [1, 2]}),
@@ -145,6 +159,9 @@ def test_calibration_shrugs_off_a_host_stall(tmp_path):
     assert clean.decode_ms(100) == pytest.approx(0.5, abs=1e-6)
     assert clean.prefill_ms(48, 100) == pytest.approx(0.5, abs=1e-6)
     assert clean.verify_ms(5, 100) == pytest.approx(0.5, abs=1e-6)   # numpy verifies
+    # drafts beside the prefill: the fused pass less the prefill alone (here nothing)
+    assert clean.fused == pytest.approx((0.0, 0.0, 0.0), abs=1e-6)
+    assert clean.fused_ms(48, 5, 100) == pytest.approx(0.5, abs=1e-6)
     # a stall over the 8 samples of round one's second grid point and the ones after it
     stall = (8, 24)
     once = calibrate(backend, tiny.config.vocab_size, repeats=3, rounds=1,
