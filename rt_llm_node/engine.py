@@ -534,7 +534,7 @@ class TickEngine:
         grammar, length = self.grammar, self.session.length
         state = grammar.start()
         limit = min(self.speculative_tokens + 1, self.backend.capacity - length - n_prefill - 1)
-        drafts = self._drafts(state, [], limit) if limit > 0 else []
+        drafts = self._drafts(state, [], limit)
         states = [state]
         for t in drafts:
             states.append(grammar.advance(states[-1], t))
@@ -637,7 +637,7 @@ class TickEngine:
             self.fuse_from = run.index + 1 + FUSE_BACKOFF
         self.session.keep_verified(segment, drafts, base)
         record.n_fed += base
-        return int(predicted[base]), states[base], list(drafts[:base])
+        return int(predicted[base]), states[base], drafts[:base]
 
     def _choose(self, state):
         """Return the greedy token the grammar allows at ``state`` (the only one if forced)."""
