@@ -26,16 +26,18 @@ def main(argv=None):
     parser.add_argument('--write', action='store_true',
                         help='write the section into benchmarks/RESULTS.md')
     args = parser.parse_args(argv)
-    header = ['speculative tokens', 'ticks', 'actions', 'refusals', 'admitted but late',
-              'tick ms (median)', 'tick p99', 'passes an action', 'drafts kept', 'minutes']
+    header = ['speculative tokens', 'ticks', 'actions', 'refused by reason',
+              'admitted but late', 'tick ms (median)', 'tick p99', 'passes an action',
+              'drafts kept', 'longest gap between world scans s', 'minutes']
     rows = []
     for tokens in (int(v) for v in args.tokens.split(',')):
         r = run(int(args.seconds * 30), 30.0, 0, 0, {'speculative_tokens': tokens})
         kept = f"{r['drafts_kept']} of {r['drafted']}" if r['drafted'] else '-'
-        rows.append([tokens, r['ticks'], r['actions'], sum(r['refusals'].values()), r['late'],
+        refused = ', '.join(f'{k} {v}' for k, v in sorted(r['refusals'].items())) or '0'
+        rows.append([tokens, r['ticks'], r['actions'], refused, r['late'],
                      f"{r['p50']:.2f}", f"{r['p99']:.2f}",
                      f"{r['forward_passes'] / max(1, r['actions']):.3f}", kept,
-                     f"{r['seconds'] / 60:.1f}"])
+                     f"{r['scan_gap_max_s']:.2f}", f"{r['seconds'] / 60:.1f}"])
         print(f'speculative_tokens {tokens}: done', file=sys.stderr, flush=True)
     print_table(header, rows)
     if args.write:

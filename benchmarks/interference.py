@@ -83,14 +83,16 @@ def run(ticks, rate, hogs, flood_rate, overrides=None):
     from diagnostic_msgs.msg import DiagnosticArray
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.parameter import Parameter
+    from rclpy.qos import qos_profile_sensor_data
+    from sensor_msgs.msg import LaserScan
     from rt_llm_node.demo.run import demo_parameters
     from rt_llm_node.node import RtLlmNode
     context = multiprocessing.get_context('spawn')
     stop = context.Event()
-    helpers = [context.Process(target=world, args=(stop,))]
-    helpers += [context.Process(target=hog, args=(stop,)) for _ in range(hogs)]
+    helpers = [context.Process(target=world, args=(stop,), daemon=True)]
+    helpers += [context.Process(target=hog, args=(stop,), daemon=True) for _ in range(hogs)]
     if flood_rate:
-        helpers.append(context.Process(target=flood, args=(stop, flood_rate)))
+        helpers.append(context.Process(target=flood, args=(stop, flood_rate), daemon=True))
     for process in helpers:
         process.start()
     rclpy.init()
@@ -111,6 +113,12 @@ def run(ticks, rate, hogs, flood_rate, overrides=None):
     node = RtLlmNode(parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
     listener = rclpy.create_node('interference_recorder')
     listener.create_subscription(DiagnosticArray, '/rt_llm_node/refusal', on_refusal, 100)
+    # the world's scans as this process sees them: the run starts once they arrive, and a
+    # world that stalls mid-run shows as a gap (stale_input refusals are the world's, not
+    # the engine's)
+    scans = []
+    listener.create_subscription(LaserScan, '/scan', lambda _: scans.append(time.monotonic()),
+                                 qos_profile_sensor_data)
     executor = SingleThreadedExecutor()
     executor.add_node(node)
     executor.add_node(listener)
@@ -119,8 +127,13 @@ def run(ticks, rate, hogs, flood_rate, overrides=None):
     started = time.monotonic()
     try:
         node.trigger_configure()
-        time.sleep(2.0)   # DDS discovery of the world
+        deadline = time.monotonic() + 60.0
+        while len(scans) < 3 and time.monotonic() < deadline:   # DDS discovery of the world
+            time.sleep(0.1)
+        if len(scans) < 3:
+            raise RuntimeError('the demo world published no /scan within 60 s')
         node.trigger_activate()
+        activated = time.monotonic()
         while node.stats()[0].get('ticks', 0) < ticks:
             time.sleep(1.0)
         node.trigger_deactivate()
@@ -138,7 +151,11 @@ def run(ticks, rate, hogs, flood_rate, overrides=None):
             if process.is_alive():
                 process.kill()
     latencies.sort()
-    return {'ticks': stats.get('ticks', 0), 'actions': stats.get('actions', 0),
+    during = [t for t in scans if t >= activated]
+    gaps = [b - a for a, b in zip(during, during[1:])]
+    return {'scan_gap_max_s': max(gaps, default=0.0),
+            'scans': len(during),
+            'ticks': stats.get('ticks', 0), 'actions': stats.get('actions', 0),
             'refusals': dict(refusals), 'late': stats.get('late', 0),
             'skipped': stats.get('skipped_periods', 0),
             'refusals_received': received['refusals'],
