@@ -57,6 +57,25 @@ template <int FMT> struct qbatch {
   static constexpr int value = FMT == QFMT_I8 ? QBATCH_I8 : QBATCH_U4;
 };
 
+// The staged x in shared memory, float4 slot p (columns 4p..4p+3) at xs_slot(p): swizzled
+// within each 128-byte row (XOR of the slot's low three bits with the row's), since the
+// lanes of a quarter warp read the same offset of consecutive chunks, 64 bytes apart (i8) or
+// 128 (u4): unswizzled, the same four banks, a 4-way or 8-way conflict on every read of x.
+#ifndef QXS_SWIZZLE
+#define QXS_SWIZZLE 1
+#endif
+__device__ __forceinline__ int xs_slot(int p) {
+  return QXS_SWIZZLE ? p ^ ((p >> 3) & 7) : p;
+}
+
+// The one-token kernels convert u4 codes in place (q_floats<U4, true>) against x staged
+// times 16^-pos (pos of column % 8: 0, 1, 2, 3, 4, 2, 3, 4), exact (a power of two), so the
+// products are those of the plain conversion, bit for bit. One LOP3 and one subtraction a
+// code instead of a shift, a LOP3 and a subtraction.
+#ifndef QU4_POSITIONAL
+#define QU4_POSITIONAL 0
+#endif
+
 // The 16-byte chunk c of a row.
 __device__ __forceinline__ uint4 load_q(const unsigned char* row, int c) {
   return __ldg(reinterpret_cast<const uint4*>(row) + c);
@@ -66,8 +85,9 @@ __device__ __forceinline__ uint4 load_q(const unsigned char* row, int c) {
 // u4, its half h (words x, y or z, w). No int-to-float conversion (a quarter-rate
 // instruction, which set these kernels' pace): a code c in 0..255 placed in the low byte
 // of 0x4B000000 is the float 2^23 + c, and one subtraction leaves c. A signed byte has its
-// sign bit flipped first (c + 128), and 2^23 + 128 is subtracted.
-template <int FMT>
+// sign bit flipped first (c + 128), and 2^23 + 128 is subtracted. POSITIONAL (u4): each
+// code times 16^pos, for an x staged times 16^-pos (QU4_POSITIONAL).
+template <int FMT, bool POSITIONAL = false>
 __device__ __forceinline__ void q_floats(const uint4& r, int h, float* o) {
   if constexpr (FMT == QFMT_I8) {
     const unsigned u[4] = {r.x ^ 0x80808080u, r.y ^ 0x80808080u, r.z ^ 0x80808080u,
@@ -78,6 +98,19 @@ __device__ __forceinline__ void q_floats(const uint4& r, int h, float* o) {
       for (int j = 0; j < 4; ++j)   // bytes: code j, 0x00, 0x00, 0x4B
         o[4 * i + j] = __uint_as_float(__byte_perm(u[i], 0x4B000000u, j | 0x7440)) -
                        8388736.f;
+  } else if constexpr (POSITIONAL) {
+    // a nibble left where it is: 2^23 + c * 16^pos, pos = u4_pos(column), the mask and the
+    // exponent one LOP3; the staged x carries 16^-pos, so each product is c * x exactly
+    const unsigned u[2] = {h ? r.z : r.x, h ? r.w : r.y};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const unsigned lo = u[i], hi = u[i] >> 12;   // nibbles 5..7 to positions 2..4
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const unsigned m = j < 5 ? lo & (0xfu << (4 * j)) : hi & (0xfu << (4 * (j - 3)));
+        o[8 * i + j] = __uint_as_float(m | 0x4B000000u) - 8388608.f;
+      }
+    }
   } else {
     const unsigned u[2] = {h ? r.z : r.x, h ? r.w : r.y};
 #pragma unroll
@@ -93,11 +126,11 @@ __device__ __forceinline__ long long q_row_bytes(int K) {
   return FMT == QFMT_I8 ? (long long)K : (long long)(K / 2);
 }
 
-// (q . x) over 16 codes and the 16 values of x at xc (shared memory).
-__device__ __forceinline__ float dot16(const float* f, const float* xc, float d) {
+// (q . x) over 16 codes and the 16 values of x from float4 slot p0 on (shared memory).
+__device__ __forceinline__ float dot16(const float* f, const float4* xs4, int p0, float d) {
 #pragma unroll
   for (int j = 0; j < 16; j += 4) {
-    const float4 xv = *reinterpret_cast<const float4*>(xc + j);
+    const float4 xv = xs4[xs_slot(p0 + j / 4)];
     d = fmaf(f[j + 3], xv.w, fmaf(f[j + 2], xv.z, fmaf(f[j + 1], xv.y, fmaf(f[j], xv.x, d))));
   }
   return d;
@@ -113,7 +146,7 @@ __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __res
   extern __shared__ __align__(16) float q_smem[];
   __shared__ float scratch[WARP];
   __shared__ float2 part_sums[2][QMV_MAX_THREADS / WARP];
-  float* xs = q_smem;                // [K] x * norm_w (x without a norm)
+  float4* xs4 = reinterpret_cast<float4*>(q_smem);   // [K] x * norm_w (or x), xs_slot order
   float* xsum = q_smem + K;          // [K / 16] sum of each 16 values of it
   float* nws = xsum + K / QSUB;      // [K] the norm weights (with a norm)
   const int n = state[STATE_N], start = state[STATE_START];
@@ -176,12 +209,19 @@ __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __res
         const float4 w = *reinterpret_cast<const float4*>(nws + c * QSUB + 4 * j);
         v[j] = make_float4(v[j].x * w.x, v[j].y * w.y, v[j].z * w.z, v[j].w * w.w);
       }
-      *reinterpret_cast<float4*>(xs + c * QSUB + 4 * j) = v[j];
       s += v[j].x + v[j].y + v[j].z + v[j].w;
+      if constexpr (FMT == QFMT_U4 && QU4_POSITIONAL) {   // columns 0-3 or 4-7 of a word's eight
+        if (j % 2 == 0)
+          v[j] = make_float4(v[j].x, v[j].y * 0x1p-4f, v[j].z * 0x1p-8f, v[j].w * 0x1p-12f);
+        else
+          v[j] = make_float4(v[j].x * 0x1p-16f, v[j].y * 0x1p-8f, v[j].z * 0x1p-12f,
+                             v[j].w * 0x1p-16f);
+      }
+      xs4[xs_slot(c * (QSUB / 4) + j)] = v[j];
     }
     xsum[c] = s;
   }
-  // block_sum's barriers also publish xs and xsum
+  // block_sum's barriers also publish xs4 and xsum
   const float inv_rms = norm_w ? 1.f / sqrtf(block_sum(ss, scratch) / K + eps) : 1.f;
   if (!norm_w) __syncthreads();
   bool loaded = true;   // the first batch of unit u is in wa, wb
@@ -209,12 +249,12 @@ __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __res
         if (have) {   // 16 codes of one row converted at a time: 16 live floats
 #pragma unroll
           for (int h = 0; h < HALVES; ++h) {
-            const float* xc = xs + c * COLS + h * QSUB;
+            const int p0 = (c * COLS + h * QSUB) / 4;
             float f[QSUB];
-            q_floats<FMT>(wa[b], h, f);
-            d0 = dot16(f, xc, d0);
-            q_floats<FMT>(wb[b], h, f);
-            d1 = dot16(f, xc, d1);
+            q_floats<FMT, QU4_POSITIONAL>(wa[b], h, f);
+            d0 = dot16(f, xs4, p0, d0);
+            q_floats<FMT, QU4_POSITIONAL>(wb[b], h, f);
+            d1 = dot16(f, xs4, p0, d1);
           }
         }
         if (last && nu < units && cn < c_end) {   // the registers are free: refill them
