@@ -184,11 +184,26 @@ def from_gguf_blocks(type_name, blocks, shape):
                        type_name)
 
 
+def _as_half(values, *more):
+    """Return ``values`` (and ``more``) rounded to fp16 values, or unchanged.
+
+    Rounded where every one becomes a normal fp16 or zero (relative error at most 2^-11).
+    """
+    arrays = (values, *more)
+    rounded = tuple(a.astype(np.float16).astype(np.float32) for a in arrays)
+    ok = all(np.all(np.isfinite(r)) and np.all(np.abs(r - a) <= np.abs(a) * 2.0 ** -11)
+             for r, a in zip(rounded, arrays))
+    return rounded if ok else arrays
+
+
 def quantize(weight, fmt, group=32):
     """Round-to-nearest quantize a float32 matrix [rows, K] per group of ``group`` columns.
 
     ``i8``: symmetric, scale = max|w| / 127, no offset. ``u4``: asymmetric, scale =
-    (max - min) / 15, offset = min. K must be a multiple of ``group``.
+    (max - min) / 15, offset = min. Scales and offsets are rounded to fp16 values first, as
+    GGUF's Q8_0 and Q4_1 store them (the CUDA backend keeps such ones in 2 bytes, not 4),
+    unless that would leave the fp16 range; the codes are then rounded against them. K must
+    be a multiple of ``group``.
     """
     w = np.asarray(weight, np.float32)
     rows, k = w.shape
@@ -196,14 +211,15 @@ def quantize(weight, fmt, group=32):
         raise ValueError(f'{fmt} quantizing needs rows of a multiple of {group} values, not {k}')
     g = w.reshape(rows, k // group, group)
     if fmt == 'i8':
-        scale = np.abs(g).max(axis=-1) / np.float32(127)
+        scale, = _as_half(np.abs(g).max(axis=-1) / np.float32(127))
         inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
         q = np.clip(np.rint(g * inv[..., None]), -127, 127).astype(np.int8)
         return QuantTensor('i8', (rows, k), group, q.reshape(rows, k),
                            scale.astype(np.float32), None, 'int8')
     if fmt == 'u4':
         lo, hi = g.min(axis=-1), g.max(axis=-1)
-        scale = (hi - lo) / np.float32(15)
+        half_lo, = _as_half(lo)
+        scale, lo = _as_half((hi - half_lo) / np.float32(15), half_lo)
         inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
         q = np.clip(np.rint((g - lo[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
         return QuantTensor('u4', (rows, k), group, _pack_u4(q.reshape(rows, k)),

@@ -69,6 +69,21 @@ def test_round_to_nearest_is_within_half_a_step(fmt, rng):
     assert bytes_per_weight == (1.125 if fmt == 'i8' else 0.75)
 
 
+@pytest.mark.parametrize('fmt', ['i8', 'u4'])
+def test_round_to_nearest_keeps_fp16_scales_where_they_fit(fmt, rng):
+    """Scales and offsets are fp16 values (stored in 2 bytes on the GPU) unless out of range."""
+    def fp16_values(a):
+        return np.array_equal(a.astype(np.float16).astype(np.float32), a)
+    w = rng.standard_normal((8, 128)).astype(np.float32) * 0.1
+    q = quantize(w, fmt)
+    assert fp16_values(q.scales) and (q.offsets is None or fp16_values(q.offsets))
+    huge = quantize(w * 1e9, fmt)   # scales past fp16's 65504: kept in fp32
+    assert not fp16_values(huge.scales)
+    for t, src in ((q, w), (huge, w * 1e9)):
+        err = np.abs(t.to_float32() - src).reshape(8, 4, 32).max(axis=-1)
+        assert np.all(err <= 0.5 * t.scales * (1 + 1e-3))
+
+
 @pytest.fixture(scope='module')
 def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp('gguf')
