@@ -9,9 +9,12 @@ take on a Jetson Orin Nano Super (102 GB/s read, at the floor).
     PYTHONPATH=. python3 benchmarks/bench_quant.py [--write] [--shapes smollm2-135m,...]
 
 Runtime formats, and the GGUF types that convert into each exactly: bf16 (BF16); i8/32
-(Q8_0; weight_format int8); i8/32 with offsets (Q5_K); i8/16 (Q6_K); u4/32 with offsets
-(Q4_0, Q4_1, Q4_K; weight_format int4). The matrices are quantized from the same random
-bf16 weights, round to nearest (what converts from a GGUF runs the same kernels).
+with fp16 scales (Q8_0; weight_format int8); i8/32 with fp32 scales and offsets (Q5_K);
+i8/16 with fp32 scales (Q6_K); u4/32 with fp16 scales and offsets (Q4_0, Q4_1;
+weight_format int4); u4/32 with fp32 ones (Q4_K, whose scales are products of an fp16 and a
+6-bit integer). The matrices are quantized from the same random bf16 weights, round to
+nearest, their scales made fp32-only where the GGUF type's are (what converts from a GGUF
+runs the same kernels).
 """
 
 import argparse
@@ -34,12 +37,14 @@ from rt_llm_node.model.quant import QuantTensor
 from rt_llm_node.model.synthetic import write_random_checkpoint
 
 SHAPES = ('smollm2-135m', 'qwen2.5-0.5b', 'llama-3.2-1b')
+# name: (GGUF types, (runtime format, group, offsets, fp32 scales)); fp16 scales otherwise
 FORMATS = {
     'bf16': ('BF16', None),
-    'i8/32': ('Q8_0, int8', ('i8', 32, False)),
-    'i8/32+offset': ('Q5_K', ('i8', 32, True)),
-    'i8/16': ('Q6_K', ('i8', 16, False)),
-    'u4/32+offset': ('Q4_0, Q4_1, Q4_K, int4', ('u4', 32, True)),
+    'i8/32': ('Q8_0, int8', ('i8', 32, False, False)),
+    'i8/32+offset': ('Q5_K', ('i8', 32, True, True)),
+    'i8/16': ('Q6_K', ('i8', 16, False, True)),
+    'u4/32+offset': ('Q4_0, Q4_1, int4', ('u4', 32, True, False)),
+    'u4/32+offset/f32': ('Q4_K', ('u4', 32, True, True)),
 }
 KV_DTYPES = ('native', 'int8')
 JETSON_BANDWIDTH = 102e9   # Orin Nano Super, bytes a second
@@ -49,15 +54,19 @@ def to_format(checkpoint, spec):
     """Quantize every float matrix of ``checkpoint`` into the runtime format ``spec``."""
     if spec is None:
         return checkpoint
-    fmt, group, offsets = spec
+    fmt, group, offsets, wide = spec
     for name, tensor in list(checkpoint.tensors.items()):
         if len(tensor.shape) != 2:
             continue
-        q = quantize(tensor.to_float32(), fmt, group)
-        if offsets and q.offsets is None:   # the Q5_K layout: an offset beside every scale
-            q = QuantTensor(q.fmt, q.shape, q.group, q.codes, q.scales,
-                            np.zeros_like(q.scales), q.source)
-        checkpoint.tensors[name] = q
+        q = quantize(tensor.to_float32(), fmt, group)   # fp16 scales and offsets
+        scales, shifts = q.scales, q.offsets
+        if offsets and shifts is None:   # the Q5_K layout: an offset beside every scale
+            shifts = np.zeros_like(scales)
+        if wide:   # one fp32 ulp off: no longer fp16 values, so kept in fp32 as a K-quant's
+            scales = np.nextafter(scales, np.float32(np.inf))
+            shifts = None if shifts is None else np.nextafter(shifts, np.float32(np.inf))
+        checkpoint.tensors[name] = QuantTensor(q.fmt, q.shape, q.group, q.codes, scales,
+                                               shifts, q.source)
     return checkpoint
 
 
@@ -79,7 +88,7 @@ def main(argv=None):
     from rt_llm_node.backends.cuda_backend import CudaOptions
     bandwidth = read_bandwidth(bandwidth_kernels())
     print(f'read bandwidth: {bandwidth / 1e12:.2f} TB/s')
-    header = ['shape', 'format', 'GGUF types', 'KV cache', 'KV bytes a token',
+    header = ['shape', 'format', 'GGUF types', 'scales', 'KV cache', 'KV bytes a token',
               'MB read a token', 'floor us',
               'decode us @256 (p99)', 'of the floor', 'prefill 48 ms',
               'Orin Nano Super floor ms', 'fits 30 Hz x 6 tokens']
@@ -100,7 +109,8 @@ def main(argv=None):
                 floor_us = nbytes / bandwidth * 1e6
                 median, p99 = result[256][0], result[256][1]
                 jetson_ms = nbytes / JETSON_BANDWIDTH * 1e3
-                rows.append([shape, name, types, kv, backend.kv_bytes_per_token(),
+                scales = 'fp32' if spec and spec[3] else 'fp16' if spec else '-'
+                rows.append([shape, name, types, scales, kv, backend.kv_bytes_per_token(),
                              f'{nbytes / 1e6:.0f}', f'{floor_us:.0f}',
                              f'{median:.0f} ({p99:.0f})', f'{floor_us / median:.0%}',
                              f"{result['prefill']:.2f}", f'{jetson_ms:.1f}',
@@ -114,11 +124,12 @@ def main(argv=None):
     body = (f'{gpu_name()}, read bandwidth {bandwidth / 1e12:.2f} TB/s (measured in the same '
             'run). KV bytes a token: keys, values and their scales over every layer. '
             "Decode: GPU time of one decode step's graph replay "
-            'at 256 cached tokens, median (p99). MB read a token: every weight a decode step '
-            'reads (codes, scales and offsets; the embedding by one row). Of the floor: floor '
-            '/ measured. Orin Nano Super floor: those bytes at 102 GB/s, the least a token '
-            'can take there; fits 30 Hz x 6 tokens: six such steps within 33.3 ms (prefill '
-            'and host time not counted).\n\n' + markdown_table(header, rows))
+            'at 256 cached tokens, median (p99). Scales: how the scales and offsets are '
+            'stored (fp16 where the GGUF type has fp16 ones). MB read a token: every weight a '
+            'decode step reads (codes, scales and offsets; the embedding by one row). Of the '
+            'floor: floor / measured. Orin Nano Super floor: those bytes at 102 GB/s, the '
+            'least a token can take there; fits 30 Hz x 6 tokens: six such steps within '
+            '33.3 ms (prefill and host time not counted).\n\n' + markdown_table(header, rows))
     if args.write:
         write_section('quantized', 'Quantized weights (CUDA decode, H200)', body)
     return 0

@@ -19,13 +19,18 @@ typedef float wt;
 #define FULL_MASK 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)
 
+// fp16 bits as a float (exact), whatever the weight dtype.
+__device__ __forceinline__ float half_bits_to_float(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
 __device__ __forceinline__ float bits_to_float(unsigned short h) {
 #if defined(RT_WEIGHT_BF16)
   return __uint_as_float(((unsigned)h) << 16);
 #else
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
+  return half_bits_to_float(h);
 #endif
 }
 

@@ -1,7 +1,10 @@
 // qmatmul.cu: matmuls on grouped integer weights (rt_llm_node/model/quant.py): a weight is
-// q * scale + offset, with one fp32 scale and offset per group of 2^gshift columns (16 or
-// 32) of a row; offsets may be null (all zero). Formats: _i8, a signed byte a code; _u4, two
-// codes a byte (0..15, the even column in the low nibble).
+// q * scale + offset, with one scale and offset per group of 2^gshift columns (16 or 32) of
+// a row; offsets may be null (all zero). Formats: _i8, a signed byte a code; _u4, two codes
+// a byte (0..15, the even column in the low nibble). Scales and offsets are fp32, or fp16
+// (kernel names ending in h: _i8h, _u4h) where every one of a matrix is an fp16 exactly
+// (the loader checks; Q8_0, Q4_0 and Q4_1 store fp16 ones): 2 bytes a group, not 4, and the
+// same fp32 values once converted.
 //
 // qmatvec_<epilogue>_<fmt>: one token (decode, and the LM head's last token), the epilogues
 // of matvec.cuh. Geometry: block = up to QMV_MAX_THREADS threads; a unit (two output rows)
@@ -68,13 +71,27 @@ __device__ __forceinline__ int xs_slot(int p) {
   return QXS_SWIZZLE ? p ^ ((p >> 3) & 7) : p;
 }
 
-// The one-token kernels convert u4 codes in place (q_floats<U4, true>) against x staged
-// times 16^-pos (pos of column % 8: 0, 1, 2, 3, 4, 2, 3, 4), exact (a power of two), so the
-// products are those of the plain conversion, bit for bit. One LOP3 and one subtraction a
-// code instead of a shift, a LOP3 and a subtraction.
+// The one-token kernels convert u4 codes in place (q_floats<U4, P>), against x staged
+// times 16^-pos (pos of column % 8: 0, 1, 2, 3, 4, 2, 3, 4), exactly (powers of two), so the
+// sums are those of the plain conversion, bit for bit. QU4_POSITIONAL 0: plain (a shift, a
+// LOP3 and a subtraction a code); 1: the nibble masked under the exponent of 2^23 (one LOP3
+// and one subtraction); 2: the nibble masked alone, read as the denormal c * 16^pos * 2^-149
+// (one LOP3), x staged times 2^88 * 16^-pos (QU4_DN_SCALE) and each row's sums times
+// 2^61 afterwards (QU4_DN_BACK) (fp32 FMA takes denormals at full rate; the kernels are
+// compiled without flush-to-zero). The products c * x * 2^-61 stay normal for |x| >= 2^-65,
+// and terms below that are far under an ulp of any sum. 2 is the default: on the H100 the
+// Llama-3.2-1B shape's u4 step took 671 us against 747 (1) and 779 (0).
 #ifndef QU4_POSITIONAL
-#define QU4_POSITIONAL 0
+#define QU4_POSITIONAL 2
 #endif
+#define QU4_DN_SCALE 0x1p88f   // |x * norm_w| up to 2^40 stays finite
+#define QU4_DN_BACK 0x1p61f    // 2^(149 - 88): the products are c x 2^-61, far from underflow
+
+// A scale or offset as fp32: stored as fp32 (float) or as fp16 bits (unsigned short).
+__device__ __forceinline__ float load_sc(const float* p) { return __ldg(p); }
+__device__ __forceinline__ float load_sc(const unsigned short* p) {
+  return half_bits_to_float(__ldg(p));
+}
 
 // The 16-byte chunk c of a row.
 __device__ __forceinline__ uint4 load_q(const unsigned char* row, int c) {
@@ -85,9 +102,9 @@ __device__ __forceinline__ uint4 load_q(const unsigned char* row, int c) {
 // u4, its half h (words x, y or z, w). No int-to-float conversion (a quarter-rate
 // instruction, which set these kernels' pace): a code c in 0..255 placed in the low byte
 // of 0x4B000000 is the float 2^23 + c, and one subtraction leaves c. A signed byte has its
-// sign bit flipped first (c + 128), and 2^23 + 128 is subtracted. POSITIONAL (u4): each
-// code times 16^pos, for an x staged times 16^-pos (QU4_POSITIONAL).
-template <int FMT, bool POSITIONAL = false>
+// sign bit flipped first (c + 128), and 2^23 + 128 is subtracted. P > 0 (u4): each code
+// times 16^pos (P 1) or 16^pos * 2^-149 (P 2), for an x staged to match (QU4_POSITIONAL).
+template <int FMT, int P = 0>
 __device__ __forceinline__ void q_floats(const uint4& r, int h, float* o) {
   if constexpr (FMT == QFMT_I8) {
     const unsigned u[4] = {r.x ^ 0x80808080u, r.y ^ 0x80808080u, r.z ^ 0x80808080u,
@@ -98,9 +115,8 @@ __device__ __forceinline__ void q_floats(const uint4& r, int h, float* o) {
       for (int j = 0; j < 4; ++j)   // bytes: code j, 0x00, 0x00, 0x4B
         o[4 * i + j] = __uint_as_float(__byte_perm(u[i], 0x4B000000u, j | 0x7440)) -
                        8388736.f;
-  } else if constexpr (POSITIONAL) {
-    // a nibble left where it is: 2^23 + c * 16^pos, pos = u4_pos(column), the mask and the
-    // exponent one LOP3; the staged x carries 16^-pos, so each product is c * x exactly
+  } else if constexpr (P > 0) {
+    // a nibble left where it is (bits 4 pos .. 4 pos + 3, inside the mantissa)
     const unsigned u[2] = {h ? r.z : r.x, h ? r.w : r.y};
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -108,7 +124,8 @@ __device__ __forceinline__ void q_floats(const uint4& r, int h, float* o) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const unsigned m = j < 5 ? lo & (0xfu << (4 * j)) : hi & (0xfu << (4 * (j - 3)));
-        o[8 * i + j] = __uint_as_float(m | 0x4B000000u) - 8388608.f;
+        o[8 * i + j] = P == 2 ? __uint_as_float(m)
+                              : __uint_as_float(m | 0x4B000000u) - 8388608.f;
       }
     }
   } else {
@@ -136,9 +153,9 @@ __device__ __forceinline__ float dot16(const float* f, const float4* xs4, int p0
   return d;
 }
 
-template <int EPI, int FMT>
+template <int EPI, int FMT, typename ST>
 __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __restrict__ codes,
-                             const float* __restrict__ scales, const float* __restrict__ offsets,
+                             const ST* __restrict__ scales, const ST* __restrict__ offsets,
                              int gshift, int rows, int K, const float* __restrict__ x,
                              const wt* __restrict__ norm_w, float eps, float* __restrict__ out,
                              int units, int last_only, QkvArgs qa, int split) {
@@ -179,10 +196,10 @@ __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __res
     const int g = (c * COLS) >> gshift;
     wa[b] = load_q(codes + rr0 * row_bytes, c);
     wb[b] = load_q(codes + rr1 * row_bytes, c);
-    sa[b] = __ldg(scales + (long long)rr0 * groups + g);
-    sb[b] = __ldg(scales + (long long)rr1 * groups + g);
-    oa[b] = offsets ? __ldg(offsets + (long long)rr0 * groups + g) : 0.f;
-    ob[b] = offsets ? __ldg(offsets + (long long)rr1 * groups + g) : 0.f;
+    sa[b] = load_sc(scales + (long long)rr0 * groups + g);
+    sb[b] = load_sc(scales + (long long)rr1 * groups + g);
+    oa[b] = offsets ? load_sc(offsets + (long long)rr0 * groups + g) : 0.f;
+    ob[b] = offsets ? load_sc(offsets + (long long)rr1 * groups + g) : 0.f;
   };
   if (u < units) {
     unit_rows<EPI>(u, rows, qa, &r0, &r1, &kind);
@@ -211,11 +228,13 @@ __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __res
       }
       s += v[j].x + v[j].y + v[j].z + v[j].w;
       if constexpr (FMT == QFMT_U4 && QU4_POSITIONAL) {   // columns 0-3 or 4-7 of a word's eight
+        constexpr float e = QU4_POSITIONAL == 2 ? QU4_DN_SCALE : 1.f;
         if (j % 2 == 0)
-          v[j] = make_float4(v[j].x, v[j].y * 0x1p-4f, v[j].z * 0x1p-8f, v[j].w * 0x1p-12f);
+          v[j] = make_float4(v[j].x * e, v[j].y * (e * 0x1p-4f), v[j].z * (e * 0x1p-8f),
+                             v[j].w * (e * 0x1p-12f));
         else
-          v[j] = make_float4(v[j].x * 0x1p-16f, v[j].y * 0x1p-8f, v[j].z * 0x1p-12f,
-                             v[j].w * 0x1p-16f);
+          v[j] = make_float4(v[j].x * (e * 0x1p-16f), v[j].y * (e * 0x1p-8f),
+                             v[j].z * (e * 0x1p-12f), v[j].w * (e * 0x1p-16f));
       }
       xs4[xs_slot(c * (QSUB / 4) + j)] = v[j];
     }
@@ -262,6 +281,10 @@ __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __res
           loaded = true;
         }
         if (have) {
+          if constexpr (FMT == QFMT_U4 && QU4_POSITIONAL == 2) {   // exact: a power of two
+            s0 *= QU4_DN_BACK;
+            s1 *= QU4_DN_BACK;
+          }
           a0 = fmaf(s0, d0, a0);
           a1 = fmaf(s1, d1, a1);
           if (offsets) {
@@ -293,44 +316,53 @@ __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __res
 }
 
 #define QBOUNDS __launch_bounds__(QMV_MAX_THREADS, QMV_MIN_BLOCKS)
-#define QMATVEC_PLAIN(NAME, EPI, FMT)                                                        \
+#define QMATVEC_PLAIN(NAME, EPI, FMT, ST)                                                    \
   extern "C" __global__ void QBOUNDS                                                         \
-  NAME(int* state, const unsigned char* codes, const float* scales, const float* offsets,    \
+  NAME(int* state, const unsigned char* codes, const ST* scales, const ST* offsets,          \
        int gshift, int rows, int K, const float* x, const wt* norm_w, float eps, float* out,  \
        int units, int last_only, int split) {                                                \
     QkvArgs none = {};                                                                       \
-    qmatvec_body<EPI, FMT>(state, codes, scales, offsets, gshift, rows, K, x, norm_w, eps,   \
-                           out, units, last_only, none, split);                              \
+    qmatvec_body<EPI, FMT, ST>(state, codes, scales, offsets, gshift, rows, K, x, norm_w,    \
+                               eps, out, units, last_only, none, split);                     \
   }
 
-#define QMATVEC_QKV(NAME, FMT)                                                               \
+#define QMATVEC_QKV(NAME, FMT, ST)                                                           \
   extern "C" __global__ void QBOUNDS                                                         \
-  NAME(int* state, const unsigned char* codes, const float* scales, const float* offsets,    \
+  NAME(int* state, const unsigned char* codes, const ST* scales, const ST* offsets,          \
        int gshift, int rows, int K, const float* x, const wt* norm_w, float eps, int units,   \
        const wt* bias, float* q_out, float* k_cache, float* v_cache, const float* cos_t,      \
        const float* sin_t, int n_heads, int n_kv, int head_dim, int cap, int split) {        \
     QkvArgs qa = {bias, q_out, k_cache, v_cache, cos_t, sin_t, n_heads, n_kv, head_dim,      \
                   cap};                                                                      \
-    qmatvec_body<EPI_QKV_ROPE, FMT>(state, codes, scales, offsets, gshift, rows, K, x,       \
-                                    norm_w, eps, nullptr, units, 0, qa, split);              \
+    qmatvec_body<EPI_QKV_ROPE, FMT, ST>(state, codes, scales, offsets, gshift, rows, K, x,   \
+                                        norm_w, eps, nullptr, units, 0, qa, split);          \
   }
 
-QMATVEC_PLAIN(qmatvec_residual_i8, EPI_RESIDUAL, QFMT_I8)
-QMATVEC_PLAIN(qmatvec_residual_u4, EPI_RESIDUAL, QFMT_U4)
-QMATVEC_PLAIN(qmatvec_store_i8, EPI_STORE, QFMT_I8)
-QMATVEC_PLAIN(qmatvec_store_u4, EPI_STORE, QFMT_U4)
-QMATVEC_PLAIN(qmatvec_swiglu_i8, EPI_SWIGLU, QFMT_I8)
-QMATVEC_PLAIN(qmatvec_swiglu_u4, EPI_SWIGLU, QFMT_U4)
-QMATVEC_QKV(qmatvec_qkv_rope_i8, QFMT_I8)
-QMATVEC_QKV(qmatvec_qkv_rope_u4, QFMT_U4)
+// The one-token kernels: fp32 scales and offsets, then fp16 ones (names ending in h).
+QMATVEC_PLAIN(qmatvec_residual_i8, EPI_RESIDUAL, QFMT_I8, float)
+QMATVEC_PLAIN(qmatvec_store_i8, EPI_STORE, QFMT_I8, float)
+QMATVEC_PLAIN(qmatvec_swiglu_i8, EPI_SWIGLU, QFMT_I8, float)
+QMATVEC_QKV(qmatvec_qkv_rope_i8, QFMT_I8, float)
+QMATVEC_PLAIN(qmatvec_residual_u4, EPI_RESIDUAL, QFMT_U4, float)
+QMATVEC_PLAIN(qmatvec_store_u4, EPI_STORE, QFMT_U4, float)
+QMATVEC_PLAIN(qmatvec_swiglu_u4, EPI_SWIGLU, QFMT_U4, float)
+QMATVEC_QKV(qmatvec_qkv_rope_u4, QFMT_U4, float)
+QMATVEC_PLAIN(qmatvec_residual_i8h, EPI_RESIDUAL, QFMT_I8, unsigned short)
+QMATVEC_PLAIN(qmatvec_store_i8h, EPI_STORE, QFMT_I8, unsigned short)
+QMATVEC_PLAIN(qmatvec_swiglu_i8h, EPI_SWIGLU, QFMT_I8, unsigned short)
+QMATVEC_QKV(qmatvec_qkv_rope_i8h, QFMT_I8, unsigned short)
+QMATVEC_PLAIN(qmatvec_residual_u4h, EPI_RESIDUAL, QFMT_U4, unsigned short)
+QMATVEC_PLAIN(qmatvec_store_u4h, EPI_STORE, QFMT_U4, unsigned short)
+QMATVEC_PLAIN(qmatvec_swiglu_u4h, EPI_SWIGLU, QFMT_U4, unsigned short)
+QMATVEC_QKV(qmatvec_qkv_rope_u4h, QFMT_U4, unsigned short)
 
 // Chunk c of a row, dequantized into o[qcols<FMT>].
-template <int FMT>
-__device__ __forceinline__ void dequant_chunk(const unsigned char* row, const float* s,
-                                              const float* off, int gshift, int c, float* o) {
+template <int FMT, typename ST>
+__device__ __forceinline__ void dequant_chunk(const unsigned char* row, const ST* s,
+                                              const ST* off, int gshift, int c, float* o) {
   const uint4 r = load_q(row, c);
   const int g = (c * qcols<FMT>::value) >> gshift;
-  const float scale = s[g], offset = off ? off[g] : 0.f;
+  const float scale = load_sc(s + g), offset = off ? load_sc(off + g) : 0.f;
 #pragma unroll
   for (int h = 0; h < qcols<FMT>::value / QSUB; ++h) {
     q_floats<FMT>(r, h, o + h * QSUB);
@@ -339,10 +371,9 @@ __device__ __forceinline__ void dequant_chunk(const unsigned char* row, const fl
   }
 }
 
-template <int FMT>
+template <int FMT, typename ST>
 __device__ void qdequant_body(const unsigned char* __restrict__ codes,
-                              const float* __restrict__ scales,
-                              const float* __restrict__ offsets, int gshift, int rows, int K,
+                              const ST* __restrict__ scales, const ST* __restrict__ offsets, int gshift, int rows, int K,
                               float* __restrict__ out) {
   pdl_wait_then_release();   // the previous kernel may still read `out`
   constexpr int COLS = qcols<FMT>::value;
@@ -352,7 +383,7 @@ __device__ void qdequant_body(const unsigned char* __restrict__ codes,
        i += (long long)gridDim.x * blockDim.x) {
     const int r = (int)(i / n_chunks), c = (int)(i % n_chunks);
     float o[COLS];
-    dequant_chunk<FMT>(codes + r * q_row_bytes<FMT>(K), scales + (long long)r * groups,
+    dequant_chunk<FMT, ST>(codes + r * q_row_bytes<FMT>(K), scales + (long long)r * groups,
                        offsets ? offsets + (long long)r * groups : nullptr, gshift, c, o);
     float4* dst = reinterpret_cast<float4*>(out + (long long)r * K + c * COLS);
 #pragma unroll
@@ -361,10 +392,10 @@ __device__ void qdequant_body(const unsigned char* __restrict__ codes,
   }
 }
 
-template <int FMT>
+template <int FMT, typename ST>
 __device__ void qembed_body(const int* __restrict__ state, const int* __restrict__ ids,
                             const unsigned char* __restrict__ codes,
-                            const float* __restrict__ scales, const float* __restrict__ offsets,
+                            const ST* __restrict__ scales, const ST* __restrict__ offsets,
                             int gshift, int hidden, float* __restrict__ x, int from_state) {
   pdl_wait_then_release();
   const int t = blockIdx.x;
@@ -374,35 +405,33 @@ __device__ void qembed_body(const int* __restrict__ state, const int* __restrict
   const int groups = hidden >> gshift;
   for (int c = threadIdx.x; c < hidden / COLS; c += blockDim.x) {
     float o[COLS];
-    dequant_chunk<FMT>(codes + id * q_row_bytes<FMT>(hidden), scales + (long long)id * groups,
+    dequant_chunk<FMT, ST>(codes + id * q_row_bytes<FMT>(hidden), scales + (long long)id * groups,
                        offsets ? offsets + (long long)id * groups : nullptr, gshift, c, o);
 #pragma unroll
     for (int j = 0; j < COLS; ++j) x[(long long)t * hidden + c * COLS + j] = o[j];
   }
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-qdequant_i8(const unsigned char* codes, const float* scales, const float* offsets, int gshift,
-            int rows, int K, float* out) {
-  qdequant_body<QFMT_I8>(codes, scales, offsets, gshift, rows, K, out);
-}
+#define QDQ_BOUNDS __launch_bounds__(256)
+#define QDEQUANT_KERNEL(NAME, FMT, ST)                                                       \
+  extern "C" __global__ void QDQ_BOUNDS                                                      \
+  NAME(const unsigned char* codes, const ST* scales, const ST* offsets, int gshift, int rows, \
+       int K, float* out) {                                                                  \
+    qdequant_body<FMT, ST>(codes, scales, offsets, gshift, rows, K, out);                    \
+  }
 
-extern "C" __global__ void __launch_bounds__(256)
-qdequant_u4(const unsigned char* codes, const float* scales, const float* offsets, int gshift,
-            int rows, int K, float* out) {
-  qdequant_body<QFMT_U4>(codes, scales, offsets, gshift, rows, K, out);
-}
+#define QEMBED_KERNEL(NAME, FMT, ST)                                                         \
+  extern "C" __global__ void QDQ_BOUNDS                                                      \
+  NAME(const int* state, const int* ids, const unsigned char* codes, const ST* scales,       \
+       const ST* offsets, int gshift, int hidden, float* x, int from_state) {                \
+    qembed_body<FMT, ST>(state, ids, codes, scales, offsets, gshift, hidden, x, from_state); \
+  }
 
-extern "C" __global__ void __launch_bounds__(256)
-qembed_gather_i8(const int* state, const int* ids, const unsigned char* codes,
-                 const float* scales, const float* offsets, int gshift, int hidden, float* x,
-                 int from_state) {
-  qembed_body<QFMT_I8>(state, ids, codes, scales, offsets, gshift, hidden, x, from_state);
-}
-
-extern "C" __global__ void __launch_bounds__(256)
-qembed_gather_u4(const int* state, const int* ids, const unsigned char* codes,
-                 const float* scales, const float* offsets, int gshift, int hidden, float* x,
-                 int from_state) {
-  qembed_body<QFMT_U4>(state, ids, codes, scales, offsets, gshift, hidden, x, from_state);
-}
+QDEQUANT_KERNEL(qdequant_i8, QFMT_I8, float)
+QDEQUANT_KERNEL(qdequant_u4, QFMT_U4, float)
+QDEQUANT_KERNEL(qdequant_i8h, QFMT_I8, unsigned short)
+QDEQUANT_KERNEL(qdequant_u4h, QFMT_U4, unsigned short)
+QEMBED_KERNEL(qembed_gather_i8, QFMT_I8, float)
+QEMBED_KERNEL(qembed_gather_u4, QFMT_U4, float)
+QEMBED_KERNEL(qembed_gather_i8h, QFMT_I8, unsigned short)
+QEMBED_KERNEL(qembed_gather_u4h, QFMT_U4, unsigned short)

@@ -74,7 +74,7 @@ def main():
                 backend = CudaBackend(checkpoint, 1088, CudaOptions('kernels'))
                 backend.prefill(ids)
                 times = time_decode_replay(backend, args.context, args.repeats) * 1e3
-                name = 'qmatvec_swiglu_' + FORMATS[fmt][1][0]
+                name = 'qmatvec_swiglu_' + backend.layers[0].wgate_up.suffix
                 regs = driver.funcGetAttribute(4, backend.kernels.functions[name].ptr)
                 resident = {k[1]: v for k, v in backend._resident.items()
                             if k[0] == name}

@@ -249,17 +249,33 @@ def _i32(value):
     return np.int32(value)
 
 
+def fits_half(values):
+    """Whether every value of an fp32 array is an fp16 exactly (so fp16 storage loses nothing)."""
+    return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
+
+
 class DeviceQuant:
-    """A matrix in a runtime integer format (model/quant.py) on the device."""
+    """A matrix in a runtime integer format (model/quant.py) on the device.
+
+    Scales and offsets go to the device as fp16 where every one of them is an fp16 exactly
+    (GGUF Q8_0, Q4_0 and Q4_1, and the on-load int8 and int4 formats, store such scales),
+    else as fp32: the kernels read the same fp32 values either way, and fp16 ones take half
+    the bytes (a sixth of a u4 matrix's).
+    """
 
     def __init__(self, cp, tensor):
-        self.fmt = tensor.fmt                  # 'i8' or 'u4': the kernels' name suffix
+        self.fmt = tensor.fmt                  # 'i8' or 'u4'
         self.rows, self.k = tensor.shape
         self.gshift = np.int32(int(tensor.group).bit_length() - 1)
+        scales, offsets = tensor.scales, tensor.offsets
+        half = fits_half(scales) and (offsets is None or fits_half(offsets))
+        store = np.float16 if half else np.float32
+        self.suffix = self.fmt + ('h' if half else '')   # the kernels' name suffix
         self.codes = cp.asarray(tensor.codes.view(np.uint8))
-        self.scales = cp.asarray(tensor.scales)
-        self.offsets = None if tensor.offsets is None else cp.asarray(tensor.offsets)
-        self.nbytes = tensor.nbytes
+        self.scales = cp.asarray(scales.astype(store))
+        self.offsets = None if offsets is None else cp.asarray(offsets.astype(store))
+        self.nbytes = int(self.codes.nbytes + self.scales.nbytes
+                          + (0 if self.offsets is None else self.offsets.nbytes))
         self.chunk_cols = 16 if self.fmt == 'i8' else 32   # columns of a 16-byte load
         if tensor.group < self.chunk_cols:
             raise BackendError(f'the {self.fmt} kernels need groups of at least '
@@ -846,7 +862,7 @@ class CudaBackend:
             """
             epilogue = kind[len('matmul_'):]
             if one or last_only:
-                name = f'qmatvec_{epilogue}_{w.fmt}'
+                name = f'qmatvec_{epilogue}_{w.suffix}'
                 has_norm = tail[1] is not NULL
                 shared = 4 * (w.k + w.k // 16 + (w.k if has_norm else 0))
                 blocks, split, threads = qmatvec_geometry(
@@ -860,7 +876,7 @@ class CudaBackend:
                        shared=shared)
                 return
             chunks = w.rows * w.k // w.chunk_cols
-            launch(f'qdequant_{w.fmt}', (min(-(-chunks // 256), 8 * self.n_sm),), (256,),
+            launch(f'qdequant_{w.suffix}', (min(-(-chunks // 256), 8 * self.n_sm),), (256,),
                    *w.args(), _i32(w.rows), _i32(w.k), self.dequantized)
             grid, split = mm(units, w.k, kind)
             if epilogue == 'qkv_rope':
@@ -896,7 +912,7 @@ class CudaBackend:
                               self.stream)
             return
         if isinstance(self.embed, DeviceQuant):   # decode: the token from state, else ids
-            self._launch(f'qembed_gather_{self.embed.fmt}', (n_max,), (256,), lane.state,
+            self._launch(f'qembed_gather_{self.embed.suffix}', (n_max,), (256,), lane.state,
                          lane.ids, *self.embed.args(), _i32(hid), lane.x,
                          _i32(1 if decode else 0))
         else:

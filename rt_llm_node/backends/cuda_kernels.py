@@ -55,7 +55,7 @@ KERNELS = {
     'argmax.cu': ('argmax_masked', 'argmax_rows'),
     'compact.cu': ('compact_gather', 'compact_store', 'kv_quantize'),
     'decode_persistent.cu': ('decode_persistent',),
-    'qmatmul.cu': tuple(f'{kind}_{fmt}' for fmt in ('i8', 'u4') for kind in (
+    'qmatmul.cu': tuple(f'{kind}_{fmt}' for fmt in ('i8', 'u4', 'i8h', 'u4h') for kind in (
         'qmatvec_residual', 'qmatvec_store', 'qmatvec_swiglu', 'qmatvec_qkv_rope', 'qdequant',
         'qembed_gather')),
 }

@@ -49,7 +49,8 @@ def test_the_kernel_table_lists_every_file_and_wrapper():
         text = (folder / name).read_text()
         defined = set(re.findall(r'extern "C" __global__ void(?: \w+(?:\([^)]*\))?)?\s+'
                                  r'(\w+)\(', text))
-        defined |= set(re.findall(r'^(?:MATMUL|QMATVEC)_\w+\((\w+),', text, re.M))
+        defined |= set(re.findall(r'^(?:MATMUL|QMATVEC|QDEQUANT|QEMBED)_\w+\((\w+),', text,
+                                  re.M))
         assert defined == set(kernels), name
 
 
