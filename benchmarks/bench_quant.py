@@ -131,7 +131,7 @@ def main(argv=None):
             'least a token can take there; fits 30 Hz x 6 tokens: six such steps within '
             '33.3 ms (prefill and host time not counted).\n\n' + markdown_table(header, rows))
     if args.write:
-        write_section('quantized', 'Quantized weights (CUDA decode, H200)', body)
+        write_section('quantized', f'Quantized weights (CUDA decode, {gpu_name()})', body)
     return 0
 
 
