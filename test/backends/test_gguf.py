@@ -18,7 +18,8 @@ torch = pytest.importorskip('torch', reason='torch (CPU) runs the transformers r
 transformers = pytest.importorskip('transformers', reason='transformers is the reference')
 pytest.importorskip('accelerate', reason='transformers loads GGUF files only with accelerate')
 
-from rt_llm_node.backends.numpy_backend import NumpyBackend  # noqa: E402,I100
+from rt_llm_node.backends.cuda_backend import fits_half  # noqa: E402,I100
+from rt_llm_node.backends.numpy_backend import NumpyBackend  # noqa: E402
 from rt_llm_node.model import load_checkpoint  # noqa: E402
 from rt_llm_node.model.quant import from_gguf_blocks  # noqa: E402
 from rt_llm_node.model.quant import GGUF_QUANT  # noqa: E402
@@ -55,6 +56,12 @@ def test_blocks_convert_to_the_runtime_format_bit_for_bit(kind, rng):
     # equal as numbers (Q4_0's (q - 8) d is -0.0 where q d - 8 d is +0.0: the same weight)
     assert np.array_equal(got, expected.astype(np.float32))
     assert converted.fmt == ('u4' if kind.startswith('Q4') else 'i8')
+    # the types with fp16 scales (and Q4_1's fp16 minimums) convert to fp16 values, which
+    # the CUDA backend stores in 2 bytes; the K-quants' products of an fp16 and an integer
+    # generally do not
+    fp16 = fits_half(converted.scales) and (converted.offsets is None
+                                            or fits_half(converted.offsets))
+    assert fp16 == (kind in ('Q8_0', 'Q4_0', 'Q4_1')), kind
 
 
 @pytest.mark.parametrize('fmt', ['i8', 'u4'])
@@ -72,13 +79,11 @@ def test_round_to_nearest_is_within_half_a_step(fmt, rng):
 @pytest.mark.parametrize('fmt', ['i8', 'u4'])
 def test_round_to_nearest_keeps_fp16_scales_where_they_fit(fmt, rng):
     """Scales and offsets are fp16 values (stored in 2 bytes on the GPU) unless out of range."""
-    def fp16_values(a):
-        return np.array_equal(a.astype(np.float16).astype(np.float32), a)
     w = rng.standard_normal((8, 128)).astype(np.float32) * 0.1
     q = quantize(w, fmt)
-    assert fp16_values(q.scales) and (q.offsets is None or fp16_values(q.offsets))
+    assert fits_half(q.scales) and (q.offsets is None or fits_half(q.offsets))
     huge = quantize(w * 1e9, fmt)   # scales past fp16's 65504: kept in fp32
-    assert not fp16_values(huge.scales)
+    assert not fits_half(huge.scales)
     for t, src in ((q, w), (huge, w * 1e9)):
         err = np.abs(t.to_float32() - src).reshape(8, 4, 32).max(axis=-1)
         assert np.all(err <= 0.5 * t.scales * (1 + 1e-3))
