@@ -2,14 +2,20 @@
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory is unsupported or broken.
+    """A checkpoint (directory or GGUF file) is unsupported or broken.
 
-    The message always names the offending file and, where there is one, the
-    tensor or config key, e.g. ``model.safetensors: tensor 'lm_head.weight' has
-    shape [10, 64], expected [300, 64]``.
+    The message names the offending file and, where there is one, the tensor or config
+    key, on one line of at most a few hundred characters, e.g. ``model.safetensors: tensor
+    'lm_head.weight' has shape [10, 64], expected [300, 64]``.
     """
+
+    MAX_DETAIL = 400   # a corrupt file's strings (key names, token text) can be huge
 
     def __init__(self, path, detail):
         self.path = str(path)
+        # one line, whatever the underlying reader's message held
+        detail = ' '.join(str(detail).split())
+        if len(detail) > self.MAX_DETAIL:
+            detail = detail[:self.MAX_DETAIL - 3] + '...'
         self.detail = detail
         super().__init__(f'{self.path}: {detail}')

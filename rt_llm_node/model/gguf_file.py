@@ -220,9 +220,19 @@ def build_tokenizer(meta, path):
     if not isinstance(tokens, list) or not isinstance(merges, list):
         raise CheckpointError(path, "metadata 'tokenizer.ggml.tokens' and "
                                     "'tokenizer.ggml.merges' must be arrays of strings")
+    for index, item in enumerate(tokens):
+        if not isinstance(item, str):
+            raise CheckpointError(path, f"metadata 'tokenizer.ggml.tokens'[{index}] is not a "
+                                        'string')
+    pairs = []
+    for index, merge in enumerate(merges):
+        pair = tuple(merge.split(' ', 1)) if isinstance(merge, str) else ()
+        if len(pair) != 2 or not all(pair):
+            raise CheckpointError(path, f"metadata 'tokenizer.ggml.merges'[{index}] = "
+                                        f'{merge!r:.60} is not two tokens separated by a space')
+        pairs.append(pair)
     vocab = {token: index for index, token in enumerate(tokens)}
     try:
-        pairs = [tuple(m.split(' ', 1)) for m in merges]
         tokenizer = Tokenizer(BPE(vocab=vocab, merges=pairs, fuse_unk=False,
                                   ignore_merges=False))
     except Exception as exc:

@@ -175,9 +175,10 @@ def from_gguf_blocks(type_name, blocks, shape):
     if k % block:
         raise ValueError(f'{type_name} needs rows of a multiple of {block} values, not {k}')
     b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows * (k // block), size)
-    fmt, group, codes, scales, offsets = convert(b, rows, k)
-    if offsets is not None and not np.any(offsets):
-        offsets = None
+    with np.errstate(invalid='ignore', over='ignore'):   # NaN and inf: the loader's check
+        fmt, group, codes, scales, offsets = convert(b, rows, k)
+        if offsets is not None and not np.any(offsets):
+            offsets = None
     return QuantTensor(fmt, (rows, k), group, np.ascontiguousarray(codes),
                        np.ascontiguousarray(scales, np.float32),
                        None if offsets is None else np.ascontiguousarray(offsets, np.float32),
@@ -190,7 +191,8 @@ def _as_half(values, *more):
     Rounded where every one becomes a normal fp16 or zero (relative error at most 2^-11).
     """
     arrays = (values, *more)
-    rounded = tuple(a.astype(np.float16).astype(np.float32) for a in arrays)
+    with np.errstate(over='ignore'):   # past fp16's range: inf, then kept as they are
+        rounded = tuple(a.astype(np.float16).astype(np.float32) for a in arrays)
     ok = all(np.all(np.isfinite(r)) and np.all(np.abs(r - a) <= np.abs(a) * 2.0 ** -11)
              for r, a in zip(rounded, arrays))
     return rounded if ok else arrays

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -108,3 +109,62 @@ def test_rope_frequency_factors_divide_the_frequencies(tmp_path):
     bad = write_gguf(tmp_path / 'bad.gguf', 'llama', 'Q8_0',
                      extra={'rope_freqs.weight': np.ones(3)})
     expect_error(bad, 'rope_freqs.weight')
+
+
+def test_a_merge_that_is_not_a_pair_names_the_key_on_one_line(tmp_path):
+    from gguf_models import train_tokenizer
+    merges = list(train_tokenizer()[1])
+    merges[3] = merges[3].replace(' ', '')
+    path = write_gguf(tmp_path / 'merges.gguf', 'llama', 'Q8_0',
+                      **{'tokenizer.ggml.merges': (merges, gguf.GGUFValueType.ARRAY)})
+    expect_error(path, "'tokenizer.ggml.merges'[3]", 'two tokens')
+
+
+# A block's first bytes: Q4_1's fp16 minimum set to a signalling NaN; Q4_K's fp16 super-scale
+# set to infinity with its 6-bit sub-scales zero (inf * 0).
+DAMAGE = {'Q4_1': {2: b'\x01\x7d'}, 'Q4_K': {0: b'\x00\x7c', 4: bytes(12)}}
+
+
+@pytest.mark.parametrize('kind', sorted(DAMAGE))
+def test_a_nan_scale_names_the_tensor_without_numpy_warnings(tmp_path, kind):
+    path = write_gguf(tmp_path / 'nan.gguf', 'llama', kind)
+    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == 'blk.1.ffn_up.weight')
+    data = bytearray(path.read_bytes())
+    for at, raw in DAMAGE[kind].items():
+        data[tensor.data_offset + at:tensor.data_offset + at + len(raw)] = raw
+    path.write_bytes(bytes(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        expect_error(path, "'blk.1.ffn_up.weight'", 'NaN')
+
+
+def test_random_damage_to_a_file_is_an_error_or_a_model_never_a_crash(good, tmp_path, rng):
+    """Bytes of the header, u64 counts and lengths, the data, and cuts at random places."""
+    from gguf import GGUFReader
+    data = good.read_bytes()
+    header_end = min(t.data_offset for t in GGUFReader(good).tensors)
+    bad = tmp_path / 'damaged.gguf'
+    outcomes = set()
+    for trial in range(48):
+        blob = bytearray(data)
+        where = int(rng.integers(4, header_end - 8))
+        if trial % 4 == 0:
+            blob[where] = int(rng.integers(0, 256))
+        elif trial % 4 == 1:
+            large = int(rng.choice([2 ** 63 - 1, 2 ** 32, 2 ** 31, 10 ** 9]))
+            blob[where:where + 8] = large.to_bytes(8, 'little')
+        elif trial % 4 == 2:
+            for at in rng.integers(header_end, len(blob), 50):
+                blob[int(at)] = int(rng.integers(0, 256))
+        else:
+            blob = blob[:int(rng.integers(4, len(blob)))]
+        bad.write_bytes(bytes(blob))
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            try:
+                load_checkpoint(bad)
+                outcomes.add('loaded')
+            except CheckpointError as exc:
+                assert '\n' not in str(exc) and len(str(exc)) < 600, str(exc)
+                outcomes.add('refused')
+    assert 'refused' in outcomes
