@@ -86,7 +86,7 @@ class Listener:
         self.context = rclpy.Context()
         rclpy.init(context=self.context)
         self.node = rclpy.create_node('launch_test_listener', context=self.context)
-        self.count, self.enough = 0, threading.Event()
+        self.count, self.enough, self.last = 0, threading.Event(), None
         self.node.create_subscription(Twist, '/cmd_vel', self._action, 10)
         self.executor = rclpy.executors.SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
@@ -95,6 +95,7 @@ class Listener:
 
     def _action(self, msg):
         self.count += 1
+        self.last = msg
         if self.count >= 60:
             self.enough.set()
 
@@ -106,13 +107,20 @@ class Listener:
 
 
 def stop(process, timeout=30):
-    """Interrupt a launch as Ctrl-C does and return its output; every child must be gone."""
-    process.send_signal(signal.SIGINT)
+    """Interrupt a launch as Ctrl-C does and return its output; every child must be gone.
+
+    A terminal's Ctrl-C reaches the whole foreground process group, and launch then leaves
+    the children to that SIGINT (it signals them itself only after its grace period, with
+    SIGTERM): so the group is signalled here, and every process must have exited on the
+    SIGINT alone.
+    """
+    os.killpg(process.pid, signal.SIGINT)
     try:
         log, _ = process.communicate(timeout=timeout)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
+    assert 'escalating to' not in log, log[-3000:]
     return log
 
 
@@ -125,8 +133,12 @@ def test_the_demo_launches_from_the_install_space_acts_and_stops_on_ctrl_c(insta
         acted = listener.enough.wait(timeout=90)
     finally:
         log = stop(process)
+        time.sleep(0.5)   # the stop action is in flight
         listener.close()
     assert acted, f'{listener.count} actions on /cmd_vel in 90 s:\n{log[-3000:]}'
+    # the robot is left standing: the node's last command is the stop it published on Ctrl-C
+    last = listener.last
+    assert (last.linear.x, last.linear.y, last.angular.z) == (0.0, 0.0, 0.0), last
     assert process.returncode == 0, log[-3000:]
     assert 'configured in' in log and 'Traceback' not in log, log[-3000:]
     assert 'process has finished cleanly' in log
