@@ -271,6 +271,28 @@ def test_broken_model_fails_configure_with_the_loader_message(rig, tmp_path):
     assert 'not a checkpoint directory' in node2.last_error
 
 
+def test_a_gguf_model_acts_over_dds_and_a_truncated_one_fails_configure(rig, tmp_path):
+    """A quantized GGUF file as model_path, with an int8 cache: configure, act; cut: refused."""
+    pytest.importorskip('gguf', reason='the gguf package reads GGUF files')
+    from gguf_models import write_gguf
+    world, recorder, make = rig
+    path = write_gguf(tmp_path / 'model.gguf', 'qwen2', 'Q4_K')
+    node = make(model_path=str(path), kv_dtype='int8', rate_hz=10.0)
+    start(node)
+    wait_until(lambda: node.stats()[0].get('actions', 0) >= 5, what='5 actions')
+    transition(node, 'deactivate')
+    stats, refusals, _ = node.stats()
+    assert stats.get('late', 0) == 0, stats
+    for _, msg in recorder.actions:   # a random model's actions: within the grammar's limits
+        assert -0.2 <= msg.linear.x <= 0.8 and -1.5 <= msg.angular.z <= 1.5
+    cut = tmp_path / 'cut.gguf'
+    cut.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    broken = make(model_path=str(cut))
+    assert transition(broken, 'configure') != TransitionCallbackReturn.SUCCESS
+    assert 'cut.gguf' in broken.last_error and 'truncated' in broken.last_error
+    assert '\n' not in broken.last_error
+
+
 def test_a_reconfigured_node_restores_its_prompt_and_instruction_from_state_dir(rig, tmp_path):
     """Deactivate and cleanup store the state; the next configure and instruction restore it."""
     world, recorder, make = rig
