@@ -13,11 +13,13 @@
 // resident), every warp of a block running the same number of rounds. grid.y = one block
 // row per token (last_only: one). A chunk is what one 16-byte load of a row holds (16
 // columns of i8, 32 of u4, always inside one group: one scale and offset a chunk). A lane
-// takes the chunks c_begin + lane, + 32, ... of both rows of its unit, qbatch chunks a row in
-// flight at a time (the first batch of the first unit before the wait for the previous
-// kernel, the norm weights copied into shared memory then too). The block stages x * norm_w (or x) in shared memory with the
-// sum of each 16 values of it, in one pass that also sums x^2 (few large blocks: x is read
-// from L2 once an SM, not once a small block), so a chunk costs
+// takes the chunks c_begin + lane, + 32, ... of both rows of its unit into qbatch register
+// slots: a batch of one unit, or (QMV_DEEP) the chunks of 2 or 4 of its units where a unit
+// has that few a lane, each slot refilled with the next unit's chunk once it is summed. The
+// first slots load before the wait for the previous kernel, the norm weights copied into
+// shared memory then too. The block stages x * norm_w (or x) in shared memory with the sum
+// of each 16 values of it, in one pass that also sums x^2 (few large blocks: x is read from
+// L2 once an SM, not once a small block), so a chunk costs
 //   y += scale * (q . xn) + offset * sum(xn),   then y *= 1 / rms(x)
 // Dynamic shared memory: K + K / 16 floats, and K more with a norm. u4 groups are 32 columns.
 //
@@ -41,11 +43,12 @@
 // (i8 groups are 16 or 32 columns, u4 groups 32).
 template <int FMT> struct qcols { static constexpr int value = FMT == QFMT_I8 ? 16 : 32; };
 
-// Chunks a lane loads per row before it multiplies. i8: 4 (64 bytes of codes a row; with 512
-// threads, 64 KiB an SM in flight, the next unit's batch loading during this one's last).
-// u4: 2, since a u4 chunk holds twice the columns and takes twice the arithmetic of an i8
-// one; measured on the H200, two in flight beat four on all three benchmark shapes (fewer
-// registers, more units in flight; benchmarks/RESULTS.md). QBATCH=N sets both (sweeps).
+// Chunks a lane loads per row before it multiplies, one unit at a time. i8: 4 (64 bytes of
+// codes a row; with 512 threads, 64 KiB an SM in flight, the next unit's batch loading during
+// this one's last). u4: 2, since a u4 chunk holds twice the columns and takes twice the
+// arithmetic of an i8 one; measured on the H200, two in flight beat four on all three
+// benchmark shapes (fewer registers, more units in flight; benchmarks/RESULTS.md).
+// QBATCH=N sets both (sweeps).
 #ifdef QBATCH
 #define QBATCH_I8 QBATCH
 #define QBATCH_U4 QBATCH
@@ -60,6 +63,15 @@ template <int FMT> struct qbatch {
   static constexpr int value = FMT == QFMT_I8 ? QBATCH_I8 : QBATCH_U4;
 };
 
+// The two-deep kernels (names ending in _d2) keep two units of a warp in flight, 2 chunks a
+// lane each, in 4 register slots: the unit a round later loads while this one is summed,
+// where one unit alone would leave a lane at most 2 chunks in flight between waits. The host
+// calls them where a warp's share of a unit is at most 2 chunks a lane (K = 2048 in u4's
+// 32-column chunks: gate/up, q/k/v and the LM head). QMV_DEEP 0 builds them one unit at a
+// time, as the others (sweeps). QMV_DEEP_CPL (2) comes from the loader's table.
+#ifndef QMV_DEEP
+#define QMV_DEEP 1
+#endif
 // The staged x in shared memory, float4 slot p (columns 4p..4p+3) at xs_slot(p): swizzled
 // within each 128-byte row (XOR of the slot's low three bits with the row's), since the
 // lanes of a quarter warp read the same offset of consecutive chunks, 64 bytes apart (i8) or
@@ -153,25 +165,31 @@ __device__ __forceinline__ float dot16(const float* f, const float4* xs4, int p0
   return d;
 }
 
-template <int EPI, int FMT, typename ST>
-__device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __restrict__ codes,
-                             const ST* __restrict__ scales, const ST* __restrict__ offsets,
-                             int gshift, int rows, int K, const float* __restrict__ x,
-                             const wt* __restrict__ norm_w, float eps, float* __restrict__ out,
-                             int units, int last_only, QkvArgs qa, int split) {
-  constexpr int B = qbatch<FMT>::value, COLS = qcols<FMT>::value, HALVES = COLS / QSUB;
+// Shared memory of a one-token kernel besides the staged x (dynamic): block_sum's scratch and
+// the split warps' partial sums, two rounds' worth.
+struct QmvShared {
+  float scratch[WARP];
+  float2 part_sums[2][QMV_MAX_THREADS / WARP];
+};
+
+// One token's matmul over this block's units: D = 1, one unit of a warp at a time, in
+// batches of qbatch chunks a lane; D = 2, two units in flight, QMV_DEEP_CPL chunks a lane each.
+template <int EPI, int FMT, typename ST, int D>
+__device__ __forceinline__ void qmatvec_run(QmvShared& sh, int* __restrict__ state,
+                                            const unsigned char* __restrict__ codes,
+                                            const ST* __restrict__ scales,
+                                            const ST* __restrict__ offsets, int gshift,
+                                            int rows, int K, const float* __restrict__ x,
+                                            const wt* __restrict__ norm_w, float eps,
+                                            float* __restrict__ out, int units, int last_only,
+                                            const QkvArgs& qa, int split, int tok) {
+  constexpr int CPL = D == 1 ? qbatch<FMT>::value : QMV_DEEP_CPL, B = CPL * D;
+  constexpr int COLS = qcols<FMT>::value, HALVES = COLS / QSUB;
   extern __shared__ __align__(16) float q_smem[];
-  __shared__ float scratch[WARP];
-  __shared__ float2 part_sums[2][QMV_MAX_THREADS / WARP];
   float4* xs4 = reinterpret_cast<float4*>(q_smem);   // [K] x * norm_w (or x), xs_slot order
   float* xsum = q_smem + K;          // [K / 16] sum of each 16 values of it
   float* nws = xsum + K / QSUB;      // [K] the norm weights (with a norm)
-  const int n = state[STATE_N], start = state[STATE_START];
-  const int tok = last_only ? n - 1 : blockIdx.y;
-  if (tok >= n) {  // the whole block leaves together
-    pdl_wait_then_release();
-    return;
-  }
+  const int start = state[STATE_START];
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
   const int n_chunks = K / COLS, n_sub = K / QSUB, groups = K >> gshift;
   const long long row_bytes = q_row_bytes<FMT>(K);
@@ -181,15 +199,14 @@ __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __res
   const int per_part = (n_chunks / split + WARP - 1) / WARP * WARP;
   const int c_begin = min(n_chunks, part * per_part);
   const int c_end = part == split - 1 ? n_chunks : min(n_chunks, c_begin + per_part);
-  int u = blockIdx.x * per_group + warp / split;
-  int r0 = 0, r1 = 0, kind = 0;
+  const int u = blockIdx.x * per_group + warp / split;   // this warp's first unit
   // the norm weights of this thread's 16 values (c = threadIdx.x, + blockDim.x, ...) copied
-  // into shared memory before the wait, the first batch of codes loaded
+  // into shared memory before the wait, the first chunks of codes loaded
   if (norm_w)
     for (int c = threadIdx.x; c < n_sub; c += blockDim.x)
 #pragma unroll
       for (int j = 0; j < QSUB; j += 4) cp_async16(nws + c * QSUB + j, norm_w + c * QSUB + j);
-  // a batch: B chunks of both rows, their scales and offsets, all in flight together
+  // slots: chunks of both rows, their scales and offsets, all in flight together
   uint4 wa[B], wb[B];
   float sa[B], sb[B], oa[B], ob[B];
   auto load_batch = [&](int b, int rr0, int rr1, int c) {
@@ -201,11 +218,18 @@ __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __res
     oa[b] = offsets ? load_sc(offsets + (long long)rr0 * groups + g) : 0.f;
     ob[b] = offsets ? load_sc(offsets + (long long)rr1 * groups + g) : 0.f;
   };
-  if (u < units) {
-    unit_rows<EPI>(u, rows, qa, &r0, &r1, &kind);
+  // the rows of the unit whose chunks slots d * CPL .. d * CPL + CPL - 1 hold
+  int r0[D], r1[D], kind[D];
 #pragma unroll
-    for (int b = 0; b < B; ++b)
-      if (c_begin + lane + b * WARP < c_end) load_batch(b, r0, r1, c_begin + lane + b * WARP);
+  for (int d = 0; d < D; ++d) {
+    r0[d] = r1[d] = kind[d] = 0;
+    if (u + d * stride < units) {
+      unit_rows<EPI>(u + d * stride, rows, qa, &r0[d], &r1[d], &kind[d]);
+#pragma unroll
+      for (int k = 0; k < CPL; ++k)
+        if (c_begin + lane + k * WARP < c_end)
+          load_batch(d * CPL + k, r0[d], r1[d], c_begin + lane + k * WARP);
+    }
   }
   pdl_wait_then_release();   // the codes are in flight; x comes from the previous kernel
   // one pass over x: x * norm_w and its chunk sums into shared memory, the sum of squares
@@ -241,92 +265,157 @@ __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __res
     xsum[c] = s;
   }
   // block_sum's barriers also publish xs4 and xsum
-  const float inv_rms = norm_w ? 1.f / sqrtf(block_sum(ss, scratch) / K + eps) : 1.f;
+  const float inv_rms = norm_w ? 1.f / sqrtf(block_sum(ss, sh.scratch) / K + eps) : 1.f;
   if (!norm_w) __syncthreads();
-  bool loaded = true;   // the first batch of unit u is in wa, wb
-  // rounds: every warp of the block runs the same count (the split's barrier needs it)
-  for (int round = 0, base_u = blockIdx.x * per_group; base_u < units;
-       ++round, base_u += stride, u += stride) {
-    const bool active = u < units;
-    const int nu = u + stride;   // this warp's next unit: its first batch loads during the
-    int n0 = 0, n1 = 0, nkind = 0;   // last batch of this one
-    if (nu < units) unit_rows<EPI>(nu, rows, qa, &n0, &n1, &nkind);
-    float a0 = 0.f, a1 = 0.f;
-    for (int base = c_begin; active && base < c_end; base += B * WARP) {
-      if (!loaded) {
+
+  // slot b's codes (chunk c) dotted with x: 16 codes of one row converted at a time
+  auto dots = [&](int b, int c, float& d0, float& d1) {
 #pragma unroll
-        for (int b = 0; b < B; ++b)
-          if (base + lane + b * WARP < c_end) load_batch(b, r0, r1, base + lane + b * WARP);
-      }
-      loaded = false;
-      const bool last = base + B * WARP >= c_end;
-#pragma unroll
-      for (int b = 0; b < B; ++b) {
-        const int c = base + lane + b * WARP, cn = c_begin + lane + b * WARP;
-        const bool have = c < c_end;
-        float d0 = 0.f, d1 = 0.f, s0 = sa[b], s1 = sb[b], o0 = oa[b], o1 = ob[b];
-        if (have) {   // 16 codes of one row converted at a time: 16 live floats
-#pragma unroll
-          for (int h = 0; h < HALVES; ++h) {
-            const int p0 = (c * COLS + h * QSUB) / 4;
-            float f[QSUB];
-            q_floats<FMT, QU4_POSITIONAL>(wa[b], h, f);
-            d0 = dot16(f, xs4, p0, d0);
-            q_floats<FMT, QU4_POSITIONAL>(wb[b], h, f);
-            d1 = dot16(f, xs4, p0, d1);
-          }
-        }
-        if (last && nu < units && cn < c_end) {   // the registers are free: refill them
-          load_batch(b, n0, n1, cn);
-          loaded = true;
-        }
-        if (have) {
-          if constexpr (FMT == QFMT_U4 && QU4_POSITIONAL == 2) {   // exact: a power of two
-            s0 *= QU4_DN_BACK;
-            s1 *= QU4_DN_BACK;
-          }
-          a0 = fmaf(s0, d0, a0);
-          a1 = fmaf(s1, d1, a1);
-          if (offsets) {
-            const float sx = HALVES == 1 ? xsum[c] : xsum[2 * c] + xsum[2 * c + 1];
-            a0 = fmaf(o0, sx, a0);
-            a1 = fmaf(o1, sx, a1);
-          }
-        }
-      }
+    for (int h = 0; h < HALVES; ++h) {
+      const int p0 = (c * COLS + h * QSUB) / 4;
+      float f[QSUB];
+      q_floats<FMT, QU4_POSITIONAL>(wa[b], h, f);
+      d0 = dot16(f, xs4, p0, d0);
+      q_floats<FMT, QU4_POSITIONAL>(wb[b], h, f);
+      d1 = dot16(f, xs4, p0, d1);
     }
+  };
+  // chunk c's dot products times its scales, plus its offsets times the sum of its x
+  auto accumulate = [&](int c, float d0, float d1, float s0, float s1, float o0, float o1,
+                        float& a0, float& a1) {
+    if constexpr (FMT == QFMT_U4 && QU4_POSITIONAL == 2) {   // exact: a power of two
+      s0 *= QU4_DN_BACK;
+      s1 *= QU4_DN_BACK;
+    }
+    a0 = fmaf(s0, d0, a0);
+    a1 = fmaf(s1, d1, a1);
+    if (offsets) {
+      const float sx = HALVES == 1 ? xsum[c] : xsum[2 * c] + xsum[2 * c + 1];
+      a0 = fmaf(o0, sx, a0);
+      a1 = fmaf(o1, sx, a1);
+    }
+  };
+  // a unit's lane sums to its two outputs (the split warps' added in shared memory); every
+  // warp of the block calls this the same number of times (the split's barrier needs it)
+  auto finish = [&](int round, bool active, int uu, int rr0, int rr1, int kk, float a0,
+                    float a1) {
     a0 = warp_sum(a0);
     a1 = warp_sum(a1);
     bool mine = active && lane == 0;
     if (split > 1) {
-      if (lane == 0) part_sums[round & 1][warp] = make_float2(a0, a1);
+      if (lane == 0) sh.part_sums[round & 1][warp] = make_float2(a0, a1);
       __syncthreads();
       mine = mine && part == 0;
       if (mine)
         for (int p = 1; p < split; ++p) {
-          a0 += part_sums[round & 1][warp + p].x;
-          a1 += part_sums[round & 1][warp + p].y;
+          a0 += sh.part_sums[round & 1][warp + p].x;
+          a1 += sh.part_sums[round & 1][warp + p].y;
         }
     }
     if (mine)
-      epilogue<EPI>(state, tok, u, rows, r0, r1, kind, a0 * inv_rms, a1 * inv_rms, out,
+      epilogue<EPI>(state, tok, uu, rows, rr0, rr1, kk, a0 * inv_rms, a1 * inv_rms, out,
                     last_only, start, qa);
-    r0 = n0; r1 = n1; kind = nkind;
+  };
+
+  if constexpr (D == 1) {
+    bool loaded = true;   // the first batch of the warp's unit is in the slots
+    int uu = u;
+    for (int round = 0, base_u = blockIdx.x * per_group; base_u < units;
+         ++round, base_u += stride, uu += stride) {
+      const bool active = uu < units;
+      const int nu = uu + stride;   // this warp's next unit: its first batch loads during
+      int n0 = 0, n1 = 0, nkind = 0;   // the last batch of this one
+      if (nu < units) unit_rows<EPI>(nu, rows, qa, &n0, &n1, &nkind);
+      float a0 = 0.f, a1 = 0.f;
+      for (int base = c_begin; active && base < c_end; base += B * WARP) {
+        if (!loaded) {
+#pragma unroll
+          for (int b = 0; b < B; ++b)
+            if (base + lane + b * WARP < c_end)
+              load_batch(b, r0[0], r1[0], base + lane + b * WARP);
+        }
+        loaded = false;
+        const bool last = base + B * WARP >= c_end;
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+          const int c = base + lane + b * WARP, cn = c_begin + lane + b * WARP;
+          const bool have = c < c_end;
+          float d0 = 0.f, d1 = 0.f;
+          const float s0 = sa[b], s1 = sb[b], o0 = oa[b], o1 = ob[b];
+          if (have) dots(b, c, d0, d1);
+          if (last && nu < units && cn < c_end) {   // the registers are free: refill them
+            load_batch(b, n0, n1, cn);
+            loaded = true;
+          }
+          if (have) accumulate(c, d0, d1, s0, s1, o0, o1, a0, a1);
+        }
+      }
+      finish(round, active, uu, r0[0], r1[0], kind[0], a0, a1);
+      r0[0] = n0; r1[0] = n1; kind[0] = nkind;
+    }
+  } else {
+    // rounds in groups of D: slot group d holds unit u + (round + d) * stride, refilled with
+    // the unit D rounds later as soon as each chunk of it is summed
+    for (int round = 0, base_u = blockIdx.x * per_group; base_u < units;
+         round += D, base_u += D * stride) {
+#pragma unroll
+      for (int d = 0; d < D; ++d) {
+        if (base_u + d * stride < units) {   // the same for every warp of the block
+          const int uu = u + (round + d) * stride, nu = uu + D * stride;
+          const bool active = uu < units;
+          int n0 = 0, n1 = 0, nkind = 0;
+          if (nu < units) unit_rows<EPI>(nu, rows, qa, &n0, &n1, &nkind);
+          float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+          for (int k = 0; k < CPL; ++k) {
+            const int b = d * CPL + k, c = c_begin + lane + k * WARP;
+            const bool have = active && c < c_end;
+            float d0 = 0.f, d1 = 0.f;
+            const float s0 = sa[b], s1 = sb[b], o0 = oa[b], o1 = ob[b];
+            if (have) dots(b, c, d0, d1);
+            if (nu < units && c < c_end) load_batch(b, n0, n1, c);
+            if (have) accumulate(c, d0, d1, s0, s1, o0, o1, a0, a1);
+          }
+          finish(round + d, active, uu, r0[d], r1[d], kind[d], a0, a1);
+          r0[d] = n0; r1[d] = n1; kind[d] = nkind;
+        }
+      }
+    }
   }
 }
 
+// DEEP: two units of a warp in flight (the _d2 kernels; a warp's share of a unit at most
+// QMV_DEEP_CPL chunks a lane), else one.
+template <int EPI, int FMT, typename ST, int DEEP>
+__device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __restrict__ codes,
+                             const ST* __restrict__ scales, const ST* __restrict__ offsets,
+                             int gshift, int rows, int K, const float* __restrict__ x,
+                             const wt* __restrict__ norm_w, float eps, float* __restrict__ out,
+                             int units, int last_only, QkvArgs qa, int split) {
+  __shared__ QmvShared sh;
+  const int n = state[STATE_N];
+  const int tok = last_only ? n - 1 : blockIdx.y;
+  if (tok >= n) {  // the whole block leaves together
+    pdl_wait_then_release();
+    return;
+  }
+  qmatvec_run<EPI, FMT, ST, DEEP && QMV_DEEP ? 2 : 1>(sh, state, codes, scales, offsets, gshift,
+                                                       rows, K, x, norm_w, eps, out, units,
+                                                       last_only, qa, split, tok);
+}
+
 #define QBOUNDS __launch_bounds__(QMV_MAX_THREADS, QMV_MIN_BLOCKS)
-#define QMATVEC_PLAIN(NAME, EPI, FMT, ST)                                                    \
+#define QMATVEC_PLAIN(NAME, EPI, FMT, ST, DEEP)                                              \
   extern "C" __global__ void QBOUNDS                                                         \
   NAME(int* state, const unsigned char* codes, const ST* scales, const ST* offsets,          \
        int gshift, int rows, int K, const float* x, const wt* norm_w, float eps, float* out,  \
        int units, int last_only, int split) {                                                \
     QkvArgs none = {};                                                                       \
-    qmatvec_body<EPI, FMT, ST>(state, codes, scales, offsets, gshift, rows, K, x, norm_w,    \
-                               eps, out, units, last_only, none, split);                     \
+    qmatvec_body<EPI, FMT, ST, DEEP>(state, codes, scales, offsets, gshift, rows, K, x,      \
+                                     norm_w, eps, out, units, last_only, none, split);       \
   }
 
-#define QMATVEC_QKV(NAME, FMT, ST)                                                           \
+#define QMATVEC_QKV(NAME, FMT, ST, DEEP)                                                     \
   extern "C" __global__ void QBOUNDS                                                         \
   NAME(int* state, const unsigned char* codes, const ST* scales, const ST* offsets,          \
        int gshift, int rows, int K, const float* x, const wt* norm_w, float eps, int units,   \
@@ -334,27 +423,44 @@ __device__ void qmatvec_body(int* __restrict__ state, const unsigned char* __res
        const float* sin_t, int n_heads, int n_kv, int head_dim, int cap, int split) {        \
     QkvArgs qa = {bias, q_out, k_cache, v_cache, cos_t, sin_t, n_heads, n_kv, head_dim,      \
                   cap};                                                                      \
-    qmatvec_body<EPI_QKV_ROPE, FMT, ST>(state, codes, scales, offsets, gshift, rows, K, x,   \
-                                        norm_w, eps, nullptr, units, 0, qa, split);          \
+    qmatvec_body<EPI_QKV_ROPE, FMT, ST, DEEP>(state, codes, scales, offsets, gshift, rows, K, \
+                                              x, norm_w, eps, nullptr, units, 0, qa, split);  \
   }
 
-// The one-token kernels: fp32 scales and offsets, then fp16 ones (names ending in h).
-QMATVEC_PLAIN(qmatvec_residual_i8, EPI_RESIDUAL, QFMT_I8, float)
-QMATVEC_PLAIN(qmatvec_store_i8, EPI_STORE, QFMT_I8, float)
-QMATVEC_PLAIN(qmatvec_swiglu_i8, EPI_SWIGLU, QFMT_I8, float)
-QMATVEC_QKV(qmatvec_qkv_rope_i8, QFMT_I8, float)
-QMATVEC_PLAIN(qmatvec_residual_u4, EPI_RESIDUAL, QFMT_U4, float)
-QMATVEC_PLAIN(qmatvec_store_u4, EPI_STORE, QFMT_U4, float)
-QMATVEC_PLAIN(qmatvec_swiglu_u4, EPI_SWIGLU, QFMT_U4, float)
-QMATVEC_QKV(qmatvec_qkv_rope_u4, QFMT_U4, float)
-QMATVEC_PLAIN(qmatvec_residual_i8h, EPI_RESIDUAL, QFMT_I8, unsigned short)
-QMATVEC_PLAIN(qmatvec_store_i8h, EPI_STORE, QFMT_I8, unsigned short)
-QMATVEC_PLAIN(qmatvec_swiglu_i8h, EPI_SWIGLU, QFMT_I8, unsigned short)
-QMATVEC_QKV(qmatvec_qkv_rope_i8h, QFMT_I8, unsigned short)
-QMATVEC_PLAIN(qmatvec_residual_u4h, EPI_RESIDUAL, QFMT_U4, unsigned short)
-QMATVEC_PLAIN(qmatvec_store_u4h, EPI_STORE, QFMT_U4, unsigned short)
-QMATVEC_PLAIN(qmatvec_swiglu_u4h, EPI_SWIGLU, QFMT_U4, unsigned short)
-QMATVEC_QKV(qmatvec_qkv_rope_u4h, QFMT_U4, unsigned short)
+// The one-token kernels: fp32 scales and offsets, then fp16 ones (names ending in h); one
+// unit of a warp in flight, then two (_d2).
+QMATVEC_PLAIN(qmatvec_residual_i8, EPI_RESIDUAL, QFMT_I8, float, 0)
+QMATVEC_PLAIN(qmatvec_store_i8, EPI_STORE, QFMT_I8, float, 0)
+QMATVEC_PLAIN(qmatvec_swiglu_i8, EPI_SWIGLU, QFMT_I8, float, 0)
+QMATVEC_QKV(qmatvec_qkv_rope_i8, QFMT_I8, float, 0)
+QMATVEC_PLAIN(qmatvec_residual_i8_d2, EPI_RESIDUAL, QFMT_I8, float, 1)
+QMATVEC_PLAIN(qmatvec_store_i8_d2, EPI_STORE, QFMT_I8, float, 1)
+QMATVEC_PLAIN(qmatvec_swiglu_i8_d2, EPI_SWIGLU, QFMT_I8, float, 1)
+QMATVEC_QKV(qmatvec_qkv_rope_i8_d2, QFMT_I8, float, 1)
+QMATVEC_PLAIN(qmatvec_residual_u4, EPI_RESIDUAL, QFMT_U4, float, 0)
+QMATVEC_PLAIN(qmatvec_store_u4, EPI_STORE, QFMT_U4, float, 0)
+QMATVEC_PLAIN(qmatvec_swiglu_u4, EPI_SWIGLU, QFMT_U4, float, 0)
+QMATVEC_QKV(qmatvec_qkv_rope_u4, QFMT_U4, float, 0)
+QMATVEC_PLAIN(qmatvec_residual_u4_d2, EPI_RESIDUAL, QFMT_U4, float, 1)
+QMATVEC_PLAIN(qmatvec_store_u4_d2, EPI_STORE, QFMT_U4, float, 1)
+QMATVEC_PLAIN(qmatvec_swiglu_u4_d2, EPI_SWIGLU, QFMT_U4, float, 1)
+QMATVEC_QKV(qmatvec_qkv_rope_u4_d2, QFMT_U4, float, 1)
+QMATVEC_PLAIN(qmatvec_residual_i8h, EPI_RESIDUAL, QFMT_I8, unsigned short, 0)
+QMATVEC_PLAIN(qmatvec_store_i8h, EPI_STORE, QFMT_I8, unsigned short, 0)
+QMATVEC_PLAIN(qmatvec_swiglu_i8h, EPI_SWIGLU, QFMT_I8, unsigned short, 0)
+QMATVEC_QKV(qmatvec_qkv_rope_i8h, QFMT_I8, unsigned short, 0)
+QMATVEC_PLAIN(qmatvec_residual_i8h_d2, EPI_RESIDUAL, QFMT_I8, unsigned short, 1)
+QMATVEC_PLAIN(qmatvec_store_i8h_d2, EPI_STORE, QFMT_I8, unsigned short, 1)
+QMATVEC_PLAIN(qmatvec_swiglu_i8h_d2, EPI_SWIGLU, QFMT_I8, unsigned short, 1)
+QMATVEC_QKV(qmatvec_qkv_rope_i8h_d2, QFMT_I8, unsigned short, 1)
+QMATVEC_PLAIN(qmatvec_residual_u4h, EPI_RESIDUAL, QFMT_U4, unsigned short, 0)
+QMATVEC_PLAIN(qmatvec_store_u4h, EPI_STORE, QFMT_U4, unsigned short, 0)
+QMATVEC_PLAIN(qmatvec_swiglu_u4h, EPI_SWIGLU, QFMT_U4, unsigned short, 0)
+QMATVEC_QKV(qmatvec_qkv_rope_u4h, QFMT_U4, unsigned short, 0)
+QMATVEC_PLAIN(qmatvec_residual_u4h_d2, EPI_RESIDUAL, QFMT_U4, unsigned short, 1)
+QMATVEC_PLAIN(qmatvec_store_u4h_d2, EPI_STORE, QFMT_U4, unsigned short, 1)
+QMATVEC_PLAIN(qmatvec_swiglu_u4h_d2, EPI_SWIGLU, QFMT_U4, unsigned short, 1)
+QMATVEC_QKV(qmatvec_qkv_rope_u4h_d2, QFMT_U4, unsigned short, 1)
 
 // Chunk c of a row, dequantized into o[qcols<FMT>].
 template <int FMT, typename ST>

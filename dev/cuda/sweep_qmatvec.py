@@ -9,7 +9,7 @@ smallest grid covering F of the SMs, default cuda_backend.QMV_FILL) with the bac
 split of K (cuda_backend.qmatvec_plan), or S warps a unit for every matrix (:S); @R plans
 the grid as if R blocks fit an SM (fewer than fit leaves room for the next kernel's blocks to
 start early); +NAME=VALUE compiles with -DNAME=VALUE (qmatmul.cu's QBATCH_I8, QBATCH_U4 or
-QBATCH for both, QMV_MIN_BLOCKS).
+QBATCH for both, QMV_DEEP, QMV_MIN_BLOCKS); +%NAME=N sets the constant cuda_backend.NAME to N.
 Each row is one decode-graph replay (CUDA events, median of --repeats) at --context cached
 tokens, with the registers of qmatvec_swiglu and its resident blocks an SM (of the first
 block size).
@@ -44,6 +44,7 @@ def main():
     plan, sizes = cuda_backend.qmatvec_plan, cuda_backend.QMV_THREADS
     default_fill = cuda_backend.QMV_FILL
     options = cuda_kernels.compile_options
+    saved = {}
     print('| shape | format | variant | split | decode us (p90) | regs | resident |')
     print('|---|---|---|---|---|---|---|')
     for shape in args.shapes.split(','):
@@ -55,6 +56,11 @@ def main():
                                                     args.context)
             for variant in args.variants.split(','):
                 geometry, *defines = variant.split('+')
+                for host in [d for d in defines if d.startswith('%')]:   # cuda_backend's
+                    key, _, value = host[1:].partition('=')
+                    saved.setdefault(key, getattr(cuda_backend, key))
+                    setattr(cuda_backend, key, type(saved[key])(int(value)))
+                defines = [d for d in defines if not d.startswith('%')]
                 geometry, _, cap = geometry.partition('@')
                 threads, _, forced = geometry.partition(':')
                 threads, _, fill = threads.partition('/')
@@ -82,6 +88,8 @@ def main():
                       f'{np.median(times):.0f} ({np.percentile(times, 90):.0f}) | {regs} | '
                       f'{resident} |', flush=True)
                 del backend
+                for key, value in saved.items():
+                    setattr(cuda_backend, key, value)
     cuda_backend.qmatvec_plan, cuda_backend.QMV_THREADS = plan, sizes
     cuda_backend.QMV_FILL = default_fill
     cuda_kernels.compile_options = options

@@ -51,6 +51,7 @@ MATMUL_WARPS = 4     # warps per block of the matmul kernels
 # many SMs stream (on the H200, SmolLM2's qkv in blocks of 512 ran on 30 SMs of 132).
 QMV_THREADS = (512, 256, 128)
 QMV_FILL = 0.5
+QMV_DEEP_CPL = GEOMETRY['QMV_DEEP_CPL']   # the two-deep kernels' most chunks a lane a unit
 T16_UNITS = GEOMETRY['T16_UNITS']      # units (row pairs) of a 16-token prefill tile's block
 T16_TOKENS = GEOMETRY['T16_TOKENS']
 T16_MAX_WARPS = GEOMETRY['T16_MAX_WARPS']   # and at most this many warps (its launch bounds)
@@ -224,6 +225,25 @@ def qmatvec_geometry(units, chunks, n_sm, resident):
         if blocks >= QMV_FILL * n_sm:
             break
     return blocks, split, threads
+
+
+def qmatvec_launch(name, units, chunks, n_sm, resident):
+    """Return (kernel, grid, split, threads) of a one-token quantized matmul ``name``.
+
+    ``qmatvec_geometry`` of ``name``, or of its two-deep twin (``name``_d2, two units of a
+    warp in flight) where that plan leaves a warp more than one unit, each at most
+    QMV_DEEP_CPL chunks a lane: there one unit alone would keep too few bytes in flight
+    between waits. ``resident(kernel, threads)``: blocks of that size an SM holds.
+    """
+    def plan(kernel):
+        return qmatvec_geometry(units, chunks, n_sm, lambda threads: resident(kernel, threads))
+
+    deep = name + '_d2'
+    blocks, split, threads = plan(deep)
+    per_lane = -(-(chunks // split) // 32)
+    if per_lane <= QMV_DEEP_CPL and units * split > blocks * (threads // 32):
+        return deep, blocks, split, threads
+    return (name, *plan(name))
 
 
 def _device_errors():
@@ -856,19 +876,18 @@ class CudaBackend:
         def quant_matmul(kind, units, w, tail, last_only=0):
             """Enqueue a matmul on a quantized matrix ``w``.
 
-            One token: qmatvec_<epilogue>_<fmt> (``tail``: its arguments after the weight's
+            One token: qmatvec_<epilogue>_<fmt>[_d2] (``tail``: its arguments after the weight's
             rows and K: x, norm_w, eps, out or the q/k/v ones). A prefill: dequantize into
             the fp32 buffer, then the 16-token kernel on it, launched after the dequantization
             has finished (its blocks read weights before they wait).
             """
             epilogue = kind[len('matmul_'):]
             if one or last_only:
-                name = f'qmatvec_{epilogue}_{w.suffix}'
                 has_norm = tail[1] is not NULL
                 shared = 4 * (w.k + w.k // 16 + (w.k if has_norm else 0))
-                blocks, split, threads = qmatvec_geometry(
-                    units, w.k // w.chunk_cols, self.n_sm,
-                    lambda threads: self._resident_blocks(name, threads, shared))
+                name, blocks, split, threads = qmatvec_launch(
+                    f'qmatvec_{epilogue}_{w.suffix}', units, w.k // w.chunk_cols, self.n_sm,
+                    lambda kernel, threads: self._resident_blocks(kernel, threads, shared))
                 extra = (_i32(units), _i32(last_only)) if epilogue != 'qkv_rope' else ()
                 if epilogue == 'qkv_rope':
                     tail = tail[:3] + (_i32(units),) + tail[3:]

@@ -33,6 +33,8 @@ GEOMETRY = {
     # attn_partial block of ATT_THREADS takes ATT_QTILE queries, their exps ATT_PQ floats a
     # key apart; an attn_mass block MASS_KEYS keys
     'ATT_MAX_SPLITS': 1024, 'ATT_QTILE': 16, 'ATT_PQ': 20, 'ATT_THREADS': 512, 'MASS_KEYS': 8,
+    # qmatmul.cu: the most chunks a lane a unit of the two-deep one-token kernels (_d2)
+    'QMV_DEEP_CPL': 2,
 }
 # Chunks of 8 weights a lane of a one-token matmul loads in one batch (-DMV_BATCH), and the
 # blocks of 128 threads such a kernel must fit on one multiprocessor (-DMV_MIN_BLOCKS, its
@@ -55,9 +57,12 @@ KERNELS = {
     'argmax.cu': ('argmax_masked', 'argmax_rows'),
     'compact.cu': ('compact_gather', 'compact_store', 'kv_quantize'),
     'decode_persistent.cu': ('decode_persistent',),
-    'qmatmul.cu': tuple(f'{kind}_{fmt}' for fmt in ('i8', 'u4', 'i8h', 'u4h') for kind in (
-        'qmatvec_residual', 'qmatvec_store', 'qmatvec_swiglu', 'qmatvec_qkv_rope', 'qdequant',
-        'qembed_gather')),
+    'qmatmul.cu': tuple(f'{kind}_{fmt}{deep}' for fmt in ('i8', 'u4', 'i8h', 'u4h')
+                        for kind, deeps in (
+                            ('qmatvec_residual', ('', '_d2')), ('qmatvec_store', ('', '_d2')),
+                            ('qmatvec_swiglu', ('', '_d2')), ('qmatvec_qkv_rope', ('', '_d2')),
+                            ('qdequant', ('',)), ('qembed_gather', ('',)))
+                        for deep in deeps),
 }
 
 

@@ -145,6 +145,24 @@ def test_qmatvec_geometry(units, chunks, expected):
     assert qmatvec_geometry(units, chunks, 132, resident) == expected
 
 
+@pytest.mark.parametrize('units,chunks,n_sm,expected', [
+    (8192, 64, 132, ('q_d2', 132, 1, 512)),    # Llama-3.2 gate/up, u4: 4 units a warp
+    (64128, 64, 132, ('q_d2', 132, 1, 512)),   # its LM head
+    (4864, 28, 132, ('q_d2', 132, 1, 512)),    # Qwen2.5 gate/up, u4: one chunk a lane
+    (8192, 128, 132, ('q', 132, 1, 512)),      # Llama-3.2 gate/up, i8: 4 chunks a lane
+    (1024, 256, 132, ('q', 128, 2, 512)),      # Llama-3.2 down, u4: 4 chunks a lane
+    (1536, 64, 132, ('q', 96, 1, 512)),        # Llama-3.2 qkv: one unit a warp
+    (1536, 64, 16, ('q_d2', 16, 1, 512)),      # ... on 16 SMs (Jetson AGX Orin): six
+])
+def test_qmatvec_launch_takes_two_deep_kernels_where_warps_take_several_units(
+        units, chunks, n_sm, expected):
+    from rt_llm_node.backends.cuda_backend import qmatvec_launch
+
+    def resident(kernel, threads):   # 128 registers a thread (_d2), else 96
+        return 65536 // ((128 if kernel.endswith('_d2') else 96) * threads)
+    assert qmatvec_launch('q', units, chunks, n_sm, resident) == expected
+
+
 @pytest.mark.parametrize('bad', [{'decode_step': 'ring'}, {'decode_step': None},
                                  {'dependent_launch': 'yes'}, {'staged_decode': 1.5}])
 def test_cuda_options_refuse_nonsense(bad):

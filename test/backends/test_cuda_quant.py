@@ -155,3 +155,111 @@ def test_int8_kv_cache_takes_at_most_55_percent_of_the_bytes(tmp_path):
     int8 = CudaBackend(checkpoint, 64, CudaOptions(decode_step='kernels', kv_dtype='int8'))
     assert int8.kv_bytes_per_token() <= 0.55 * native.kv_bytes_per_token()
     assert int8.k.nbytes + int8.k_scale.nbytes <= 0.55 * native.k.nbytes
+
+
+# The one-token kernels directly, one unit of a warp at a time and two (_d2), on grids of 3
+# blocks of 128 threads, so that every warp takes many units (the backend's grids hold as
+# many warps as are resident and reach more than one unit a warp only on large matrices).
+# Row counts are odd or leave the last round short; K leaves some lanes without a second
+# chunk (896 and 576 in i8 are 56 and 36 chunks). The two-deep kernels sum in the same order,
+# so their outputs equal the others' bit for bit; the residual ones also match numpy.
+D2_CASES = [('i8', 1024, 1), ('i8', 896, 1), ('i8', 576, 1), ('i8', 2048, 2),
+            ('u4', 2048, 1), ('u4', 896, 1), ('u4', 1024, 2), ('u4', 2048, 4)]
+
+
+def device_quant(cp, fmt, rows, k, half, rng):
+    """Return a random [rows, k] matrix in ``fmt``: (DeviceQuant, its float32 values)."""
+    from rt_llm_node.backends.cuda_backend import DeviceQuant
+    from rt_llm_node.model.quant import quantize
+    tensor = quantize(rng.standard_normal((rows, k)).astype(np.float32) * 0.1, fmt)
+    w = DeviceQuant(cp, tensor)
+    assert w.suffix == fmt + 'h'   # on-load scales are fp16 values
+    if not half:   # the same values as fp32 scales and offsets
+        w.suffix, w.scales = fmt, cp.asarray(tensor.scales)
+        w.offsets = None if tensor.offsets is None else cp.asarray(tensor.offsets)
+    return w, tensor.to_float32()
+
+
+@pytest.fixture(scope='module')
+def f32_kernels():
+    import cupy as cp
+    from rt_llm_node.backends.cuda_backend import MAX_DYNAMIC_SHARED
+    from rt_llm_node.backends.cuda_kernels import KernelSet
+    from cupy_backends.cuda.api import driver
+    k = KernelSet('F32')
+    for name, function in k.functions.items():
+        if name.startswith('qmatvec_'):
+            driver.funcSetAttribute(function.ptr, MAX_DYNAMIC_SHARED, 96 * 1024)
+    return cp, k
+
+
+@pytest.mark.parametrize('half', [True, False])
+@pytest.mark.parametrize('fmt, K, split', D2_CASES)
+def test_two_deep_kernels_sum_as_the_one_deep_ones(f32_kernels, fmt, K, split, half):
+    """Residual, swiglu, store (last token) and q/k/v kernels, plain and _d2."""
+    from rt_llm_node.backends.numpy_backend import rmsnorm
+    from rt_llm_node.backends.numpy_backend import rope_tables
+    cp, k = f32_kernels
+    rng = np.random.default_rng(K + split)
+    i32, f32 = np.int32, np.float32
+    chunks = K // (16 if fmt == 'i8' else 32)
+    assert -(-(chunks // split) // 32) <= 2   # the two-deep kernels' contract
+    null = np.uint64(0)
+    x = rng.standard_normal((1, K)).astype(f32)
+    nw = (1 + 0.1 * rng.standard_normal(K)).astype(f32)
+    dx, dnw = cp.asarray(x), cp.asarray(nw)
+    shared = 4 * (2 * K + K // 16)
+
+    def state():   # one token at position 5
+        return np.array([0, 5, 1, 0, 0, 0, 0, 0], np.int32)
+
+    def run(name, args):
+        """Both kernels on fresh copies of args' host arrays; return those (state, outputs)."""
+        out = {}
+        for deep in ('', '_d2'):
+            given = args()
+            bufs = [cp.asarray(a) if isinstance(a, np.ndarray) else a for a in given]
+            kernel = k.functions[f'{name}_{w.suffix}{deep}']
+            kernel((3, 1), (128,), tuple(bufs), shared_mem=shared)
+            out[deep] = [b.get() for a, b in zip(given, bufs) if isinstance(a, np.ndarray)]
+        for a, b in zip(out[''], out['_d2']):
+            assert np.array_equal(a, b, equal_nan=True), name
+        assert not any(np.isnan(a).any() for a in out['']), name
+        return out['']
+
+    # residual (with and without the norm), rows odd: the last unit has one row
+    rows = 301
+    units = (rows + 1) // 2
+    w, wf = device_quant(cp, fmt, rows, K, half, rng)
+    out0 = rng.standard_normal((1, rows)).astype(f32)
+    for norm in (True, False):
+        got = run('qmatvec_residual', lambda: (
+            state(), *w.args(), i32(rows), i32(K), dx, dnw if norm else null, f32(1e-5),
+            out0.copy(), i32(units), i32(0), i32(split)))[-1]
+        xn = rmsnorm(x, nw, 1e-5) if norm else x
+        np.testing.assert_allclose(got, out0 + xn @ wf.T, rtol=1e-4, atol=1e-4)
+    # swiglu: gate rows, then up rows
+    rows = 2 * 190
+    w, wf = device_quant(cp, fmt, rows, K, half, rng)
+    run('qmatvec_swiglu', lambda: (
+        state(), *w.args(), i32(rows), i32(K), dx, dnw, f32(1e-5),
+        np.full((1, rows // 2), np.nan, f32), i32(rows // 2), i32(0), i32(split)))
+    # store, last token only
+    rows = 333
+    w, wf = device_quant(cp, fmt, rows, K, half, rng)
+    run('qmatvec_store', lambda: (
+        state(), *w.args(), i32(rows), i32(K), dx, dnw, f32(1e-5),
+        np.full((1, rows), np.nan, f32), i32((rows + 1) // 2), i32(1), i32(split)))
+    # q/k/v with RoPE: 6 heads, 2 kv heads of 64
+    heads, kv, d, cap = 6, 2, 64, 16
+    rows = (heads + 2 * kv) * d
+    w, wf = device_quant(cp, fmt, rows, K, half, rng)
+    cos, sin = rope_tables(np.arange(-cap, cap), 1e4 ** -(np.arange(0, d, 2) / d))
+    dcos, dsin = cp.asarray(cos), cp.asarray(sin)
+    got = run('qmatvec_qkv_rope', lambda: (
+        state(), *w.args(), i32(rows), i32(K), dx, dnw, f32(1e-5), i32(rows // 2), null,
+        np.full((1, heads * d), np.nan, f32), np.zeros((cap, kv * d), f32),
+        np.zeros((cap, kv * d), f32), dcos, dsin, i32(heads), i32(kv), i32(d), i32(cap),
+        i32(split)))
+    v = (rmsnorm(x, nw, 1e-5) @ wf.T)[0, (heads + kv) * d:]
+    np.testing.assert_allclose(got[3][5], v, rtol=1e-4, atol=1e-4)   # the cache slot at 5
