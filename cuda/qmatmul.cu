@@ -13,9 +13,10 @@
 // resident), every warp of a block running the same number of rounds. grid.y = one block
 // row per token (last_only: one). A chunk is what one 16-byte load of a row holds (16
 // columns of i8, 32 of u4, always inside one group: one scale and offset a chunk). A lane
-// takes the chunks c_begin + lane, + 32, ... of both rows of its unit into qbatch register
-// slots: a batch of one unit, or (QMV_DEEP) the chunks of 2 or 4 of its units where a unit
-// has that few a lane, each slot refilled with the next unit's chunk once it is summed. The
+// takes the chunks c_begin + lane, + 32, ... of both rows of its unit into register slots:
+// a batch of qbatch chunks of one unit, or (the _d2 kernels) the chunks of two of its units
+// where a unit has at most 2 a lane, each slot refilled with the next unit's chunk once it is
+// summed. The
 // first slots load before the wait for the previous kernel, the norm weights copied into
 // shared memory then too. The block stages x * norm_w (or x) in shared memory with the sum
 // of each 16 values of it, in one pass that also sums x^2 (few large blocks: x is read from
