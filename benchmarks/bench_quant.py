@@ -19,6 +19,8 @@ runs the same kernels).
 
 import argparse
 import gc
+import platform
+import shlex
 import sys
 import tempfile
 
@@ -131,7 +133,10 @@ def main(argv=None):
             'least a token can take there; fits 30 Hz x 6 tokens: six such steps within '
             '33.3 ms (prefill and host time not counted).\n\n' + markdown_table(header, rows))
     if args.write:
-        write_section('quantized', f'Quantized weights (CUDA decode, {gpu_name()})', body)
+        write_section('quantized', f'Quantized weights (CUDA decode, {gpu_name()})', body,
+                      machine=f'{gpu_name()}, Python {platform.python_version()}',
+                      command=' '.join(['PYTHONPATH=. python3 benchmarks/bench_quant.py']
+                                       + [shlex.quote(a) for a in sys.argv[1:]]))
     return 0
 
 
