@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of every kernel, with no GPU: NVRTC to PTX, then ptxas.
 
     python dev/cuda/ptxas_report.py [--arch 90] [--dtype BF16] [--ptxas PATH] [--match NAME]
-        [--define NAME=VALUE ...]
+        [--define NAME=VALUE ...] [--extra FILE ...]
 
 NVRTC compiles the program as the backend does (same options) but to PTX for
 compute_ARCH; the CUDA toolkit's ptxas (`/usr/local/cuda*/bin/ptxas`) assembles it for
@@ -31,13 +31,13 @@ def find_ptxas():
     return found[-1] if found else None
 
 
-def ptx_for(arch, dtype, defines=()):
+def ptx_for(arch, dtype, defines=(), extra=()):
     from cupy_backends.cuda.libs import nvrtc
     options = [o for o in compile_options(arch, dtype) if not o.startswith('--gpu-architecture')]
     options += [f'-D{d}' for d in defines]
     options.append(f'--gpu-architecture=compute_{arch}')
     included = headers()
-    program = nvrtc.createProgram(program_source(runtime_sources()), 'rt_llm_node.cu',
+    program = nvrtc.createProgram(program_source([*runtime_sources(), *extra]), 'rt_llm_node.cu',
                                   [text.encode() for text in included.values()],
                                   [name.encode() for name in included])
     try:
@@ -81,11 +81,14 @@ def main():
     parser.add_argument('--match', default='', help='only kernels whose name contains this')
     parser.add_argument('--define', action='append', default=[], metavar='NAME=VALUE',
                         help='an extra -D option (a macro with a default, e.g. QBATCH=2)')
+    parser.add_argument('--extra', action='append', default=[], metavar='FILE',
+                        help='a .cu file compiled after the runtime program (a probe)')
     args = parser.parse_args()
     ptxas = args.ptxas or find_ptxas()
     if not ptxas:
         raise SystemExit('no ptxas found: install the CUDA toolkit or pass --ptxas')
-    rows = report(ptx_for(args.arch, args.dtype, args.define), args.arch, ptxas, args.isa)
+    ptx = ptx_for(args.arch, args.dtype, args.define, args.extra)
+    rows = report(ptx, args.arch, ptxas, args.isa)
     print(f'sm_{args.arch} {args.dtype} ({ptxas})')
     print(f"{'kernel':28s} {'registers':>9s} {'spill bytes':>11s} {'smem bytes':>10s}")
     for name, r in sorted(rows.items()):
