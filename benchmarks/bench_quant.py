@@ -9,12 +9,12 @@ take on a Jetson Orin Nano Super (102 GB/s read, at the floor).
     PYTHONPATH=. python3 benchmarks/bench_quant.py [--write] [--shapes smollm2-135m,...]
 
 Runtime formats, and the GGUF types that convert into each exactly: bf16 (BF16); i8/32
-with fp16 scales (Q8_0; weight_format int8); i8/32 with fp32 scales and offsets (Q5_K);
-i8/16 with fp32 scales (Q6_K); u4/32 with fp16 scales and offsets (Q4_0, Q4_1;
+with fp16-exact scales (Q8_0; weight_format int8); i8/32 with fp32 scales and offsets (Q5_K);
+i8/16 with fp32 scales (Q6_K); u4/32 with fp16-exact scales and offsets (Q4_0, Q4_1;
 weight_format int4); u4/32 with fp32 ones (Q4_K, whose scales are products of an fp16 and a
-6-bit integer). The matrices are quantized from the same random bf16 weights, round to
-nearest, their scales made fp32-only where the GGUF type's are (what converts from a GGUF
-runs the same kernels).
+6-bit integer); fp16-exact scales are stored in fp16 on an integrated GPU only. The matrices
+are quantized from the same random bf16 weights, round to nearest, their scales made
+fp32-only where the GGUF type's are (what converts from a GGUF runs the same kernels).
 """
 
 import argparse
@@ -110,9 +110,9 @@ def main(argv=None):
                 nbytes = backend.bytes_per_token()
                 floor_us = nbytes / bandwidth * 1e6
                 median, p99 = result[256][0], result[256][1]
-                jetson_ms = nbytes / JETSON_BANDWIDTH * 1e3
-                scales = 'fp32' if spec and spec[3] else 'fp16' if spec else '-'
-                rows.append([shape, name, types, scales, kv, backend.kv_bytes_per_token(),
+                jetson_ms = backend.bytes_per_token(half_scales=True) / JETSON_BANDWIDTH * 1e3
+                rows.append([shape, name, types, backend.scale_storage(), kv,
+                             backend.kv_bytes_per_token(),
                              f'{nbytes / 1e6:.0f}', f'{floor_us:.0f}',
                              f'{median:.0f} ({p99:.0f})', f'{floor_us / median:.0%}',
                              f"{result['prefill']:.2f}", f'{jetson_ms:.1f}',
@@ -126,11 +126,12 @@ def main(argv=None):
     body = (f'{gpu_name()}, read bandwidth {bandwidth / 1e12:.2f} TB/s (measured in the same '
             'run). KV bytes a token: keys, values and their scales over every layer. '
             "Decode: GPU time of one decode step's graph replay "
-            'at 256 cached tokens, median (p99). Scales: how the scales and offsets are '
-            'stored (fp16 where the GGUF type has fp16 ones). MB read a token: every weight a '
-            'decode step reads (codes, scales and offsets; the embedding by one row). Of the '
-            'floor: floor / measured. Orin Nano Super floor: those bytes at 102 GB/s, the '
-            'least a token can take there; fits 30 Hz x 6 tokens: six such steps within '
+            'at 256 cached tokens, median (p99). Scales: how this GPU stores the scales and '
+            'offsets (fp16 ones only on an integrated GPU: cuda_backend.HALF_SCALES). MB read '
+            'a token: every weight a decode step reads here (codes, scales and offsets; the '
+            'embedding by one row). Of the floor: floor / measured. Orin Nano Super floor: '
+            'the bytes a step reads there (fp16 scales where the GGUF type has fp16 ones) at '
+            '102 GB/s, the least a token can take; fits 30 Hz x 6 tokens: six such steps within '
             '33.3 ms (prefill and host time not counted).\n\n' + markdown_table(header, rows))
     if args.write:
         write_section('quantized', f'Quantized weights (CUDA decode, {gpu_name()})', body,

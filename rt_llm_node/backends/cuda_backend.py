@@ -52,6 +52,12 @@ MATMUL_WARPS = 4     # warps per block of the matmul kernels
 QMV_THREADS = (512, 256, 128)
 QMV_FILL = 0.5
 QMV_DEEP_CPL = GEOMETRY['QMV_DEEP_CPL']   # the two-deep kernels' most chunks a lane a unit
+# Scales and offsets that are all fp16 values exactly (Q8_0, Q4_0, Q4_1, on-load int8/int4)
+# stored as fp16 (the _h kernels) or fp32. None: by the GPU. An integrated GPU (Jetson) shares
+# the host's memory and its decode step is bound by the bytes it reads, so it takes the 17%
+# fewer bytes of a u4 matrix; on discrete GPUs fp32 ones ran as fast or faster (H100 and H200,
+# benchmarks/RESULTS.md). 0 or 1 forces one (sweeps).
+HALF_SCALES = None
 T16_UNITS = GEOMETRY['T16_UNITS']      # units (row pairs) of a 16-token prefill tile's block
 T16_TOKENS = GEOMETRY['T16_TOKENS']
 T16_MAX_WARPS = GEOMETRY['T16_MAX_WARPS']   # and at most this many warps (its launch bounds)
@@ -269,6 +275,14 @@ def _i32(value):
     return np.int32(value)
 
 
+def stores_half_scales():
+    """Whether DeviceQuant keeps fp16-exact scales and offsets in fp16 (HALF_SCALES)."""
+    if HALF_SCALES is not None:
+        return bool(HALF_SCALES)
+    import cupy as cp
+    return bool(cp.cuda.Device().attributes.get('Integrated', 0))
+
+
 def fits_half(values):
     """Whether every value of an fp32 array is an fp16 exactly (so fp16 storage loses nothing)."""
     with np.errstate(over='ignore'):   # past fp16's range: inf, which compares unequal
@@ -278,18 +292,19 @@ def fits_half(values):
 class DeviceQuant:
     """A matrix in a runtime integer format (model/quant.py) on the device.
 
-    Scales and offsets go to the device as fp16 where every one of them is an fp16 exactly
-    (GGUF Q8_0, Q4_0 and Q4_1, and the on-load int8 and int4 formats, store such scales),
-    else as fp32: the kernels read the same fp32 values either way, and fp16 ones take half
-    the bytes (a sixth of a u4 matrix's).
+    Scales and offsets go to the device as fp16 where ``half`` (default: stores_half_scales())
+    and every one of them is an fp16 exactly (GGUF Q8_0, Q4_0 and Q4_1, and the on-load int8
+    and int4 formats, store such scales), else as fp32: the kernels read the same fp32 values
+    either way, and fp16 ones take half the bytes (a sixth of a u4 matrix's).
     """
 
-    def __init__(self, cp, tensor):
+    def __init__(self, cp, tensor, half=None):
         self.fmt = tensor.fmt                  # 'i8' or 'u4'
         self.rows, self.k = tensor.shape
         self.gshift = np.int32(int(tensor.group).bit_length() - 1)
         scales, offsets = tensor.scales, tensor.offsets
-        half = fits_half(scales) and (offsets is None or fits_half(offsets))
+        exact = fits_half(scales) and (offsets is None or fits_half(offsets))
+        half = (stores_half_scales() if half is None else half) and exact
         store = np.float16 if half else np.float32
         self.suffix = self.fmt + ('h' if half else '')   # the kernels' name suffix
         self.codes = cp.asarray(tensor.codes.view(np.uint8))
@@ -297,6 +312,9 @@ class DeviceQuant:
         self.offsets = None if offsets is None else cp.asarray(offsets.astype(store))
         self.nbytes = int(self.codes.nbytes + self.scales.nbytes
                           + (0 if self.offsets is None else self.offsets.nbytes))
+        # the bytes with fp16-exact scales and offsets in fp16 (what an integrated GPU reads)
+        self.half_nbytes = self.nbytes if half or not exact else int(
+            self.codes.nbytes + (self.nbytes - self.codes.nbytes) // 2)
         self.chunk_cols = 16 if self.fmt == 'i8' else 32   # columns of a 16-byte load
         if tensor.group < self.chunk_cols:
             raise BackendError(f'the {self.fmt} kernels need groups of at least '
@@ -516,14 +534,23 @@ class CudaBackend:
         """Device bytes of the weights (codes, scales and offsets of quantized ones)."""
         return int(sum(a.nbytes for a in self._weight_arrays(per_token=False)))
 
-    def bytes_per_token(self):
+    def bytes_per_token(self, half_scales=False):
         """Weight bytes one decode step reads.
 
         Every matrix but the embedding, of which it reads a row (the LM head, tied or not, is
-        read whole).
+        read whole). ``half_scales``: as if fp16-exact scales and offsets were stored in fp16
+        (stores_half_scales on an integrated GPU).
         """
         row = self.embed.nbytes // self.config.vocab_size
-        return int(sum(a.nbytes for a in self._weight_arrays(per_token=True)) + row)
+        size = (lambda a: getattr(a, 'half_nbytes', a.nbytes)) if half_scales else (
+            lambda a: a.nbytes)
+        return int(sum(size(a) for a in self._weight_arrays(per_token=True)) + row)
+
+    def scale_storage(self):
+        """How the quantized matrices' scales are stored: 'fp16', 'fp32', 'fp16+fp32' or '-'."""
+        kinds = sorted({'fp16' if a.suffix.endswith('h') else 'fp32'
+                        for a in self._weight_arrays(per_token=False) if hasattr(a, 'suffix')})
+        return '+'.join(kinds) or '-'
 
     def _allow_quant_shared(self):
         """Let the one-token quantized kernels stage the widest input vector in shared memory."""

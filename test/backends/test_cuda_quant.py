@@ -57,8 +57,9 @@ def decode_steps(backend, steps):
     return logits, tokens
 
 
-def compare(checkpoint, prompt_list, steps=NEW_TOKENS, capacity=128):
-    cuda, ref = cuda_backend(checkpoint, capacity), NumpyBackend(checkpoint, capacity)
+def compare(checkpoint, prompt_list, steps=NEW_TOKENS, capacity=128, cuda=None):
+    cuda = cuda or cuda_backend(checkpoint, capacity)
+    ref = NumpyBackend(checkpoint, capacity)
     assert cuda.quantized and cuda.decode_step == 'kernels'
     worst = 0.0
     for ids in prompt_list:
@@ -83,6 +84,21 @@ def test_gguf_types_give_the_numpy_greedy_tokens(files, family, kind):
     checkpoint = load_checkpoint(files[(family, kind)])
     worst = compare(checkpoint, prompts(checkpoint.tokenizer, PROMPTS))
     print(f'{family} {kind}: worst relative logit difference {worst:.2e}')
+
+
+@pytest.mark.parametrize('kind', ['Q8_0', 'Q4_0', 'Q4_1'])
+def test_fp16_and_fp32_scale_storage_give_the_numpy_greedy_tokens(files, kind, monkeypatch):
+    """Both storages of fp16-exact scales (the GPU picks one: stores_half_scales)."""
+    from rt_llm_node.backends import cuda_backend as module
+    checkpoint = load_checkpoint(files[('llama', kind)])
+    prompt_list = prompts(checkpoint.tokenizer, 8)
+    sizes = {}
+    for half in (0, 1):
+        monkeypatch.setattr(module, 'HALF_SCALES', half)
+        backend = cuda_backend(checkpoint, 128)
+        sizes[half] = backend.weight_bytes()
+        compare(checkpoint, prompt_list, cuda=backend)
+    assert sizes[1] < sizes[0], sizes
 
 
 @pytest.mark.parametrize('weight_format', ['int8', 'int4'])
@@ -172,11 +188,8 @@ def device_quant(cp, fmt, rows, k, half, rng):
     from rt_llm_node.backends.cuda_backend import DeviceQuant
     from rt_llm_node.model.quant import quantize
     tensor = quantize(rng.standard_normal((rows, k)).astype(np.float32) * 0.1, fmt)
-    w = DeviceQuant(cp, tensor)
-    assert w.suffix == fmt + 'h'   # on-load scales are fp16 values
-    if not half:   # the same values as fp32 scales and offsets
-        w.suffix, w.scales = fmt, cp.asarray(tensor.scales)
-        w.offsets = None if tensor.offsets is None else cp.asarray(tensor.offsets)
+    w = DeviceQuant(cp, tensor, half=half)
+    assert w.suffix == fmt + ('h' if half else '')   # on-load scales are fp16 values
     return w, tensor.to_float32()
 
 
