@@ -61,6 +61,18 @@ __device__ __forceinline__ float fl_remote(const float* local, unsigned rank) {
 }
 #endif
 
+// u4 chunk ch (32 codes) of a row dotted with its 32 values of x (xs_slot order).
+__device__ __forceinline__ float fl_chunk_dot(const uint4& w, const float4* xs, int ch) {
+  float d = 0.f;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float f[QSUB];
+    q_floats<QFMT_U4, 0>(w, h, f);
+    d = dot16(f, xs, (ch * 32 + h * QSUB) / 4, d);
+  }
+  return d;
+}
+
 extern "C" __global__ void __launch_bounds__(FL_THREADS, 1)
 fused_qkv_attn_o_probe(const float* __restrict__ x, const float* __restrict__ norm_w,
                        float eps, const unsigned char* __restrict__ qkv_codes,
@@ -190,14 +202,7 @@ fused_qkv_attn_o_probe(const float* __restrict__ x, const float* __restrict__ no
       const float sx = xsum[2 * ch] + xsum[2 * ch + 1];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float d = 0.f;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float f[QSUB];
-          q_floats<QFMT_U4, 0>(wq[r][k], h, f);
-          d = dot16(f, xs4, (ch * 32 + h * QSUB) / 4, d);
-        }
-        a[r] = fmaf(oq[r][k], sx, fmaf(sq[r][k], d, a[r]));
+        a[r] = fmaf(oq[r][k], sx, fmaf(sq[r][k], fl_chunk_dot(wq[r][k], xs4, ch), a[r]));
       }
     }
     a[0] = warp_sum(a[0]);
@@ -328,14 +333,7 @@ fused_qkv_attn_o_probe(const float* __restrict__ x, const float* __restrict__ no
   float a[2] = {0.f, 0.f};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float d = 0.f;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float f[QSUB];
-      q_floats<QFMT_U4, 0>(wo[r], h, f);
-      d = dot16(f, a4, (och * 32 + h * QSUB) / 4, d);
-    }
-    a[r] = fmaf(oo[r], asum[och], so[r] * d);
+    a[r] = fmaf(oo[r], asum[och], so[r] * fl_chunk_dot(wo[r], a4, och));
   }
 #pragma unroll
   for (int o = 4; o > 0; o >>= 1) {
