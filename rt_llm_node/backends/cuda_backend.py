@@ -542,9 +542,8 @@ class CudaBackend:
         (stores_half_scales on an integrated GPU).
         """
         row = self.embed.nbytes // self.config.vocab_size
-        size = (lambda a: getattr(a, 'half_nbytes', a.nbytes)) if half_scales else (
-            lambda a: a.nbytes)
-        return int(sum(size(a) for a in self._weight_arrays(per_token=True)) + row)
+        return int(sum(getattr(a, 'half_nbytes', a.nbytes) if half_scales else a.nbytes
+                       for a in self._weight_arrays(per_token=True)) + row)
 
     def scale_storage(self):
         """How the quantized matrices' scales are stored: 'fp16', 'fp32', 'fp16+fp32' or '-'."""
