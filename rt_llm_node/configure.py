@@ -16,10 +16,13 @@ from rt_llm_node.codec import StringGrammar
 from rt_llm_node.codec import twist_grammar
 from rt_llm_node.engine import ModelClock
 from rt_llm_node.engine import TickEngine
+from rt_llm_node.guard import JOINT_STATE
+from rt_llm_node.guard import OutputGuard
 from rt_llm_node.instruction_cache import InstructionCache
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.embedded import default_model_path
 from rt_llm_node.model.quant import quantize_checkpoint
+from rt_llm_node.params import grammar_range
 from rt_llm_node.params import validate
 from rt_llm_node.state_store import fingerprint
 from rt_llm_node.state_store import host_description
@@ -47,20 +50,42 @@ def input_specs(values):
 
 
 def action_grammar(values, tokenizer):
-    """Return the action grammar the parameters describe."""
+    """Return the action grammar the parameters describe (over the model's own range)."""
     kind = values['action_type']
-    if kind == 'geometry_msgs/msg/Twist':
+    low, high = grammar_range(values)
+    if 'Twist' in kind:
         fields = [{'name': n, 'key': k, 'min': lo, 'max': hi, 'step': st}
                   for n, k, lo, hi, st in zip(values['action_fields'], values['action_keys'],
-                                              values['action_min'], values['action_max'],
-                                              values['action_step'])]
+                                              low, high, values['action_step'])]
         return twist_grammar(tokenizer, fields)
     if kind == 'trajectory_msgs/msg/JointTrajectory':
         joints = [{'name': n, 'min': lo, 'max': hi, 'step': st}
-                  for n, lo, hi, st in zip(values['action_fields'], values['action_min'],
-                                           values['action_max'], values['action_step'])]
+                  for n, lo, hi, st in zip(values['action_fields'], low, high,
+                                           values['action_step'])]
         return joint_trajectory_grammar(tokenizer, joints)
     return StringGrammar(tokenizer, values['action_max_tokens'], values['action_stop_text'])
+
+
+def output_guard(values, specs, grammar):
+    """Return the OutputGuard of the parameters: limits, joint steps, fallbacks.
+
+    A joint target needs a joint-state input: its measured positions bound each target and
+    are what a stop holds.
+    """
+    joint_topic = None
+    if values['action_type'] == 'trajectory_msgs/msg/JointTrajectory':
+        joint_topic = next((s.topic for s in specs if s.msg_type == JOINT_STATE
+                            and s.kind == 'observation'), None)
+        if joint_topic is None:
+            raise ConfigurationError(
+                'action_type JointTrajectory needs a sensor_msgs/msg/JointState observation '
+                'among input_topics: the measured positions bound each target and are what a '
+                'stop holds (a stop is never a move to zero)')
+    fields = [] if grammar.kind == 'string' else [f.name for f in grammar.fields]
+    steps = values['joint_max_step']
+    return OutputGuard(grammar.kind, fields, values['action_min'], values['action_max'],
+                       joint_topic, steps * len(fields) if len(steps) == 1 else steps,
+                       values['hold_timeout_s'], values['fallback_repeat'])
 
 
 def check_room(engine, specs, grammar, capacity):
@@ -122,6 +147,7 @@ def configure_engine(values, clock=None, log=print, cost_model=None):
         log(f"decode step: {values['cuda_decode_step']} (set by cuda_decode_step)")
     grammar = action_grammar(values, checkpoint.tokenizer)
     specs = input_specs(values)
+    guard = output_guard(values, specs, grammar)
     store = fields = None
     if values['state_dir']:
         store = StateStore(values['state_dir'], values['state_max_mb'] << 20, log)
@@ -150,6 +176,7 @@ def configure_engine(values, clock=None, log=print, cost_model=None):
     engine = TickEngine(backend, checkpoint.tokenizer, specs, grammar, admission,
                         policy=values['eviction_policy'], system_prompt=values['system_prompt'],
                         clock=clock, stamp_tolerance_s=values['input_stamp_tolerance_s'],
+                        guard=guard,
                         speculative_tokens=values['speculative_tokens'],
                         instruction_cache=(InstructionCache(values['instruction_cache_entries'],
                                                             values['instruction_cache_mb'] << 20)

@@ -163,13 +163,16 @@ class TickEngine:
 
     def __init__(self, backend, tokenizer, inputs, grammar, admission, policy='meaning',
                  system_prompt='', decay=0.9, clock=None, stamp_tolerance_s=0.5,
-                 speculative_tokens=0, instruction_cache=None):
+                 speculative_tokens=0, instruction_cache=None, guard=None):
         self.backend = backend
         self.tokenizer = tokenizer
         self.inputs = list(inputs)
         self.stamp_tolerance_s = float(stamp_tolerance_s)
         self.codec = ObservationCodec(tokenizer, self.inputs)
         self.grammar = grammar
+        # what is published: the decoded action clamped, joint targets bounded by the
+        # measured state (guard.OutputGuard); None: the decoded action as it is
+        self.guard = guard
         self.admission = admission
         self.clock = clock or WallClock()
         # under the model clock the backend's work is what advances time
@@ -276,22 +279,27 @@ class TickEngine:
                                     *entry, start=len(self.system_ids))
 
     # -- inputs -------------------------------------------------------------------------
-    def stale_inputs(self, snapshot, now):
-        """Descriptions of required inputs that are missing or too old."""
-        problems = []
+    def input_problems(self, snapshot, now):
+        """{topic: why it is missing or too old} for the required inputs that are."""
+        problems = {}
         for spec in self.inputs:
             if not spec.required:
                 continue
             entry = snapshot.get(spec.topic)
             if entry is None:
                 if spec.kind != INSTRUCTION or spec.topic not in self.rendered:
-                    problems.append(f'{spec.topic}: no message yet')
+                    problems[spec.topic] = 'no message yet'
             elif spec.kind == OBSERVATION:
                 lag = entry[2] if len(entry) > 2 else None
                 problem = self._stale(spec, now - entry[1], lag)
                 if problem:
-                    problems.append(f'{spec.topic}: {problem}')
+                    problems[spec.topic] = problem
         return problems
+
+    def stale_inputs(self, snapshot, now):
+        """Descriptions of required inputs that are missing or too old."""
+        return [f'{topic}: {problem}'
+                for topic, problem in self.input_problems(snapshot, now).items()]
 
     def _stale(self, spec, age, lag):
         """Say why an observation is too old to act on ('' if it is not), and by which clock.
@@ -357,7 +365,10 @@ class TickEngine:
                 except Exception:  # the backend is broken; the node will clean up
                     pass
             return run.refuse('backend_error', plan.predicted, str(exc))
-        return self._commit(run, plan, parts, segment, mark, *decoded)
+        result = self._commit(run, plan, parts, segment, mark, *decoded)
+        if result.action is not None and self.guard is not None:
+            result.action = self.guard.limit(result.action, snapshot)
+        return result
 
     def _check_inputs(self, snapshot, stamp):
         """(reason, detail) when the tick cannot start: not started, or inputs stale."""
@@ -366,6 +377,9 @@ class TickEngine:
         problems = self.stale_inputs(snapshot, stamp)
         if problems:
             return 'stale_input', 0.0, '; '.join(problems)
+        unbounded = self.guard.check(snapshot) if self.guard is not None else ''
+        if unbounded:   # a joint target could not be bounded by its measured position
+            return 'input_error', 0.0, unbounded
         return None
 
     def _render(self, run, snapshot, stamp):

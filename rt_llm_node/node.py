@@ -22,6 +22,7 @@ from diagnostic_msgs.msg import DiagnosticArray
 from diagnostic_msgs.msg import DiagnosticStatus
 from diagnostic_msgs.msg import KeyValue
 from geometry_msgs.msg import Twist
+from geometry_msgs.msg import TwistStamped
 from geometry_msgs.msg import Vector3
 from nav_msgs.msg import Odometry
 from rcl_interfaces.msg import FloatingPointRange
@@ -31,12 +32,15 @@ from rcl_interfaces.msg import SetParametersResult
 from rclpy.duration import Duration
 from rclpy.lifecycle import LifecycleNode
 from rclpy.lifecycle import TransitionCallbackReturn
+from rclpy.parameter import Parameter
+from rclpy.qos import DurabilityPolicy
 from rclpy.qos import qos_profile_sensor_data
 from rclpy.qos import QoSProfile
 from rclpy.qos import ReliabilityPolicy
 from sensor_msgs.msg import Imu
 from sensor_msgs.msg import JointState
 from sensor_msgs.msg import LaserScan
+from std_msgs.msg import Header
 from std_msgs.msg import String
 from trajectory_msgs.msg import JointTrajectory
 from trajectory_msgs.msg import JointTrajectoryPoint
@@ -49,12 +53,20 @@ except ImportError:  # Humble
     from rclpy.qos_event import SubscriptionEventCallbacks
 
 from rt_llm_node.codec import action_message
-from rt_llm_node.codec import fallback_values
 from rt_llm_node.codec import refusal_values
 from rt_llm_node.configure import configure_engine
 from rt_llm_node.engine import header_stamp_lag
 from rt_llm_node.engine import InputBuffer
+from rt_llm_node.files import FileError
+from rt_llm_node.files import read_yaml
+from rt_llm_node.files import write_atomic
+from rt_llm_node.health import ERROR
+from rt_llm_node.health import Health
+from rt_llm_node.health import LineLimiter
+from rt_llm_node.health import OK
+from rt_llm_node.health import WARN
 from rt_llm_node.params import BY_NAME
+from rt_llm_node.params import node_sections
 from rt_llm_node.params import PARAMETERS
 from rt_llm_node.params import unknown_names
 from rt_llm_node.params import validate
@@ -68,6 +80,7 @@ MESSAGE_CLASSES = {
     'sensor_msgs/msg/Imu': Imu,
     'sensor_msgs/msg/JointState': JointState,
     'geometry_msgs/msg/Twist': Twist,
+    'geometry_msgs/msg/TwistStamped': TwistStamped,
     'std_msgs/msg/String': String,
     'trajectory_msgs/msg/JointTrajectory': JointTrajectory,
 }
@@ -89,16 +102,27 @@ def _descriptor(p):
 
 _ACTION_CLASSES = {
     'geometry_msgs/msg/Twist': Twist, 'geometry_msgs/msg/Vector3': Vector3,
+    'geometry_msgs/msg/TwistStamped': TwistStamped, 'std_msgs/msg/Header': Header,
     'std_msgs/msg/String': String, 'trajectory_msgs/msg/JointTrajectory': JointTrajectory,
     'trajectory_msgs/msg/JointTrajectoryPoint': JointTrajectoryPoint,
     'builtin_interfaces/msg/Duration': DurationMsg,
 }
 
 
-def to_message(action, action_type, period_s):
-    """Return the ROS message of an Action (values already clamped by the grammar)."""
+def to_message(action, action_type, period_s, stamp=None, frame_id=''):
+    """Return the ROS message of an Action (values already limited by the guard)."""
     return action_message(action, action_type, period_s,
-                          lambda name, **fields: _ACTION_CLASSES[name](**fields))
+                          lambda name, **fields: _ACTION_CLASSES[name](**fields),
+                          stamp=stamp, frame_id=frame_id)
+
+
+_LEVELS = {OK: DiagnosticStatus.OK, WARN: DiagnosticStatus.WARN, ERROR: DiagnosticStatus.ERROR}
+
+
+def _first_words(msg, words=8, chars=60):
+    """Return the first words of an instruction message, for a log line."""
+    text = ' '.join(str(getattr(msg, 'data', msg)).split()[:words])
+    return repr(text if len(text) <= chars else text[:chars] + '...')
 
 
 class RtLlmNode(LifecycleNode):
@@ -115,9 +139,16 @@ class RtLlmNode(LifecycleNode):
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self._buffer = InputBuffer()
-        self._received = {}             # topic -> (last message, arrival) for de-duplication
+        # instruction topics: the last few (message, arrival) for de-duplication (a message
+        # from a latched publisher reaches both subscriptions), and the latched subscription,
+        # kept only while some publisher of the topic is latched (see _match_latched)
+        self._received = {}
+        self._latched = {}
+        self._graph_timer = None
+        self._instruction_topics = set()
+        self._lines = LineLimiter(1.0)
+        self._input_problems = {}       # topic -> why it is stale, as last logged
         self._values = {}
-        self._last_action = None
         self._failed = False
         self._active = False            # between on_activate and leaving the active state
         self._publish_lock = threading.Lock()   # one publisher of actions at a time
@@ -160,12 +191,16 @@ class RtLlmNode(LifecycleNode):
             return SetParametersResult(successful=False, reason='node is configured: '
                                        'clean up before changing parameters')
         if 'on_refusal' in changes:
+            before = self._values.get('on_refusal', BY_NAME['on_refusal'].default)
             self._values['on_refusal'] = changes['on_refusal']
+            if before != changes['on_refusal']:
+                self.get_logger().info(f"on_refusal: {before} -> {changes['on_refusal']}")
         return SetParametersResult(successful=True)
 
     # -- lifecycle ----------------------------------------------------------------------
     def on_configure(self, state):
         self._values = self._current_values()
+        self.get_logger().info('configuring: loading the model, warming up, calibrating')
         try:
             self._engine = self._at_control_priority(
                 lambda: configure_engine(self._values,
@@ -178,10 +213,10 @@ class RtLlmNode(LifecycleNode):
         v = self._values
         if v['cost_model_path']:  # the robot's own calibration, for replays of its bags
             try:
-                with open(v['cost_model_path'], 'w', encoding='utf-8') as f:
-                    f.write(self._engine.admission.model.to_json())
+                write_atomic(v['cost_model_path'], self._engine.admission.model.to_json(),
+                             'cost_model_path')
                 self.get_logger().info(f"cost model written to {v['cost_model_path']}")
-            except OSError as exc:
+            except FileError as exc:
                 self.get_logger().warning(f'cost model not written: {exc}')
         period = 1.0 / v['rate_hz']
         # a missed QoS deadline is a period with no action on the wire: 1.5 periods, since a
@@ -196,45 +231,84 @@ class RtLlmNode(LifecycleNode):
         self._diagnostics_pub = self.create_lifecycle_publisher(DiagnosticArray,
                                                                 '/diagnostics', 10)
         for spec in self._engine.inputs:
-            callback = partial(self._receive, spec.topic)
             cls = MESSAGE_CLASSES[spec.msg_type]
             if spec.kind != 'instruction':
                 self._subscriptions_.append(self.create_subscription(
-                    cls, spec.topic, callback, qos_profile_sensor_data))
+                    cls, spec.topic, partial(self._receive, spec.topic),
+                    qos_profile_sensor_data))
                 continue
-            # latched instructions reach the first on a late join, those of a default
-            # publisher (ros2 topic pub) the second; _receive keeps one copy of each message
-            callback = partial(self._receive, spec.topic, twice=True)
+            # a default publisher (ros2 topic pub: reliable, volatile) reaches the volatile
+            # subscription; a latched one that spoke before this node started needs a latched
+            # subscription, which a volatile publisher cannot match (and would be told that
+            # no messages will be sent to it): so that one exists only while a latched
+            # publisher does
+            self._instruction_topics.add(spec.topic)
             self._subscriptions_.append(self.create_subscription(
-                cls, spec.topic, callback, INSTRUCTION_QOS))
-            self._subscriptions_.append(self.create_subscription(
-                cls, spec.topic, callback, INSTRUCTION_VOLATILE_QOS,
-                event_callbacks=SubscriptionEventCallbacks(
+                cls, spec.topic, partial(self._receive_instruction, spec.topic),
+                INSTRUCTION_VOLATILE_QOS, event_callbacks=SubscriptionEventCallbacks(
                     incompatible_qos=partial(self._on_incompatible_qos, spec.topic))))
+            self._latched[spec.topic] = None
+        if self._latched:
+            self._match_latched()
+            self._graph_timer = self.create_timer(0.5, self._match_latched)
+        kept = self._buffer.snapshot()
+        if kept:
+            self.get_logger().info('instruction kept from before cleanup: ' + '; '.join(
+                f'{topic}: {_first_words(entry[0])}' for topic, entry in kept.items()))
         self.get_logger().info(f'configured: {len(self._engine.inputs)} inputs, action on '
                                f"{v['action_topic']} at {v['rate_hz']} Hz")
         return TransitionCallbackReturn.SUCCESS
 
-    def _receive(self, topic, msg, twice=False):
-        """Keep an input message with its arrival time and how old its header stamp was.
-
-        ``twice``: the topic has two subscriptions (an instruction), so a message that equals
-        the one just received is the same message, not a new one.
-        """
+    def _receive(self, topic, msg):
+        """Keep an input message with its arrival time and how old its header stamp was."""
         now = time.monotonic()
-        if twice:
-            last = self._received.get(topic)
-            if last is not None and now - last[1] < 1.0 and last[0] == msg:
-                return
-            self._received[topic] = (msg, now)
         lag = header_stamp_lag(msg, self.get_clock().now().nanoseconds / 1e9)
         self._buffer.put(topic, msg, now, lag)
+        self._health.arrival(topic, now)
+
+    def _receive_instruction(self, topic, msg):
+        """Keep an instruction, once: the latest wins, a copy from the second subscription not.
+
+        A latched publisher's message reaches both subscriptions: one equal to a message
+        received in the last second is that copy. Coalesced by the buffer (the latest per
+        topic), a flood places at most one instruction a tick.
+        """
+        now = time.monotonic()
+        recent = self._received.setdefault(topic, deque(maxlen=4))
+        for seen, at in recent:
+            if now - at < 1.0 and seen == msg:
+                return
+        recent.append((msg, now))
+        self._buffer.put(topic, msg, now, None)
+        self._health.arrival(topic, now)
+        held = self._lines.allow(('instruction', topic), now)
+        if held is not None:
+            more = f' ({held} more since the last line)' if held else ''
+            self.get_logger().info(f'instruction on {topic}: {_first_words(msg)}{more}')
 
     def _on_incompatible_qos(self, topic, event):
         self.get_logger().warning(
             f'{topic}: a publisher offers a QoS this node cannot receive (policy '
             f'{event.last_policy_kind}): publish instructions reliable, as ros2 topic pub '
             'does by default; transient local lets a restarted node get the last one')
+
+    def _match_latched(self):
+        """Keep a latched subscription to an instruction topic while a publisher is latched."""
+        for topic, sub in list(self._latched.items()):
+            try:
+                infos = self.get_publishers_info_by_topic(topic)
+            except Exception:   # the graph is not readable now: try on the next timer
+                continue
+            latched = any(i.qos_profile.durability == DurabilityPolicy.TRANSIENT_LOCAL
+                          for i in infos if i.node_name != self.get_name())
+            if latched and sub is None:
+                spec = next(s for s in self._engine.inputs if s.topic == topic)
+                self._latched[topic] = self.create_subscription(
+                    MESSAGE_CLASSES[spec.msg_type], topic,
+                    partial(self._receive_instruction, topic), INSTRUCTION_QOS)
+            elif not latched and sub is not None:
+                self.destroy_subscription(sub)
+                self._latched[topic] = None
 
     def on_activate(self, state):
         self._reset_stats()
@@ -243,8 +317,12 @@ class RtLlmNode(LifecycleNode):
         self._thread = threading.Thread(target=self._control_loop, name='rt_llm_control',
                                         daemon=True)
         self._diagnostics_timer = self.create_timer(1.0, self._publish_diagnostics)
+        self._engine.guard.reset()
+        self._input_problems = {}
         result = super().on_activate(state)
         self._thread.start()
+        self.get_logger().info(f"activated: ticking at {self._values['rate_hz']:g} Hz, actions "
+                               f'on {self._action_pub.topic_name}')
         return result
 
     def on_deactivate(self, state):
@@ -255,18 +333,21 @@ class RtLlmNode(LifecycleNode):
             self._diagnostics_timer = None
         if self._failed:  # repeated backend errors: go through ErrorProcessing
             return TransitionCallbackReturn.ERROR
+        self.get_logger().info('deactivated: the stop was published, no more ticks')
         return super().on_deactivate(state)
 
     def on_cleanup(self, state):
         self._leave_active()
         self._save_state()
         self._release()
+        self.get_logger().info('cleaned up: model released (the last instruction is kept)')
         return TransitionCallbackReturn.SUCCESS
 
     def on_shutdown(self, state):
         self._leave_active()
         self._save_state()
         self._release()
+        self.get_logger().info('shut down')
         return TransitionCallbackReturn.SUCCESS
 
     def _save_state(self):
@@ -287,17 +368,27 @@ class RtLlmNode(LifecycleNode):
         return TransitionCallbackReturn.SUCCESS
 
     def _release(self):
-        for sub in self._subscriptions_:
-            self.destroy_subscription(sub)
+        if self._graph_timer is not None:
+            self.destroy_timer(self._graph_timer)
+            self._graph_timer = None
+        for sub in [*self._subscriptions_, *self._latched.values()]:
+            if sub is not None:
+                self.destroy_subscription(sub)
         self._subscriptions_ = []
+        self._latched = {}
         for pub in (self._action_pub, self._refusal_pub, self._diagnostics_pub):
             if pub is not None:
                 self.destroy_lifecycle_publisher(pub)
         self._action_pub = self._refusal_pub = self._diagnostics_pub = None
         self._engine = None
+        # the robot's task outlives a reconfigure: a one-shot instruction is not lost by it
+        kept = {topic: entry for topic, entry in self._buffer.snapshot().items()
+                if topic in self._instruction_topics}
         self._buffer.clear()
+        for topic, entry in kept.items():
+            self._buffer.put(topic, *entry)
+        self._instruction_topics = set()
         self._received.clear()
-        self._last_action = None
         gc.collect()
 
     def _stop_loop(self):
@@ -319,7 +410,7 @@ class RtLlmNode(LifecycleNode):
         self._stop_loop()
         if self._active:
             self._active = False
-            self._publish_fallback(force_stop=True)
+            self._publish_stop()
             # the publisher (and, on a signal, the process) may go away next: wait until the
             # subscribers have the stop, briefly (the middleware sends from its own threads)
             try:
@@ -336,6 +427,12 @@ class RtLlmNode(LifecycleNode):
             self._latencies = deque(maxlen=3000)
             self._cache_occupancy = 0.0
             self._admission_scale = 1.0
+            window = self._values.get('diagnostics_window_s',
+                                      BY_NAME['diagnostics_window_s'].default)
+            arrivals = getattr(self, '_health', None)
+            self._health = Health(window)
+            if arrivals is not None:   # input rates span activations
+                self._health.arrivals = arrivals.arrivals
 
     def _on_deadline_missed(self, event):
         with self._stats_lock:
@@ -412,10 +509,11 @@ class RtLlmNode(LifecycleNode):
                     self._stats['skipped_periods'] += skipped
                 continue
             ros_start = self.get_clock().now() - Duration(seconds=now - start)
-            result = engine.tick(self._buffer.snapshot(), start, deadline)
+            snapshot = self._buffer.snapshot()
+            result = engine.tick(snapshot, start, deadline)
             finished = time.monotonic()
             try:
-                self._publish_result(result, ros_start)
+                self._publish_result(result, ros_start, snapshot)
             except Exception as exc:   # e.g. the context was shut down under the loop
                 if not self._stop.is_set():
                     self.get_logger().error(f'control loop stopped: cannot publish ({exc})')
@@ -447,11 +545,14 @@ class RtLlmNode(LifecycleNode):
                 self._admission_scale = engine.admission.scale
                 self._latencies.append((time.monotonic() - start) * 1e3)
                 self._cache_occupancy = rec.cache_length / max(1, rec.capacity)
+                self._health.tick(start, '' if result.action else result.refusal.reason,
+                                  rec.late)
+            self._log_inputs(engine, snapshot, start)
             if consecutive_errors >= self._values['backend_error_limit']:
                 self.last_error = (f'{consecutive_errors} consecutive backend errors, the last: '
                                    f'{result.refusal.detail}')
                 self.get_logger().error(self.last_error)
-                self._publish_fallback(force_stop=True)
+                self._publish_stop()
                 self._failed = True
                 self._request_deactivate()
                 break
@@ -475,17 +576,35 @@ class RtLlmNode(LifecycleNode):
         else:
             threading.Thread(target=self.trigger_deactivate, daemon=True).start()
 
-    def _publish_result(self, result, ros_start):
+    def _log_inputs(self, engine, snapshot, now):
+        """Say when a required input goes stale or missing, and when it recovers (rate-limited)."""
+        problems = engine.input_problems(snapshot, now)
+        if problems == self._input_problems:
+            return
+        for topic in self._input_problems.keys() - problems.keys():
+            if self._lines.allow(('input', topic), now) is not None:
+                self.get_logger().info(f'{topic}: fresh again')
+        for topic, problem in problems.items():
+            before = self._input_problems.get(topic)
+            if before is None or before.split(' ')[0] != problem.split(' ')[0]:
+                held = self._lines.allow(('input', topic), now)
+                if held is not None:
+                    hint = (' (publish one: see the README, "Instructions")'
+                            if topic in self._instruction_topics else '')
+                    self.get_logger().info(f'{topic}: {problem}, refusing ticks{hint}')
+        self._input_problems = problems
+
+    def _publish_result(self, result, ros_start, snapshot):
         with self._publish_lock:
             if self._stop.is_set():   # leaving active: the stop action is the last one
                 return
-            self._publish_result_locked(result, ros_start)
+            self._publish_result_locked(result, ros_start, snapshot)
 
-    def _publish_result_locked(self, result, ros_start):
+    def _publish_result_locked(self, result, ros_start, snapshot):
+        guard = self._engine.guard
         if result.action is not None:
-            self._last_action = result.action
-            self._action_pub.publish(to_message(result.action, self._values['action_type'],
-                                                1.0 / self._values['rate_hz']))
+            self._publish_action(result.action)
+            guard.on_action(result.action, time.monotonic())
             return
         r = result.refusal
         stamp = ros_start.to_msg()
@@ -501,7 +620,10 @@ class RtLlmNode(LifecycleNode):
         array = DiagnosticArray(status=[status])
         array.header.stamp = stamp
         self._refusal_pub.publish(array)
-        self._publish_fallback()
+        fallback = guard.on_refusal(self._values.get('on_refusal', 'stop'), time.monotonic(),
+                                    snapshot)
+        if fallback is not None:
+            self._publish_action(fallback)
         if published > deadline_ros.nanoseconds:
             # the process lost the CPU between deciding and publishing (a VM's stolen time,
             # RT throttling, a normal-priority control thread beside busy processes): the
@@ -510,18 +632,20 @@ class RtLlmNode(LifecycleNode):
             with self._stats_lock:
                 self._stats['late_refusals'] += 1
 
-    def _publish_fallback(self, force_stop=False):
+    def _publish_action(self, action):
+        v = self._values
+        self._action_pub.publish(to_message(action, v['action_type'], 1.0 / v['rate_hz'],
+                                            self.get_clock().now().to_msg(),
+                                            v['action_frame_id']))
+
+    def _publish_stop(self):
+        """Publish the stop on the way out of the active state: always, never zeros for joints."""
         if self._action_pub is None or self._engine is None:
             return
-        mode = 'stop' if force_stop else self._values.get('on_refusal', 'stop')
-        if mode == 'none':
-            return
-        action = fallback_values(self._engine.grammar, mode, self._last_action)
-        message = to_message(action, self._values['action_type'], 1.0 / self._values['rate_hz'])
         try:
-            self._action_pub.publish(message)
+            self._publish_action(self._engine.guard.on_exit(self._buffer.snapshot()))
         except Exception as exc:   # the context is gone (shut down from outside): say so
-            self.get_logger().error(f'could not publish the {mode} action: {exc}')
+            self.get_logger().error(f'could not publish the stop action: {exc}')
 
     def _publish_diagnostics(self):
         if self._diagnostics_pub is None:
@@ -563,13 +687,40 @@ class RtLlmNode(LifecycleNode):
                  'instructions_prefilled': stats.get('instructions_prefilled', 0),
                  'instructions_restored': stats.get('instructions_restored', 0)}
         pairs.update({f'refusals_{k}': v for k, v in refusals.items()})
-        if refusals:
-            status.level = DiagnosticStatus.WARN
-            status.message = 'refusing some ticks'
+        now = time.monotonic()
+        with self._stats_lock:
+            level, message = self._health.level(now)
+        status.level = _LEVELS[level]
+        status.message = message
+        pairs['window_s'] = f'{self._health.window_s:g}'
         status.values = [KeyValue(key=k, value=str(v)) for k, v in pairs.items()]
-        array = DiagnosticArray(status=[status])
+        array = DiagnosticArray(status=[status, *self._input_statuses(now)])
         array.header.stamp = self.get_clock().now().to_msg()
         self._diagnostics_pub.publish(array)
+
+    def _input_statuses(self, now):
+        """One status an input: its rate and age over the window, as topic monitors show them."""
+        engine, statuses = self._engine, []
+        if engine is None:
+            return statuses
+        problems = dict(self._input_problems)
+        for spec in engine.inputs:
+            last = self._health.last_arrival(spec.topic)
+            kept = self._buffer.snapshot().get(spec.topic)
+            problem = problems.get(spec.topic, '')
+            level = OK if not problem else WARN if spec.kind == 'instruction' else ERROR
+            status = DiagnosticStatus(
+                level=_LEVELS[level], name=f'{self.get_fully_qualified_name()}: {spec.topic}',
+                message=problem or ('fresh' if spec.kind == 'observation' else 'in force'),
+                hardware_id='rt_llm_node')
+            values = {'type': spec.msg_type, 'kind': spec.kind,
+                      'frequency_hz': f'{self._health.rate_hz(spec.topic, now):.2f}',
+                      'age_s': ('never' if kept is None else f'{now - kept[1]:.3f}'),
+                      'max_age_s': f'{spec.max_age_s:g}',
+                      'last_arrival_s_ago': '' if last is None else f'{now - last:.3f}'}
+            status.values = [KeyValue(key=k, value=v) for k, v in values.items()]
+            statuses.append(status)
+        return statuses
 
     def shut_down(self):
         """Leave whatever state the node is in through the lifecycle's shutdown transition.
@@ -589,13 +740,42 @@ class RtLlmNode(LifecycleNode):
             return dict(self._stats), dict(self._refusals), list(self._latencies)
 
 
-def warn_unused_params_files(node, ros_args):
-    """Warn about a --params-file that set no parameter of this node (a node name typo)."""
+def apply_params_files(node, ros_args):
+    """Honour every --params-file section for this node, and say when none applied.
+
+    rcl applies ``/ns/node``, ``/**`` and ``/**/node``; a section keyed by the bare node name
+    applies only outside a namespace there, though that is how people write it: under a
+    namespace this applies it too (a section rcl applied wins over it). A file with no
+    section for the node is a warning naming the keys looked for and those found.
+    """
     files = [ros_args[i + 1] for i, a in enumerate(ros_args[:-1]) if a == '--params-file']
-    if files and not getattr(node, '_parameter_overrides', None):
-        node.get_logger().warning(
-            f"{', '.join(files)} set no parameter of {node.get_fully_qualified_name()}: its "
-            f"top-level key must be the node's name ({node.get_name()}) or /**")
+    fqn = node.get_fully_qualified_name()
+    for path in files:
+        try:
+            data = read_yaml(path, 'parameters file')
+        except FileError as exc:
+            node.get_logger().warning(str(exc))
+            continue
+        values, matched, looked_for = node_sections(data, fqn)
+        if not matched:
+            keys = ', '.join(map(str, data)) if isinstance(data, dict) else 'none'
+            node.get_logger().warning(
+                f'{path} set no parameter of {fqn}: looked for a section keyed '
+                f'{", ".join(looked_for)}; the file has: {keys}')
+            continue
+        bare = [k for k in matched if k.strip().lstrip('/') == node.get_name()
+                and fqn != '/' + node.get_name()]
+        if not bare:
+            continue   # rcl applied these sections already
+        applied = getattr(node, '_parameter_overrides', {}) or {}
+        for key in bare:
+            section = data[key]['ros__parameters']
+            params = [Parameter(n, value=v) for n, v in section.items()
+                      if n in BY_NAME and n not in applied]
+            for param, result in zip(params, node.set_parameters(params)):
+                if not result.successful:
+                    node.get_logger().error(f'{path}: {param.name}: {result.reason}')
+            node.get_logger().info(f'{path}: section {key!r} applied to {fqn}')
 
 
 def main(args=None):
@@ -609,7 +789,7 @@ def main(args=None):
     options = parser.parse_args(own)
 
     def autostart(node):
-        warn_unused_params_files(node, ros_args)
+        apply_params_files(node, ros_args)
         if node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
             node.get_logger().error(f'autostart: {node.last_error}')
             return 2
@@ -617,7 +797,7 @@ def main(args=None):
         return 0
 
     def check(node):
-        warn_unused_params_files(node, ros_args)
+        apply_params_files(node, ros_args)
         return 0
 
     return spin_until_shutdown('rt-llm-node', ros_args, RtLlmNode,

@@ -15,8 +15,9 @@ from rt_llm_node.codec import normalize_type
 from rt_llm_node.kvcache import POLICIES
 
 ON_REFUSAL = ('stop', 'hold', 'none')
-ACTION_TYPES = ('geometry_msgs/msg/Twist', 'std_msgs/msg/String',
-                'trajectory_msgs/msg/JointTrajectory')
+ACTION_TYPES = ('geometry_msgs/msg/Twist', 'geometry_msgs/msg/TwistStamped',
+                'std_msgs/msg/String', 'trajectory_msgs/msg/JointTrajectory')
+FALLBACK_REPEATS = ('once', 'every_tick')
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,15 @@ PARAMETERS = (
     Param('eviction_policy', 'meaning', 'what the full cache forgets first',
           choices=tuple(POLICIES)),
     Param('system_prompt', '', 'text prefilled once and pinned in the cache'),
-    Param('on_refusal', 'stop', 'fallback after a refusal: stop (zero action), hold (last '
-          'action) or none (publish nothing)', choices=ON_REFUSAL),
+    Param('on_refusal', 'stop', 'fallback after a refusal: stop (a Twist: zeros; joint '
+          'targets: the measured positions), hold (the last action, for at most '
+          'hold_timeout_s, then stop) or none (publish nothing)', choices=ON_REFUSAL),
+    Param('hold_timeout_s', 0.5, 'on_refusal hold: how long the last action is repeated '
+          'after it was published; then the stop', 0.0, 60.0),
+    Param('fallback_repeat', 'once', 'once: the fallback stop goes out once on entering a '
+          'refusal state, then silence until the next action (a command multiplexer can hand '
+          'over); every_tick: a stop every refused tick (bases without a command timeout)',
+          choices=FALLBACK_REPEATS),
     Param('input_topics', ['/scan', '/odom'], 'subscribed topics, in rendering order'),
     Param('input_types', ['sensor_msgs/msg/LaserScan', 'nav_msgs/msg/Odometry'],
           'message type of each input topic'),
@@ -67,15 +75,26 @@ PARAMETERS = (
           'than this, is stale_input (messages without a stamp: by arrival)', 0.0, 3600.0),
     Param('scan_sectors', 8, 'LaserScan sectors rendered (min range each)', 4, 36),
     Param('action_topic', 'cmd_vel', 'topic of the published action'),
-    Param('action_type', 'geometry_msgs/msg/Twist', 'type of the action message',
-          choices=ACTION_TYPES),
+    Param('action_type', 'geometry_msgs/msg/Twist', 'type of the action message (a '
+          'JointTrajectory needs a sensor_msgs/msg/JointState input: its positions bound '
+          'each target and are the stop)', choices=ACTION_TYPES),
+    Param('action_frame_id', 'base_link', "TwistStamped actions: the header's frame_id"),
     Param('action_fields', ['linear.x', 'angular.z'],
           "Twist fields, or joint names for JointTrajectory; a name '_...' is a plan "
           'field: decoded and recorded, never published'),
     Param('action_keys', ['v', 'w'], 'short text key of each field in the action grammar'),
-    Param('action_min', [-0.2, -1.5], 'lower limit of each field (SI units)'),
-    Param('action_max', [0.8, 1.5], 'upper limit of each field (SI units)'),
+    Param('action_min', [-0.2, -1.5], 'lower limit of each published field (SI units): '
+          'the decoded value is clamped to it'),
+    Param('action_max', [0.8, 1.5], 'upper limit of each published field (SI units): '
+          'the decoded value is clamped to it'),
+    Param('action_grammar_min', [], "lower end of each field's range in the action grammar "
+          '(the range the model was trained on); empty: action_min'),
+    Param('action_grammar_max', [], "upper end of each field's range in the action grammar; "
+          'empty: action_max'),
     Param('action_step', [0.1, 0.25], 'quantization step of each field'),
+    Param('joint_max_step', [0.05], 'JointTrajectory actions: the farthest a published '
+          'target may lie from the measured position, per tick (rad or m); one value for '
+          'every joint, or one per field'),
     Param('action_max_tokens', 16, 'std_msgs/String actions: max tokens', 1, 256),
     Param('action_stop_text', '\n', 'std_msgs/String actions: text that ends the action'),
     Param('admission_window_ticks', 60, 'ticks over which measured/predicted ratios are '
@@ -104,6 +123,8 @@ PARAMETERS = (
           'first)', 1, 1_000_000),
     Param('cost_model_path', '', 'configure writes the calibrated cost model here (JSON, '
           'for rt-llm-replay --cost-model); empty: not written'),
+    Param('diagnostics_window_s', 5.0, '/diagnostics levels and input rates are judged over '
+          'this many recent seconds', 0.5, 3600.0),
     Param('backend_error_limit', 5, 'consecutive backend errors before ErrorProcessing',
           1, 1000),
     Param('realtime_priority', 0, 'SCHED_FIFO priority of the control thread and of '
@@ -115,7 +136,8 @@ LISTS = {'input_topics': str, 'input_types': str, 'input_max_age_s': float,
          'input_kinds': str, 'input_prefixes': str, 'input_max_tokens': int,
          'input_min_valid': float,
          'action_fields': str, 'action_keys': str, 'action_min': float,
-         'action_max': float, 'action_step': float}
+         'action_max': float, 'action_grammar_min': float, 'action_grammar_max': float,
+         'action_step': float, 'joint_max_step': float}
 
 
 def check(name, value):
@@ -149,6 +171,8 @@ def check(name, value):
             return 'input_min_valid: each value must be in [0, 1]'
         if name == 'action_step' and any(v <= 0 for v in value):
             return 'action_step must be positive'
+        if name == 'joint_max_step' and any(v <= 0 for v in value):
+            return 'joint_max_step must be positive'
         return ''
     where = f' in [{p.low:g}, {p.high:g}]' if p.low is not None else ''
     if isinstance(p.default, float) and (isinstance(value, bool) or not isinstance(
@@ -193,15 +217,67 @@ def validate(values):
     if values['action_type'] != 'std_msgs/msg/String':
         m = len(values['action_fields'])
         keys = ('action_min', 'action_max', 'action_step')
-        keys += ('action_keys',) if values['action_type'].endswith('Twist') else ()
+        keys += ('action_keys',) if 'Twist' in values['action_type'] else ()
         for key in keys:
             if len(values[key]) != m:
                 errors.append(f'{key} has {len(values[key])} entries, action_fields has {m}')
+        for key in ('action_grammar_min', 'action_grammar_max'):
+            if len(values[key]) not in (0, m):
+                errors.append(f'{key} has {len(values[key])} entries: none (the action_min '
+                              f'and action_max range) or one per action field ({m})')
+        if len(values['joint_max_step']) not in (1, m):
+            errors.append(f"joint_max_step has {len(values['joint_max_step'])} entries: one "
+                          f'for every joint, or one per action field ({m})')
         if not errors and any(lo > hi for lo, hi in zip(values['action_min'],
                                                         values['action_max'])):
             errors.append('action_min must not exceed action_max')
+        if not errors and any(lo > hi for lo, hi in zip(*grammar_range(values))):
+            errors.append('action_grammar_min must not exceed action_grammar_max')
     if (values['speculative_tokens'] and values['backend'] != 'numpy'
             and values['cuda_decode_step'] == 'persistent'):
         errors.append("speculative_tokens needs cuda_decode_step 'auto' or 'kernels': a "
                       'verify pass repeats the per-kernel decode step bit for bit')
     return errors
+
+
+def grammar_range(values):
+    """(minimum, maximum) of each action field in the grammar: the model's own range."""
+    return (list(values['action_grammar_min'] or values['action_min']),
+            list(values['action_grammar_max'] or values['action_max']))
+
+
+def _key_matches(key, fqn, name):
+    """Tell whether a params-file key applies to the node ``fqn`` (its name ``name``).
+
+    rcl's rules (``/ns/node``, ``/**``, ``/**/node``, ``*`` for one name) and one more: a key
+    that is the node's bare name applies under any namespace, as people write it.
+    """
+    import re
+    key = str(key).strip()
+    if key in (name, '/' + name):
+        return True
+    key = key if key.startswith('/') else '/' + key
+    pattern = ''.join('.*' if part == '**' else '[^/]*' if part == '*' else re.escape(part)
+                      for part in re.split(r'(\*\*|\*)', key))
+    return re.fullmatch(pattern, fqn) is not None
+
+
+def node_sections(data, fqn, any_namespace=False):
+    """Return (values, keys matched, keys looked for) of a params file for node ``fqn``.
+
+    Sections apply in file order, a later one overriding an earlier one, as rcl applies
+    them; ``data`` is the parsed YAML. ``any_namespace``: a key for the node's name under
+    any namespace applies too (a replay, which runs no namespace of its own).
+    """
+    name = fqn.rsplit('/', 1)[-1]
+    values, matched = {}, []
+    for key, entry in (data.items() if isinstance(data, dict) else ()):
+        if not isinstance(entry, dict) or not isinstance(entry.get('ros__parameters'), dict):
+            continue
+        if _key_matches(key, fqn, name) or (
+                any_namespace and str(key).strip().rstrip('/').rsplit('/', 1)[-1] == name):
+            values.update(entry['ros__parameters'])
+            matched.append(str(key))
+    looked_for = [f'/NAMESPACE/{name}' if any_namespace else fqn, name, '/**',
+                  f'/**/{name}']
+    return values, matched, looked_for

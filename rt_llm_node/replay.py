@@ -41,11 +41,13 @@ from rt_llm_node.bags import input_connections
 from rt_llm_node.bags import open_bag
 from rt_llm_node.bags import to_store_message
 from rt_llm_node.codec import action_message
-from rt_llm_node.codec import fallback_values
 from rt_llm_node.codec import refusal_values
 from rt_llm_node.engine import header_stamp_lag
 from rt_llm_node.engine import ModelClock
 from rt_llm_node.engine import WallClock
+from rt_llm_node.files import FileError
+from rt_llm_node.files import read_yaml
+from rt_llm_node.params import node_sections
 from rt_llm_node.params import PARAMETERS
 from rt_llm_node.player import live
 from rt_llm_node.timeline import TimelinePlotter
@@ -54,6 +56,7 @@ EXIT_DIFFERENT = 1
 EXIT_ERROR = 2
 REFUSAL_TOPIC = '/rt_llm_node/refusal'
 RECORD_TOPIC = '/rt_llm_node/tick_record'
+DIAGNOSTICS_TOPIC = '/diagnostics'
 
 
 class ReplayError(BagError):
@@ -61,23 +64,24 @@ class ReplayError(BagError):
 
 
 # -- parameters --------------------------------------------------------------------------
-def load_params(path=None):
-    """Defaults of every node parameter, overridden by a node YAML file's ros__parameters."""
+def load_params(path=None, node_name='rt_llm_node'):
+    """Defaults of every node parameter, overridden by a node YAML file's ros__parameters.
+
+    The sections that apply are those ``ros2 run`` would apply to ``node_name``, under any
+    namespace (``/ns/rt_llm_node``, ``rt_llm_node``, ``/**``), merged in file order.
+    """
     values = {p.name: p.default for p in PARAMETERS}
     if path is None:
         return values
-    import yaml
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding='utf-8'))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ReplayError(f'cannot read parameters {path}: {exc}') from None
-    found = None
-    for entry in (data or {}).values() if isinstance(data, dict) else ():
-        if isinstance(entry, dict) and isinstance(entry.get('ros__parameters'), dict):
-            found = entry['ros__parameters']
-            break
-    if found is None:
-        raise ReplayError(f'{path}: no "<node>: ros__parameters:" section')
+        data = read_yaml(path, 'parameters file')
+    except FileError as exc:
+        raise ReplayError(str(exc)) from None
+    found, matched, looked_for = node_sections(data, '/' + node_name, any_namespace=True)
+    if not matched:
+        keys = ', '.join(map(str, data)) if isinstance(data, dict) else 'none'
+        raise ReplayError(f'{path}: no "<node>: ros__parameters:" section for {node_name} '
+                          f'(looked for {", ".join(looked_for)}; the file has: {keys})')
     unknown = sorted(set(found) - set(values))
     if unknown:
         raise ReplayError(f'{path}: unknown parameters {", ".join(unknown)}')
@@ -96,10 +100,18 @@ def parse_remaps(items):
     return remaps
 
 
-def action_namespace(action, action_type, period_s):
+def action_namespace(action, action_type, period_s, stamp_ns=0, frame_id=''):
     """Return the action message as plain fields (the node builds the same with rclpy classes)."""
     return action_message(action, action_type, period_s,
-                          lambda name, **fields: SimpleNamespace(**fields))
+                          lambda name, **fields: SimpleNamespace(**fields),
+                          stamp=_stamp(stamp_ns), frame_id=frame_id)
+
+
+def output_topics(values):
+    """Return the topics the node publishes (absolute names): a bag recorded with -a holds them."""
+    action = values['action_topic']
+    return {action if action.startswith('/') else '/' + action, REFUSAL_TOPIC, RECORD_TOPIC,
+            DIAGNOSTICS_TOPIC}
 
 
 # -- the replay ----------------------------------------------------------------------------
@@ -108,6 +120,8 @@ def decision_line(result, stamp_ns):
     record = result.record
     line = {'tick': record.tick, 'stamp_ns': stamp_ns, 'decision': record.decision}
     if result.action is not None:
+        if result.action.decoded is not None:   # limited: what the model chose, for the record
+            line['decoded'] = {k: round(float(v), 6) for k, v in result.action.decoded.items()}
         if result.action.values:
             line['values'] = {k: round(float(v), 6) for k, v in result.action.values.items()}
         else:
@@ -176,13 +190,20 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
     writer = Writer(bag_out, version=9, storage_plugin=StoragePlugin.MCAP)
     writer.open()
     copies = {}
+    ours = output_topics(values)
+    recorded = sorted({c.topic for c in reader.connections if c.topic in ours})
+    if recorded:   # e.g. ros2 bag record -a beside the node: its outputs are not inputs
+        warn(f'the bag holds what the node published ({", ".join(recorded)}): not replayed '
+             'as input; this replay writes its own')
     for connection in reader.connections:
-        if connection.msgtype in store.types:
+        if connection.msgtype in store.types and connection.topic not in ours:
             copies[connection.id] = writer.add_connection(
                 connection.topic, connection.msgtype, typestore=store,
                 offered_qos_profiles=getattr(connection.ext, 'offered_qos_profiles', ()) or ())
     action_type = values['action_type']
-    action_conn = writer.add_connection(values['action_topic'], action_type, typestore=store)
+    action_topic = values['action_topic']
+    action_conn = writer.add_connection(action_topic if action_topic.startswith('/')
+                                        else '/' + action_topic, action_type, typestore=store)
     refusal_conn = writer.add_connection(REFUSAL_TOPIC, 'diagnostic_msgs/msg/DiagnosticArray',
                                          typestore=store)
     record_conn = writer.add_connection(RECORD_TOPIC, 'std_msgs/msg/String', typestore=store)
@@ -200,7 +221,7 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
                               f'{type(exc).__name__}: {exc}') from None
     pending = next_message()
     snapshot, lines, records = {}, [], []
-    last_action = None
+    guard = engine.guard
     bad_messages = Counter()
     n_ticks = int((t_stop - t_begin) // int(period * 1e9)) + 1
     wall_started = time.perf_counter()
@@ -244,20 +265,18 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
                 result = engine.tick(dict(snapshot), stamp, deadline)
                 done_ns = tick_ns + int(max(0.0, result.record.total_ms) * 1e6)
                 if result.action is not None:
-                    last_action = result.action
                     published = result.action
+                    guard.on_action(published, done_ns / 1e9)
                 else:
-                    published = None
                     writer.write(refusal_conn, done_ns, store.serialize_cdr(
                         refusal_message(result.refusal, tick_ns, done_ns, period, store),
                         'diagnostic_msgs/msg/DiagnosticArray'))
-                    mode = values['on_refusal']
-                    if mode != 'none':
-                        published = fallback_values(engine.grammar, mode, last_action)
+                    published = guard.on_refusal(values['on_refusal'], done_ns / 1e9, snapshot)
                 if published is not None:
+                    message = action_namespace(published, action_type, period, done_ns,
+                                               values['action_frame_id'])
                     writer.write(action_conn, done_ns, store.serialize_cdr(
-                        to_store_message(action_namespace(published, action_type, period),
-                                         action_type, store), action_type))
+                        to_store_message(message, action_type, store), action_type))
                 record = result.record
                 writer.write(record_conn, done_ns, store.serialize_cdr(
                     store.types['std_msgs/msg/String'](data=json.dumps(record.__dict__)),
@@ -278,6 +297,7 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
     summary = summarize(records, (t_stop - t_begin) / 1e9, wall_s, clock_mode)
     summary['backend'] = engine.backend.name
     summary['skipped_messages'] = dict(bad_messages)
+    summary['recorded_outputs_ignored'] = recorded
     (out / 'summary.json').write_text(json.dumps(summary, indent=2) + '\n', encoding='utf-8')
     log(f'{summary["ticks"]} ticks: {summary["actions"]} actions, {summary["refusals"]} '
         f'refusals {summary["refusals_by_reason"]}, late {summary["late"]}; '
@@ -464,18 +484,20 @@ def main(argv=None):
                 return EXIT_DIFFERENT
             print(f'same decisions as {args.expect}')
         return 0
-    except BagError as exc:   # ReplayError included
-        print(f'rt-llm-replay: error: {exc}', file=sys.stderr)
+    except (BagError, FileError) as exc:   # ReplayError included
+        print(f'rt-llm-replay: error: {_one_line(exc)}', file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # configuration errors from the engine, model loading, ...
-        from rt_llm_node.configure import ConfigurationError
-        from rt_llm_node.model import CheckpointError
-        if isinstance(exc, (ConfigurationError, CheckpointError, ValueError, OSError)):
-            print(f'rt-llm-replay: error: {exc}', file=sys.stderr)
-            return EXIT_ERROR
-        raise
+    except Exception as exc:  # anything else is an error too (exit 2), never "differences"
+        print(f'rt-llm-replay: error: {type(exc).__name__}: {_one_line(exc)}', file=sys.stderr)
+        if os.environ.get('RT_LLM_DEBUG'):
+            raise
+        return EXIT_ERROR
+
+
+def _one_line(exc):
+    return ' '.join(str(exc).split())
 
 
 if __name__ == '__main__':

@@ -1,13 +1,12 @@
 """The model's input and output language.
 
 - ``observations``: input messages rendered to bounded lines of text and token ids;
-- ``actions``: action grammars as token tries, parse and clamp, the fallback action;
+- ``actions``: action grammars as token tries, parse and quantize;
 - ``messages``: actions and refusals as ROS message fields.
 """
 
 from rt_llm_node.codec.actions import Action  # noqa: F401
 from rt_llm_node.codec.actions import ActionField  # noqa: F401
-from rt_llm_node.codec.actions import fallback_values  # noqa: F401
 from rt_llm_node.codec.actions import FieldGrammar  # noqa: F401
 from rt_llm_node.codec.actions import GrammarError  # noqa: F401
 from rt_llm_node.codec.actions import is_plan_field  # noqa: F401

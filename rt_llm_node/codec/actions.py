@@ -105,6 +105,7 @@ class Action:
     values: dict = field(default_factory=dict)
     text: str = ''
     token_ids: tuple = ()
+    decoded: Optional[dict] = None  # the model's values where the published ones were limited
 
 
 class FieldGrammar:
@@ -304,12 +305,3 @@ class StringGrammar:
 
     def render(self, values):
         return f'{self.prefix} {values}{self.stop_text}'
-
-
-def fallback_values(grammar, mode: str, last: Optional[Action]):
-    """Values of the fallback action: 'stop' -> zeros (clamped), 'hold' -> the last action."""
-    if mode == 'hold' and last is not None:
-        return last
-    if grammar.kind == 'string':
-        return Action('string', {}, text='')
-    return Action(grammar.kind, {f.name: float(f.quantize(0.0)) for f in grammar.fields})

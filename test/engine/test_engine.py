@@ -209,23 +209,50 @@ def test_one_long_action_does_not_keep_later_ticks_refused(checkpoint):
     assert 'action' in decisions[DECODE_WINDOW:], 'the long action was never forgotten'
 
 
-def test_joint_trajectory_actions_are_parsed_and_clamped():
+def test_joint_trajectory_actions_are_bounded_by_the_measured_joints():
+    """An arm's targets: within the limits and a step of the measured positions.
+
+    A JointTrajectory needs a joint-state input; without one configure refuses.
+    """
     from rt_llm_node.configure import configure_engine
-    values = demo_values(backend='numpy', calibration_repeats=2,
-                         action_type='trajectory_msgs/msg/JointTrajectory',
-                         action_fields=['shoulder', 'elbow'], action_min=[-1.0, 0.0],
-                         action_max=[1.0, 2.0], action_step=[0.5, 0.25])
+    from rt_llm_node.configure import ConfigurationError
+    arm = dict(action_type='trajectory_msgs/msg/JointTrajectory',
+               action_fields=['shoulder', 'elbow'], action_min=[-1.0, 0.0],
+               action_max=[1.0, 2.0], action_step=[0.5, 0.25], action_grammar_min=[],
+               action_grammar_max=[], joint_max_step=[0.3])
+    with pytest.raises(ConfigurationError, match='JointState'):
+        configure_engine(demo_values(backend='numpy', **arm), clock=ModelClock(),
+                         log=lambda text: None, cost_model=CostModel())
+    values = demo_values(backend='numpy', **arm)
+    for key, value in (('input_topics', '/joint_states'),
+                       ('input_types', 'sensor_msgs/msg/JointState'),
+                       ('input_max_age_s', 0.2), ('input_kinds', 'observation'),
+                       ('input_prefixes', 'joints'), ('input_max_tokens', 24)):
+        values[key] = values[key] + [value]
     clock = ModelClock()
     engine = configure_engine(values, clock=clock, log=lambda text: None,
                               cost_model=CostModel())
     assert [f.key for f in engine.grammar.fields] == ['j0', 'j1']
     world = DemoWorld(9, messages=MessageFactory(ros=False))
-    for result in run_ticks(engine, clock, world, 20):
+    measured = [0.6, 1.0]
+    for i in range(20):
+        now = i / 30
+        clock.advance_to(now)
+        snap = snapshot(world, now)
+        snap['/joint_states'] = (SimpleNamespace(name=['shoulder', 'elbow'],
+                                                 position=measured), now)
+        result = engine.tick(snap, now, now + 1 / 30)
         assert result.action is not None, result.refusal
         shoulder, elbow = result.action.values['shoulder'], result.action.values['elbow']
-        assert -1.0 <= shoulder <= 1.0 and shoulder % 0.5 == 0
-        assert 0.0 <= elbow <= 2.0 and elbow % 0.25 == 0
-
+        assert -1.0 <= shoulder <= 1.0 and abs(shoulder - measured[0]) <= 0.3 + 1e-9
+        assert 0.0 <= elbow <= 2.0 and abs(elbow - measured[1]) <= 0.3 + 1e-9
+        measured = [shoulder, elbow]
+    now = 20 / 30
+    clock.advance_to(now)
+    snap = snapshot(world, now)
+    snap['/joint_states'] = (SimpleNamespace(name=['shoulder'], position=[0.0]), now)
+    result = engine.tick(snap, now, now + 1 / 30)
+    assert result.refusal.reason == 'input_error' and 'elbow' in result.refusal.detail
 
 def test_a_blind_scan_or_an_empty_instruction_is_refused_every_tick_never_driven(checkpoint):
     engine, clock = make_engine(checkpoint)

@@ -12,7 +12,6 @@ import pytest
 
 from rt_llm_node.codec import action_message
 from rt_llm_node.codec import ActionField
-from rt_llm_node.codec import fallback_values
 from rt_llm_node.codec import GrammarError
 from rt_llm_node.codec import InputSpec
 from rt_llm_node.codec import joint_trajectory_grammar
@@ -286,17 +285,6 @@ def test_a_plan_field_is_decoded_but_never_published(tokenizer):
     msg = action_message(action, 'geometry_msgs/msg/Twist', 1 / 30,
                          lambda kind, **fields: NS(**fields))
     assert vars(msg.linear) == {'x': 0.3} and vars(msg.angular) == {}
-
-
-def test_fallback_is_a_zero_action_within_limits_or_the_last_one(tokenizer):
-    grammar = twist_grammar(tokenizer, [
-        {'name': 'linear.x', 'key': 'v', 'min': 0.2, 'max': 0.8, 'step': 0.1}])
-    stop = fallback_values(grammar, 'stop', None)
-    assert stop.values == {'linear.x': pytest.approx(0.2)}, 'zero clamped into the limits'
-    last = grammar.action(decode(grammar, tokenizer, 'act v+0.5\n')[0])
-    assert fallback_values(grammar, 'hold', last) is last
-    assert fallback_values(grammar, 'hold', None).values == stop.values
-    assert fallback_values(StringGrammar(tokenizer), 'stop', None).text == ''
 
 
 def test_refusal_values_in_the_published_order():

@@ -53,6 +53,9 @@ def test_demo_profile_matches_the_demo_task():
     assert values['action_min'] == [f['min'] for f in fields]
     assert values['action_max'] == [f['max'] for f in fields]
     assert values['action_step'] == [f['step'] for f in fields]
+    # the grammar keeps the trained range, whatever limits a user sets after it
+    assert values['action_grammar_min'] == [f['min'] for f in fields]
+    assert values['action_grammar_max'] == [f['max'] for f in fields]
 
 
 def test_demo_profile_feeds_the_shipped_model_what_it_was_trained_on():
