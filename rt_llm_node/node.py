@@ -147,7 +147,7 @@ class RtLlmNode(LifecycleNode):
         self._graph_timer = None
         self._instruction_topics = set()
         self._lines = LineLimiter(1.0)
-        self._input_problems = {}       # topic -> why it is stale, as last logged
+        self._input_problems = {}       # topic -> its state as last logged (fresh, stale...)
         self._values = {}
         self._failed = False
         self._active = False            # between on_activate and leaving the active state
@@ -303,9 +303,13 @@ class RtLlmNode(LifecycleNode):
                           for i in infos if i.node_name != self.get_name())
             if latched and sub is None:
                 spec = next(s for s in self._engine.inputs if s.topic == topic)
+                # a volatile publisher beside the latched one reaches the volatile
+                # subscription: that this one cannot match it is no news
                 self._latched[topic] = self.create_subscription(
                     MESSAGE_CLASSES[spec.msg_type], topic,
-                    partial(self._receive_instruction, topic), INSTRUCTION_QOS)
+                    partial(self._receive_instruction, topic), INSTRUCTION_QOS,
+                    event_callbacks=SubscriptionEventCallbacks(
+                        incompatible_qos=lambda event: None))
             elif not latched and sub is not None:
                 self.destroy_subscription(sub)
                 self._latched[topic] = None
@@ -577,22 +581,29 @@ class RtLlmNode(LifecycleNode):
             threading.Thread(target=self.trigger_deactivate, daemon=True).start()
 
     def _log_inputs(self, engine, snapshot, now):
-        """Say when a required input goes stale or missing, and when it recovers (rate-limited)."""
+        """Say when a required input goes missing or stale, and when it recovers.
+
+        A line when an input's state (fresh, missing, stale, stamped ahead) differs from the
+        one last said, at most one a second an input: a flapping input cannot flood the
+        console, and its last state is still said within a second.
+        """
         problems = engine.input_problems(snapshot, now)
-        if problems == self._input_problems:
-            return
-        for topic in self._input_problems.keys() - problems.keys():
-            if self._lines.allow(('input', topic), now) is not None:
-                self.get_logger().info(f'{topic}: fresh again')
-        for topic, problem in problems.items():
-            before = self._input_problems.get(topic)
-            if before is None or before.split(' ')[0] != problem.split(' ')[0]:
-                held = self._lines.allow(('input', topic), now)
-                if held is not None:
-                    hint = (' (publish one: see the README, "Instructions")'
-                            if topic in self._instruction_topics else '')
-                    self.get_logger().info(f'{topic}: {problem}, refusing ticks{hint}')
-        self._input_problems = problems
+        for spec in engine.inputs:
+            problem = problems.get(spec.topic, '')
+            state = ('fresh' if not problem else 'missing' if problem.startswith('no message')
+                     else 'ahead' if 'future' in problem else 'stale')
+            if self._input_problems.get(spec.topic, 'fresh') == state:
+                continue
+            if self._lines.allow(('input', spec.topic), now) is None:
+                continue
+            self._input_problems[spec.topic] = state
+            if not problem:
+                self.get_logger().info(f'{spec.topic}: ' + (
+                    'fresh again' if spec.kind == 'observation' else 'in force'))
+                continue
+            hint = (' (publish one: see the README, "Instructions")'
+                    if spec.topic in self._instruction_topics else '')
+            self.get_logger().info(f'{spec.topic}: {problem}, refusing ticks{hint}')
 
     def _publish_result(self, result, ros_start, snapshot):
         with self._publish_lock:
@@ -703,7 +714,7 @@ class RtLlmNode(LifecycleNode):
         engine, statuses = self._engine, []
         if engine is None:
             return statuses
-        problems = dict(self._input_problems)
+        problems = engine.input_problems(self._buffer.snapshot(), now)
         for spec in engine.inputs:
             last = self._health.last_arrival(spec.topic)
             kept = self._buffer.snapshot().get(spec.topic)

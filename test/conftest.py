@@ -100,6 +100,66 @@ def tiny_checkpoint(tmp_path_factory):
     return write_random_checkpoint(tmp_path_factory.mktemp('tiny'), 'tiny', seed=1)
 
 
+@pytest.fixture
+def executor():
+    """Return a fresh rclpy context and executor per test, so one test's DDS state cannot leak.
+
+    Single-threaded, as ``rclpy.spin`` runs the node, and lifecycle transitions run on it
+    (``transition``), as they do when they come over the node's services: a subscription
+    destroyed by one thread while another builds the executor's wait set raised
+    InvalidHandle in the executor thread and killed it (ros2/rclpy#1284).
+    """
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+    rclpy.init()
+    ex = SingleThreadedExecutor()
+    thread = threading.Thread(target=ex.spin, daemon=True)
+    thread.start()
+    ex.spin_thread = thread   # for fixtures that destroy nodes: join it first
+    yield ex
+    ex.shutdown()
+    thread.join(timeout=10.0)
+    rclpy.shutdown()
+
+
+@pytest.fixture
+def rig(executor):
+    """World publisher, recorder and a factory of LLM nodes, all on the executor."""
+    from rclpy.parameter import Parameter
+    from dds import Recorder
+    from rt_llm_node.demo.run import demo_parameters
+    from rt_llm_node.demo.world_node import DemoWorldNode
+    from rt_llm_node.node import RtLlmNode
+    world = DemoWorldNode()
+    recorder = Recorder()
+    made = []
+
+    def make(**overrides):
+        params = demo_parameters()
+        params.update(backend='numpy', calibration_repeats=3, **overrides)
+        node = RtLlmNode(parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
+        executor.add_node(node)
+        made.append(node)
+        return node
+
+    executor.add_node(world)
+    executor.add_node(recorder)
+    time.sleep(0.3)
+    yield world, recorder, make
+    for node in made:
+        node._stop_loop()
+    # the executor stops (and finishes the callback it runs) before any node is
+    # destroyed: destroying a node under a running callback raised "cannot use Destroyable
+    # because destruction was requested" in an executor thread now and then
+    executor.shutdown()
+    # and its thread has left spin(): shutdown() waits for the callbacks it saw running,
+    # not for a spin_once already past its wait with a timer in hand (the world's _step
+    # then published on a destroyed publisher, an unhandled thread exception in CI)
+    executor.spin_thread.join(timeout=10.0)
+    for node in (*made, world, recorder):
+        node.destroy_node()
+
+
 def pytest_runtest_makereport(item, call):
     """Name the rng seed in a failed test's report, beside its traceback."""
     if call.when == 'call' and call.excinfo is not None:

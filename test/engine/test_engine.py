@@ -216,10 +216,10 @@ def test_joint_trajectory_actions_are_bounded_by_the_measured_joints():
     """
     from rt_llm_node.configure import configure_engine
     from rt_llm_node.configure import ConfigurationError
-    arm = dict(action_type='trajectory_msgs/msg/JointTrajectory',
-               action_fields=['shoulder', 'elbow'], action_min=[-1.0, 0.0],
-               action_max=[1.0, 2.0], action_step=[0.5, 0.25], action_grammar_min=[],
-               action_grammar_max=[], joint_max_step=[0.3])
+    arm = {'action_type': 'trajectory_msgs/msg/JointTrajectory',
+           'action_fields': ['shoulder', 'elbow'], 'action_min': [-1.0, 0.0],
+           'action_max': [1.0, 2.0], 'action_step': [0.5, 0.25], 'action_grammar_min': [],
+           'action_grammar_max': [], 'joint_max_step': [0.3]}
     with pytest.raises(ConfigurationError, match='JointState'):
         configure_engine(demo_values(backend='numpy', **arm), clock=ModelClock(),
                          log=lambda text: None, cost_model=CostModel())
@@ -253,6 +253,7 @@ def test_joint_trajectory_actions_are_bounded_by_the_measured_joints():
     snap['/joint_states'] = (SimpleNamespace(name=['shoulder'], position=[0.0]), now)
     result = engine.tick(snap, now, now + 1 / 30)
     assert result.refusal.reason == 'input_error' and 'elbow' in result.refusal.detail
+
 
 def test_a_blind_scan_or_an_empty_instruction_is_refused_every_tick_never_driven(checkpoint):
     engine, clock = make_engine(checkpoint)

@@ -66,7 +66,7 @@ def run(model, **limits):
 
 
 def bounds(draw, low, high, step):
-    """A limit pair inside [low, high] on the field's grid, the lower not above the upper."""
+    """Draw a limit pair inside [low, high] on the field's grid, the lower not above the upper."""
     n = int(round((high - low) / step))
     a, b = sorted(draw(st.integers(0, n)) for _ in range(2))
     return low + a * step, low + b * step

@@ -13,127 +13,18 @@ import pytest
 
 rclpy = pytest.importorskip('rclpy', reason='rclpy (the ros extra) is not installed')
 
-from diagnostic_msgs.msg import DiagnosticArray  # noqa: E402,I100
-from geometry_msgs.msg import Twist  # noqa: E402
-from rclpy.executors import SingleThreadedExecutor  # noqa: E402
-from rclpy.lifecycle import TransitionCallbackReturn  # noqa: E402
+from rclpy.lifecycle import TransitionCallbackReturn  # noqa: E402,I100
 from rclpy.node import Node  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 
 from rt_llm_node.demo.run import demo_parameters  # noqa: E402
-from rt_llm_node.demo.world_node import DemoWorldNode  # noqa: E402
 from rt_llm_node.node import RtLlmNode  # noqa: E402
 
 from conftest import TEST_DIR  # noqa: E402,I100
 from conftest import wait_until  # noqa: E402
-
-
-@pytest.fixture
-def executor():
-    """Return a fresh rclpy context and executor per test, so one test's DDS state cannot leak.
-
-    Single-threaded, as ``rclpy.spin`` runs the node, and lifecycle transitions run on it
-    (``transition``), as they do when they come over the node's services: a subscription
-    destroyed by one thread while another builds the executor's wait set raised
-    InvalidHandle in the executor thread and killed it (ros2/rclpy#1284).
-    """
-    rclpy.init()
-    ex = SingleThreadedExecutor()
-    thread = threading.Thread(target=ex.spin, daemon=True)
-    thread.start()
-    ex.spin_thread = thread   # for fixtures that destroy nodes: join it first
-    yield ex
-    ex.shutdown()
-    thread.join(timeout=10.0)
-    rclpy.shutdown()
-
-
-def transition(node, name, timeout=60.0):
-    """Run ``node.trigger_<name>()`` on the node's executor thread; its result."""
-    task = node.executor.create_task(getattr(node, f'trigger_{name}'))
-    end = time.monotonic() + timeout
-    while not task.done():
-        assert time.monotonic() < end, f'{name} did not finish in {timeout} s'
-        time.sleep(0.01)
-    return task.result()
-
-
-class Recorder(Node):
-    """Subscribes to the node's outputs and keeps (receive ROS time, message)."""
-
-    def __init__(self, name='recorder'):
-        super().__init__(name)
-        self.actions, self.refusals = [], []
-        self.create_subscription(Twist, '/cmd_vel', lambda m: self.actions.append(
-            (self.get_clock().now(), m)), 10)
-        self.create_subscription(DiagnosticArray, '/rt_llm_node/refusal',
-                                 lambda m: self.refusals.append((self.get_clock().now(), m)),
-                                 100)
-
-
-@pytest.fixture
-def rig(executor):
-    """World publisher, recorder and a factory of LLM nodes, all on the executor."""
-    world = DemoWorldNode()
-    recorder = Recorder()
-    made = []
-
-    def make(**overrides):
-        params = demo_parameters()
-        params.update(backend='numpy', calibration_repeats=3, **overrides)
-        node = RtLlmNode(parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
-        executor.add_node(node)
-        made.append(node)
-        return node
-
-    executor.add_node(world)
-    executor.add_node(recorder)
-    time.sleep(0.3)
-    yield world, recorder, make
-    for node in made:
-        node._stop_loop()
-    # the executor stops (and finishes the callback it runs) before any node is
-    # destroyed: destroying a node under a running callback raised "cannot use Destroyable
-    # because destruction was requested" in an executor thread now and then
-    executor.shutdown()
-    # and its thread has left spin(): shutdown() waits for the callbacks it saw running,
-    # not for a spin_once already past its wait with a timer in hand (the world's _step
-    # then published on a destroyed publisher, an unhandled thread exception in CI)
-    executor.spin_thread.join(timeout=10.0)
-    for node in (*made, world, recorder):
-        node.destroy_node()
-
-
-def wait_for_peers(node, inputs=None, timeout=30.0):
-    """Block until the inputs arrive and the outputs have subscribers (DDS discovery).
-
-    ``inputs``: how many inputs to wait for (None: every demo input).
-    """
-    if inputs is None:
-        inputs = len(demo_parameters()['input_topics'])
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if (len(node._buffer.snapshot()) >= inputs
-                and node._refusal_pub.get_subscription_count() >= 1
-                and node._action_pub.get_subscription_count() >= 1):
-            time.sleep(0.3)
-            return
-        time.sleep(0.1)
-    inputs = sorted(node._buffer.snapshot())
-    raise AssertionError(f'peers not discovered in time: inputs {inputs}, '
-                         f'refusal subscribers {node._refusal_pub.get_subscription_count()}, '
-                         f'action subscribers {node._action_pub.get_subscription_count()}')
-
-
-def start(node, inputs=None):
-    """Configure, wait for DDS discovery, activate."""
-    assert transition(node, 'configure') == TransitionCallbackReturn.SUCCESS
-    wait_for_peers(node, inputs)
-    transition(node, 'activate')
-
-
-def reasons(recorder):
-    return [m.status[0].message for _, m in recorder.refusals]
+from dds import reasons  # noqa: E402
+from dds import start  # noqa: E402
+from dds import transition  # noqa: E402
 
 
 def test_publishes_actions_at_the_rate(rig, tmp_path):
@@ -378,7 +269,7 @@ def test_an_instruction_reaches_the_node_from_a_default_or_a_latched_publisher(e
         wait_until(lambda: node._buffer.snapshot()['/instruction'][0].data ==
                    'go to the green ball', what='a live latched instruction')
         assert node._buffer.snapshot()['/instruction'][1] > arrivals
-        assert node._received['/instruction'][0].data == 'go to the green ball'
+        assert node._received['/instruction'][-1][0].data == 'go to the green ball'
     finally:
         node._stop_loop()
         executor.shutdown()
