@@ -1,7 +1,9 @@
 """Launch rt_llm_node as a managed lifecycle node, optionally configured and activated.
 
 Usage: ``ros2 launch rt_llm_node rt_llm.launch.py params_file:=/path/params.yaml
-autostart:=true``.
+autostart:=true namespace:=robot1 use_sim_time:=false log_level:=info``. Under a namespace
+the node is ``/robot1/rt_llm_node`` and its relative topics (``cmd_vel``) are the robot's;
+a params file section keyed ``rt_llm_node``, ``/robot1/rt_llm_node`` or ``/**`` applies.
 """
 
 import os
@@ -18,6 +20,7 @@ from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import LifecycleNode
 from launch_ros.event_handlers import OnStateTransition
 from launch_ros.events.lifecycle import ChangeState
+from launch_ros.parameter_descriptions import ParameterValue
 from lifecycle_msgs.msg import Transition
 
 
@@ -34,8 +37,11 @@ def generate_launch_description():
                                   'rt_llm.yaml')
     params_file = LaunchConfiguration('params_file')
     autostart = LaunchConfiguration('autostart')
+    use_sim_time = ParameterValue(LaunchConfiguration('use_sim_time'), value_type=bool)
     node = LifecycleNode(package='rt_llm_node', executable='rt-llm-node', name='rt_llm_node',
-                         namespace='', output='screen', parameters=[params_file])
+                         namespace=LaunchConfiguration('namespace'), output='screen',
+                         parameters=[params_file, {'use_sim_time': use_sim_time}],
+                         ros_arguments=['--log-level', LaunchConfiguration('log_level')])
     configure = EmitEvent(event=ChangeState(
         lifecycle_node_matcher=matches_action(node),
         transition_id=Transition.TRANSITION_CONFIGURE), condition=IfCondition(autostart))
@@ -50,6 +56,14 @@ def generate_launch_description():
         DeclareLaunchArgument('autostart', default_value='true',
                               choices=['true', 'false', 'True', 'False', '1', '0'],
                               description='configure and activate through lifecycle events'),
+        DeclareLaunchArgument('namespace', default_value='',
+                              description="the robot's namespace (e.g. robot1)"),
+        DeclareLaunchArgument('use_sim_time', default_value='false',
+                              choices=['true', 'false', 'True', 'False'],
+                              description='take time from /clock (simulation, bag replay)'),
+        DeclareLaunchArgument('log_level', default_value='info',
+                              choices=['debug', 'info', 'warn', 'error', 'fatal'],
+                              description='console log level of the node'),
         OpaqueFunction(function=check_arguments),
         node, activate, configure,
     ])

@@ -192,3 +192,43 @@ def test_a_bad_launch_argument_fails_before_any_process_starts(installed, argume
     assert process.returncode != 0, log[-3000:]
     assert message in log, log[-3000:]
     assert 'process started' not in log, log[-3000:]
+
+
+def test_a_namespace_sim_time_and_log_level_reach_the_node_and_its_params_section(installed):
+    """Under namespace robot1 the demo file's section keyed by the bare node name applies."""
+    prefix, env = installed
+    params = prefix / 'share' / 'rt_llm_node' / 'config' / 'demo.yaml'
+    process = launch(prefix, env, 'rt_llm.launch.py', f'params_file:={params}',
+                     'autostart:=false', 'namespace:=robot1', 'use_sim_time:=true',
+                     'log_level:=debug')
+    try:
+        from rcl_interfaces.srv import GetParameters
+        context = rclpy.Context()
+        rclpy.init(context=context)
+        node = rclpy.create_node('launch_test_params', context=context)
+        client = node.create_client(GetParameters, '/robot1/rt_llm_node/get_parameters')
+        try:
+            assert client.wait_for_service(timeout_sec=60), 'no /robot1/rt_llm_node'
+            executor = rclpy.executors.SingleThreadedExecutor(context=context)
+            executor.add_node(node)
+            names = ['use_sim_time', 'kv_capacity_tokens', 'system_prompt']
+            values = None
+            end = time.monotonic() + 30
+            while time.monotonic() < end:   # the section is applied right after start-up
+                future = client.call_async(GetParameters.Request(names=names))
+                executor.spin_until_future_complete(future, timeout_sec=10)
+                values = future.result().values
+                if values[1].integer_value == 256:
+                    break
+                time.sleep(0.2)
+            executor.shutdown()
+        finally:
+            node.destroy_node()
+            rclpy.shutdown(context=context)
+    finally:
+        log = stop(process)
+    assert values[0].bool_value is True, 'use_sim_time'
+    assert values[1].integer_value == 256, 'the demo section (kv_capacity_tokens 256)'
+    assert values[2].string_value == 'go to the object in the task'
+    assert '[DEBUG]' in log and "section 'rt_llm_node' applied to /robot1/rt_llm_node" in log
+    assert process.returncode == 0 and 'Traceback' not in log, log[-3000:]

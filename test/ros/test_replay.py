@@ -434,3 +434,71 @@ def test_a_replay_can_start_warm_from_a_state_folder(bags, tmp_path, capsys):
         assert restored == (name == 'warm'), out + err
     assert outputs[0] == outputs[1]
     assert list((tmp_path / 'state').glob('prefix-*.safetensors'))
+
+
+def test_a_bag_that_holds_the_nodes_own_outputs_replays_as_one_without_them(
+        bags, tmp_path, capsys):
+    """ros2 bag record -a beside the node: the bag holds /cmd_vel and the refusals too.
+
+    A replay's output bag is such a bag. Replaying it takes its inputs, ignores the recorded
+    outputs (named in a warning and the summary) and decides as the first replay did.
+    """
+    first = tmp_path / 'first'
+    assert run([bags['mcap'], '--params', DEMO_PARAMS, '--out', first], capsys)[0] == 0
+    code, out, err = run([first / 'replay', '--params', DEMO_PARAMS, '--out', tmp_path / 'again',
+                          '--expect', first], capsys)
+    assert code == 0, err
+    assert 'Traceback' not in err and 'same decisions' in out
+    assert '/cmd_vel' in err and 'not replayed as input' in err
+    summary = json.loads((tmp_path / 'again' / 'summary.json').read_text())
+    assert summary['recorded_outputs_ignored'] == ['/cmd_vel', '/rt_llm_node/refusal',
+                                                   '/rt_llm_node/tick_record']
+
+
+def test_a_tighter_limit_clamps_the_replayed_actions_and_never_reverses_one(
+        bags, tmp_path, capsys):
+    golden = tmp_path / 'golden'
+    assert run([bags['mcap'], '--params', DEMO_PARAMS, '--out', golden], capsys)[0] == 0
+    tight = tmp_path / 'tight.yaml'
+    tight.write_text(Path(DEMO_PARAMS).read_text().replace(
+        'action_max: [180.0, 0.8, 1.5]', 'action_max: [180.0, 0.5, 0.25]'))
+    assert run([bags['mcap'], '--params', tight, '--out', tmp_path / 'new'], capsys)[0] == 0
+    before = [json.loads(line) for line in (golden / 'actions.jsonl').read_text().splitlines()]
+    after = [json.loads(line) for line in
+             (tmp_path / 'new' / 'actions.jsonl').read_text().splitlines()]
+    assert [b['decision'] for b in before] == [a['decision'] for a in after]
+    clamped = 0
+    for b, a in zip(before, after):
+        if b['decision'] != 'action':
+            continue
+        want = {'_aim': b['values']['_aim'], 'linear.x': min(b['values']['linear.x'], 0.5),
+                'angular.z': min(b['values']['angular.z'], 0.25)}
+        assert a['values'] == pytest.approx(want), (b, a)
+        clamped += a['values'] != b['values']
+        if a['values'] != b['values']:
+            assert a['decoded'] == b['values'], 'what the model chose stays on record'
+    assert clamped, 'the bag never reached the tighter limit: the test shows nothing'
+
+
+def test_params_files_keyed_as_ros_users_key_them_are_honoured(bags, tmp_path, capsys):
+    text = Path(DEMO_PARAMS).read_text()
+    for i, key in enumerate(('/robot1/rt_llm_node', '/**', 'rt_llm_node')):
+        params = tmp_path / f'{i}.yaml'
+        params.write_text(text.replace('rt_llm_node:\n', f"'{key}':\n", 1))
+        code, _, err = run([bags['mcap'], '--params', params, '--out', tmp_path / f'out{i}',
+                            '--end', '1'], capsys)
+        assert code == 0, (key, err)
+    other = tmp_path / 'other.yaml'
+    other.write_text(text.replace('rt_llm_node:\n', 'planner:\n', 1))
+    code, _, err = run([bags['mcap'], '--params', other, '--out', tmp_path / 'o'], capsys)
+    assert code == 2 and 'looked for' in err and 'planner' in err and '/**' in err
+
+
+def test_every_failure_is_exit_2_with_one_line_never_a_traceback(bags, tmp_path, capsys):
+    golden = tmp_path / 'golden'
+    golden.mkdir()
+    (golden / 'actions.jsonl').write_text('{"tick": 0}\n')   # a golden of another tool
+    code, _, err = run([bags['mcap'], '--params', DEMO_PARAMS, '--out', tmp_path / 'o',
+                        '--expect', golden, '--end', '0.5'], capsys)
+    assert code == 2 and 'Traceback' not in err and len(err.strip().splitlines()) >= 1
+    assert err.strip().splitlines()[-1].startswith('rt-llm-replay: error:')
