@@ -29,7 +29,18 @@ MAX_TEXT = 16 * MB          # kernel sources and other text
 
 
 class FileError(OSError):
-    """A file that cannot be read as asked (one line: what it is for, the path, why)."""
+    """A file that cannot be read or written as asked: one line, what it is for, the path, why.
+
+    ``path`` and ``reason`` are kept apart for callers that word the line their own way
+    (a CheckpointError names the file first).
+    """
+
+    def __init__(self, what, path, reason):
+        self.what, self.path, self.reason = what, str(path), reason
+        super().__init__(f'{what} {path}: {reason}')
+
+    def __str__(self):
+        return f'{self.what} {self.path}: {self.reason}'
 
 
 def _kind(mode):
@@ -60,13 +71,13 @@ def open_regular(path, what, max_bytes):
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, 'O_CLOEXEC', 0))
     except OSError as exc:
-        raise FileError(f'{what} {path}: cannot open ({_reason(exc)})') from None
+        raise FileError(what, path, f'cannot open ({_reason(exc)})') from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise FileError(f'{what} {path}: {_kind(info.st_mode)}, not a regular file')
+            raise FileError(what, path, f'{_kind(info.st_mode)}, not a regular file')
         if info.st_size > max_bytes:
-            raise FileError(f'{what} {path}: {info.st_size} bytes, more than the '
+            raise FileError(what, path, f'{info.st_size} bytes, more than the '
                             f'{_size(max_bytes)} such a file may be')
         # reads block normally from here on (a regular file never blocks anyway)
         os.set_blocking(fd, True)
@@ -81,7 +92,7 @@ def read_bytes(path, what, max_bytes):
     with open_regular(path, what, max_bytes) as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:   # it grew while being read
-        raise FileError(f'{what} {path}: more than the {_size(max_bytes)} such a file may be')
+        raise FileError(what, path, f'more than the {_size(max_bytes)} such a file may be')
     return data
 
 
@@ -91,7 +102,7 @@ def read_text(path, what, max_bytes=MAX_TEXT):
     try:
         return data.decode('utf-8')
     except UnicodeDecodeError as exc:
-        raise FileError(f'{what} {path}: not UTF-8 text (byte {exc.start})') from None
+        raise FileError(what, path, f'not UTF-8 text (byte {exc.start})') from None
 
 
 def read_json(path, what, max_bytes=MAX_JSON):
@@ -100,7 +111,7 @@ def read_json(path, what, max_bytes=MAX_JSON):
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as exc:
-        raise FileError(f'{what} {path}: not valid JSON ({_one_line(exc)})') from None
+        raise FileError(what, path, f'not valid JSON ({_one_line(exc)})') from None
 
 
 def read_yaml(path, what, max_bytes=MAX_PARAMS):
@@ -110,7 +121,7 @@ def read_yaml(path, what, max_bytes=MAX_PARAMS):
     try:
         return yaml.safe_load(text)
     except (yaml.YAMLError, RecursionError) as exc:
-        raise FileError(f'{what} {path}: not valid YAML ({_one_line(exc)})') from None
+        raise FileError(what, path, f'not valid YAML ({_one_line(exc)})') from None
 
 
 def write_atomic(path, data, what):
@@ -125,7 +136,7 @@ def write_atomic(path, data, what):
     tmp = None
     try:
         if path.is_dir():
-            raise FileError(f'{what} {path}: a directory is in the way')
+            raise FileError(what, path, 'a directory is in the way')
         fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.', suffix='.tmp', dir=path.parent)
         with os.fdopen(fd, 'wb') as f:
             f.write(data)
@@ -134,7 +145,7 @@ def write_atomic(path, data, what):
     except FileError:
         raise
     except OSError as exc:
-        raise FileError(f'{what} {path}: cannot write ({_reason(exc)})') from None
+        raise FileError(what, path, f'cannot write ({_reason(exc)})') from None
     finally:
         if tmp is not None:
             try:

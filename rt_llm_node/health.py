@@ -4,6 +4,7 @@ No ROS here: the node feeds it ticks and arrivals and turns its answers into
 ``/diagnostics`` statuses (levels as diagnostic_msgs defines them) and log lines.
 """
 
+from collections import Counter
 from collections import deque
 
 OK, WARN, ERROR = 0, 1, 2
@@ -19,11 +20,14 @@ class Health:
     or backend errors), or when an admitted action finished late.
     """
 
-    def __init__(self, window_s=5.0, max_ticks=20000, max_arrivals=2000):
+    def __init__(self, window_s=5.0, max_ticks=20000):
         self.window_s = float(window_s)
         self.ticks = deque(maxlen=max_ticks)      # (time, reason or '' for an action, late)
-        self.arrivals = {}                        # topic -> deque of arrival times
-        self.max_arrivals = max_arrivals
+        # arrivals: a count and the last time per topic (two operations a message, on the
+        # executor's thread, which a flood keeps busy), sampled for rates by ``sample``
+        self.counts = Counter()
+        self.last = {}
+        self.samples = deque()                    # (time, {topic: count}) over the window
 
     def tick(self, now, reason, late=False):
         """Record a tick at ``now``: ``reason`` '' for an action, else the refusal's."""
@@ -31,10 +35,14 @@ class Health:
 
     def arrival(self, topic, now):
         """Record a message of ``topic`` arriving at ``now``."""
-        times = self.arrivals.get(topic)
-        if times is None:
-            times = self.arrivals[topic] = deque(maxlen=self.max_arrivals)
-        times.append(now)
+        self.counts[topic] += 1
+        self.last[topic] = now
+
+    def sample(self, now):
+        """Keep the arrival counts at ``now`` (call about once a second) for ``rate_hz``."""
+        self.samples.append((now, dict(self.counts)))
+        while len(self.samples) > 2 and self.samples[1][0] <= now - self.window_s:
+            self.samples.popleft()
 
     def _recent(self, now):
         while self.ticks and self.ticks[0][0] < now - self.window_s:
@@ -59,15 +67,15 @@ class Health:
                 sorted(set(refused))) + ')'
         return ERROR, 'every tick refused (' + ', '.join(sorted(set(refused))) + ')'
 
-    def rate_hz(self, topic, now):
-        """Messages a second of ``topic`` over the window ending at ``now``."""
-        times = self.arrivals.get(topic, ())
-        count = sum(1 for t in times if t >= now - self.window_s)
-        return count / self.window_s
+    def rate_hz(self, topic):
+        """Messages a second of ``topic`` between the oldest and newest sample."""
+        if len(self.samples) < 2:
+            return 0.0
+        (t0, c0), (t1, c1) = self.samples[0], self.samples[-1]
+        return (c1.get(topic, 0) - c0.get(topic, 0)) / max(t1 - t0, 1e-9)
 
     def last_arrival(self, topic):
-        times = self.arrivals.get(topic)
-        return times[-1] if times else None
+        return self.last.get(topic)
 
 
 class LineLimiter:

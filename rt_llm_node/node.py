@@ -116,6 +116,7 @@ def to_message(action, action_type, period_s, stamp=None, frame_id=''):
                           stamp=stamp, frame_id=frame_id)
 
 
+LATCHED_FETCH_S = 2.0   # how long a latched subscription is kept to fetch a kept message
 _LEVELS = {OK: DiagnosticStatus.OK, WARN: DiagnosticStatus.WARN, ERROR: DiagnosticStatus.ERROR}
 
 
@@ -140,10 +141,14 @@ class RtLlmNode(LifecycleNode):
         self._stop = threading.Event()
         self._buffer = InputBuffer()
         # instruction topics: the last few (message, arrival) for de-duplication (a message
-        # from a latched publisher reaches both subscriptions), and the latched subscription,
-        # kept only while some publisher of the topic is latched (see _match_latched)
+        # from a latched publisher reaches both subscriptions while both exist), and the
+        # latched subscription: made when a latched publisher is new, kept while it delivers
+        # what that publisher kept, then gone (see _match_latched)
         self._received = {}
-        self._latched = {}
+        self._instruction_said = {}     # topic -> when its last arrival line was logged
+        self._instruction_count = {}    # topic -> its arrival count then
+        self._latched = {}              # topic -> (subscription or None, made at)
+        self._latched_seen = {}         # topic -> gids of the latched publishers met
         self._graph_timer = None
         self._instruction_topics = set()
         self._lines = LineLimiter(1.0)
@@ -247,7 +252,9 @@ class RtLlmNode(LifecycleNode):
                 cls, spec.topic, partial(self._receive_instruction, spec.topic),
                 INSTRUCTION_VOLATILE_QOS, event_callbacks=SubscriptionEventCallbacks(
                     incompatible_qos=partial(self._on_incompatible_qos, spec.topic))))
-            self._latched[spec.topic] = None
+            self._latched[spec.topic] = (None, 0.0)
+            self._latched_seen[spec.topic] = set()
+            self._received[spec.topic] = deque(maxlen=8)
         if self._latched:
             self._match_latched()
             self._graph_timer = self.create_timer(0.5, self._match_latched)
@@ -267,23 +274,29 @@ class RtLlmNode(LifecycleNode):
         self._health.arrival(topic, now)
 
     def _receive_instruction(self, topic, msg):
-        """Keep an instruction, once: the latest wins, a copy from the second subscription not.
+        """Keep an instruction: the latest wins, and each message once.
 
-        A latched publisher's message reaches both subscriptions: one equal to a message
-        received in the last second is that copy. Coalesced by the buffer (the latest per
-        topic), a flood places at most one instruction a tick.
+        Kept lean, since a flood of instructions keeps the executor's thread busy and that
+        thread shares the interpreter with the control thread. While a latched subscription
+        fetches what a latched publisher kept (``_match_latched``), a message of that
+        publisher reaches both subscriptions: one equal to a message received in the last
+        second is that copy. Coalesced by the buffer (the latest per topic), a flood places
+        at most one instruction a tick.
         """
         now = time.monotonic()
-        recent = self._received.setdefault(topic, deque(maxlen=4))
-        for seen, at in recent:
-            if now - at < 1.0 and seen == msg:
-                return
-        recent.append((msg, now))
+        if self._latched[topic][0] is not None:
+            recent = self._received[topic]
+            for seen, at in recent:
+                if now - at < 1.0 and seen == msg:
+                    return
+            recent.append((msg, now))
         self._buffer.put(topic, msg, now, None)
         self._health.arrival(topic, now)
-        held = self._lines.allow(('instruction', topic), now)
-        if held is not None:
-            more = f' ({held} more since the last line)' if held else ''
+        if now - self._instruction_said.get(topic, -1.0) >= 1.0:   # at most a line a second
+            held = self._health.counts[topic] - self._instruction_count.get(topic, 0) - 1
+            self._instruction_said[topic] = now
+            self._instruction_count[topic] = self._health.counts[topic]
+            more = f' ({held} more since the last line)' if held > 0 else ''
             self.get_logger().info(f'instruction on {topic}: {_first_words(msg)}{more}')
 
     def _on_incompatible_qos(self, topic, event):
@@ -293,26 +306,38 @@ class RtLlmNode(LifecycleNode):
             'does by default; transient local lets a restarted node get the last one')
 
     def _match_latched(self):
-        """Keep a latched subscription to an instruction topic while a publisher is latched."""
-        for topic, sub in list(self._latched.items()):
+        """Fetch what a new latched instruction publisher kept; otherwise one subscription.
+
+        A latched publisher that spoke before this node subscribed has its message only for
+        a latched subscription, which a volatile publisher cannot match. So one is made when a
+        latched publisher is met for the first time, and destroyed once it had the time to
+        deliver (``LATCHED_FETCH_S``): its live messages reach the volatile subscription, so
+        each message is received once, not twice.
+        """
+        now = time.monotonic()
+        for topic, (sub, made) in list(self._latched.items()):
+            if sub is not None:
+                if now - made >= LATCHED_FETCH_S:
+                    self.destroy_subscription(sub)
+                    self._latched[topic] = (None, 0.0)
+                continue
             try:
                 infos = self.get_publishers_info_by_topic(topic)
             except Exception:   # the graph is not readable now: try on the next timer
                 continue
-            latched = any(i.qos_profile.durability == DurabilityPolicy.TRANSIENT_LOCAL
-                          for i in infos if i.node_name != self.get_name())
-            if latched and sub is None:
-                spec = next(s for s in self._engine.inputs if s.topic == topic)
-                # a volatile publisher beside the latched one reaches the volatile
-                # subscription: that this one cannot match it is no news
-                self._latched[topic] = self.create_subscription(
-                    MESSAGE_CLASSES[spec.msg_type], topic,
-                    partial(self._receive_instruction, topic), INSTRUCTION_QOS,
-                    event_callbacks=SubscriptionEventCallbacks(
-                        incompatible_qos=lambda event: None))
-            elif not latched and sub is not None:
-                self.destroy_subscription(sub)
-                self._latched[topic] = None
+            latched = {tuple(i.endpoint_gid) for i in infos
+                       if i.qos_profile.durability == DurabilityPolicy.TRANSIENT_LOCAL}
+            new = latched - self._latched_seen[topic]
+            if not new:
+                continue
+            self._latched_seen[topic] |= new
+            spec = next(s for s in self._engine.inputs if s.topic == topic)
+            # a volatile publisher beside the latched one reaches the volatile subscription:
+            # that this one cannot match it is no news
+            self._latched[topic] = (self.create_subscription(
+                MESSAGE_CLASSES[spec.msg_type], topic, partial(self._receive_instruction, topic),
+                INSTRUCTION_QOS, event_callbacks=SubscriptionEventCallbacks(
+                    incompatible_qos=lambda event: None)), now)
 
     def on_activate(self, state):
         self._reset_stats()
@@ -375,11 +400,12 @@ class RtLlmNode(LifecycleNode):
         if self._graph_timer is not None:
             self.destroy_timer(self._graph_timer)
             self._graph_timer = None
-        for sub in [*self._subscriptions_, *self._latched.values()]:
+        for sub in [*self._subscriptions_, *(sub for sub, _ in self._latched.values())]:
             if sub is not None:
                 self.destroy_subscription(sub)
         self._subscriptions_ = []
         self._latched = {}
+        self._latched_seen = {}
         for pub in (self._action_pub, self._refusal_pub, self._diagnostics_pub):
             if pub is not None:
                 self.destroy_lifecycle_publisher(pub)
@@ -433,10 +459,10 @@ class RtLlmNode(LifecycleNode):
             self._admission_scale = 1.0
             window = self._values.get('diagnostics_window_s',
                                       BY_NAME['diagnostics_window_s'].default)
-            arrivals = getattr(self, '_health', None)
+            before = getattr(self, '_health', None)
             self._health = Health(window)
-            if arrivals is not None:   # input rates span activations
-                self._health.arrivals = arrivals.arrivals
+            if before is not None:   # input rates span activations
+                self._health.counts, self._health.last = before.counts, before.last
 
     def _on_deadline_missed(self, event):
         with self._stats_lock:
@@ -699,6 +725,7 @@ class RtLlmNode(LifecycleNode):
                  'instructions_restored': stats.get('instructions_restored', 0)}
         pairs.update({f'refusals_{k}': v for k, v in refusals.items()})
         now = time.monotonic()
+        self._health.sample(now)
         with self._stats_lock:
             level, message = self._health.level(now)
         status.level = _LEVELS[level]
@@ -725,7 +752,7 @@ class RtLlmNode(LifecycleNode):
                 message=problem or ('fresh' if spec.kind == 'observation' else 'in force'),
                 hardware_id='rt_llm_node')
             values = {'type': spec.msg_type, 'kind': spec.kind,
-                      'frequency_hz': f'{self._health.rate_hz(spec.topic, now):.2f}',
+                      'frequency_hz': f'{self._health.rate_hz(spec.topic):.2f}',
                       'age_s': ('never' if kept is None else f'{now - kept[1]:.3f}'),
                       'max_age_s': f'{spec.max_age_s:g}',
                       'last_arrival_s_ago': '' if last is None else f'{now - last:.3f}'}

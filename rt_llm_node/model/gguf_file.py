@@ -25,8 +25,8 @@ from tokenizers import Tokenizer
 from tokenizers.models import BPE
 
 from rt_llm_node.model.config import parse_config
-from rt_llm_node.model.config import regular_file_size
 from rt_llm_node.model.errors import CheckpointError
+from rt_llm_node.model.gguf_layout import check_layout
 from rt_llm_node.model.quant import from_gguf_blocks
 from rt_llm_node.model.quant import GGUF_QUANT
 
@@ -73,12 +73,8 @@ def _open(path):
     except ImportError:
         raise CheckpointError(path, 'reading GGUF files needs the gguf package (pip install '
                                     'gguf, or the [gguf] extra)') from None
-    size = regular_file_size(path)
-    if size < 24:
-        raise CheckpointError(path, f'not a GGUF file: {size} bytes')
-    with open(path, 'rb') as f:
-        if f.read(4) != b'GGUF':
-            raise CheckpointError(path, 'not a GGUF file (no GGUF magic)')
+    # counts, lengths and extents checked against the file before the reader trusts them
+    size = check_layout(path)
     try:
         reader = GGUFReader(path)
     except Exception as exc:   # the reader raises ValueError, IndexError, KeyError ...
@@ -141,7 +137,29 @@ def _config(meta, tensors, path):
     if head_dim is not None:
         raw['head_dim'] = head_dim
     raw = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in raw.items()}
-    return parse_config(raw, f'{path}: metadata')
+    try:
+        return parse_config(raw, path)
+    except CheckpointError as exc:   # named as the file names them, not as config.json would
+        detail = exc.detail
+        for hf, key in _config_keys(arch).items():
+            detail = detail.replace(f"key '{hf}'", f"metadata '{key}'")
+            detail = re.sub(rf'(?<![\w.\']){hf}(?![\w\'])', key, detail)
+        raise CheckpointError(path, detail) from None
+
+
+def _config_keys(arch):
+    """{config.json key: the GGUF metadata key it comes from} for error messages."""
+    return {'hidden_size': f'{arch}.embedding_length',
+            'intermediate_size': f'{arch}.feed_forward_length',
+            'num_hidden_layers': f'{arch}.block_count',
+            'num_attention_heads': f'{arch}.attention.head_count',
+            'num_key_value_heads': f'{arch}.attention.head_count_kv',
+            'max_position_embeddings': f'{arch}.context_length',
+            'rms_norm_eps': f'{arch}.attention.layer_norm_rms_epsilon',
+            'rope_theta': f'{arch}.rope.freq_base',
+            'head_dim': f'{arch}.attention.key_length',
+            'bos_token_id': 'tokenizer.ggml.bos_token_id',
+            'eos_token_id': 'tokenizer.ggml.eos_token_id'}
 
 
 def _tensor(t, path):

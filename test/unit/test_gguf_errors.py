@@ -168,3 +168,102 @@ def test_random_damage_to_a_file_is_an_error_or_a_model_never_a_crash(good, tmp_
                 assert '\n' not in str(exc) and len(str(exc)) < 600, str(exc)
                 outcomes.add('refused')
     assert 'refused' in outcomes
+
+
+def _field_end(data, key):
+    """Byte index just after a metadata key's name in a GGUF file (its value type follows)."""
+    name = key.encode()
+    at = data.index(len(name).to_bytes(8, 'little') + name)
+    return at + 8 + len(name)
+
+
+def _tensor_info(data, name):
+    """(where the tensor's dimensions start, its dimension count) in the tensor table."""
+    raw = name.encode()
+    at = data.index(len(raw).to_bytes(8, 'little') + raw) + 8 + len(raw)
+    return at + 4, int.from_bytes(data[at:at + 4], 'little')
+
+
+def _limited(path, seconds=60):
+    """Load ``path`` in a child under a 3 GiB address-space limit: (rc, stderr)."""
+    code = ('import resource, sys\n'
+            'resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n'
+            'from rt_llm_node.model import load_checkpoint, CheckpointError\n'
+            'try:\n    load_checkpoint(sys.argv[1])\n'
+            'except CheckpointError as exc:\n    print(exc, file=sys.stderr); sys.exit(2)\n')
+    result = subprocess.run([sys.executable, '-c', code, str(path)], capture_output=True,
+                            text=True, timeout=seconds)
+    return result.returncode, result.stderr
+
+
+def test_an_array_that_claims_a_billion_elements_is_refused_before_it_is_walked(good, tmp_path):
+    data = bytearray(good.read_bytes())
+    at = _field_end(data, 'tokenizer.ggml.tokens') + 8   # value type, element type, count
+    data[at:at + 8] = (10 ** 9).to_bytes(8, 'little')
+    bad = tmp_path / 'claims.gguf'
+    bad.write_bytes(bytes(data))
+    code, err = _limited(bad)
+    assert code == 2 and 'Traceback' not in err, err
+    assert "'tokenizer.ggml.tokens' claims 1000000000 strings" in err and str(bad) in err
+
+
+def test_two_tensors_over_the_same_bytes_are_refused(good, tmp_path):
+    from gguf import GGUFReader
+    reader = GGUFReader(good)
+    first, second = reader.tensors[0], reader.tensors[1]
+    data = bytearray(good.read_bytes())
+    dims_at, n_dims = _tensor_info(data, second.name)
+    offset_at = dims_at + 8 * n_dims + 4
+    start = min(t.data_offset for t in reader.tensors)
+    data[offset_at:offset_at + 8] = (first.data_offset - start).to_bytes(8, 'little')
+    bad = tmp_path / 'overlap.gguf'
+    bad.write_bytes(bytes(data))
+    message = expect_error(bad, 'overlap', first.name, second.name)
+    assert 'data bytes' in message
+
+
+@pytest.mark.parametrize('change, fragment', [
+    ('zero', 'each must be positive'), ('huge', 'elements, more than'),
+    ('offset', 'ends at byte'), ('ragged', 'not whole blocks')])
+def test_a_bad_extent_names_the_tensor_and_the_value(good, tmp_path, change, fragment):
+    from gguf import GGUFReader
+    tensor = next(t for t in GGUFReader(good).tensors if t.name == 'blk.0.ffn_down.weight')
+    data = bytearray(good.read_bytes())
+    dims_at, n_dims = _tensor_info(data, tensor.name)
+    if change == 'zero':
+        data[dims_at:dims_at + 8] = (0).to_bytes(8, 'little')
+    elif change == 'huge':
+        data[dims_at + 8:dims_at + 16] = (1 << 40).to_bytes(8, 'little')
+    elif change == 'offset':
+        at = dims_at + 8 * n_dims + 4
+        data[at:at + 8] = (len(data)).to_bytes(8, 'little')
+    else:
+        first = int.from_bytes(data[dims_at:dims_at + 8], 'little')
+        data[dims_at:dims_at + 8] = (first + 1).to_bytes(8, 'little')
+    bad = tmp_path / f'{change}.gguf'
+    bad.write_bytes(bytes(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        expect_error(bad, "'blk.0.ffn_down.weight'", fragment)
+
+
+def test_a_bad_metadata_value_is_named_as_the_file_names_it(tmp_path):
+    path = write_gguf(tmp_path / 'rope.gguf', 'llama', 'Q8_0',
+                      **{'llama.rope.freq_base': (-1.0, gguf.GGUFValueType.FLOAT32)})
+    message = expect_error(path, "metadata 'llama.rope.freq_base'", '-1.0')
+    assert 'rope_theta' not in message
+    path = write_gguf(tmp_path / 'heads.gguf', 'llama', 'Q8_0',
+                      **{'llama.attention.head_count_kv': (3, gguf.GGUFValueType.UINT32)})
+    message = expect_error(path, "metadata 'llama.attention.head_count_kv' = 3",
+                           'llama.attention.head_count')
+    assert 'num_key_value_heads' not in message and 'num_attention_heads' not in message
+
+
+def test_a_fifo_or_a_device_as_the_model_is_refused_without_blocking(tmp_path):
+    import os
+    fifo = tmp_path / 'fifo.gguf'
+    os.mkfifo(fifo)
+    expect_error(fifo, 'FIFO')
+    link = tmp_path / 'zero.gguf'
+    link.symlink_to('/dev/zero')
+    expect_error(link, 'character device')
