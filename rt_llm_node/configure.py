@@ -108,10 +108,11 @@ def check_room(engine, specs, grammar, capacity):
             'kv_capacity_tokens')
 
 
-def configure_engine(values, clock=None, log=print, cost_model=None):
+def configure_engine(values, clock=None, log=print, cost_model=None, warn=None):
     """Validate, load the model, allocate the backend, warm up, calibrate; return the engine.
 
-    ``cost_model``: use this CostModel instead of calibrating (deterministic replays).
+    ``cost_model``: use this CostModel instead of calibrating (deterministic replays);
+    ``warn``: where lines about a damaged or unwritable ``state_dir`` go (default ``log``).
     """
     errors = validate(values)
     if errors:
@@ -150,7 +151,8 @@ def configure_engine(values, clock=None, log=print, cost_model=None):
     guard = output_guard(values, specs, grammar)
     store = fields = None
     if values['state_dir']:
-        store = StateStore(values['state_dir'], values['state_max_mb'] << 20, log)
+        store = StateStore(values['state_dir'], values['state_max_mb'] << 20, log,
+                           warn or log)
         fields = fingerprint(path, backend, values['weight_format'])
     if cost_model is None:
         model = _stored_cost_model(store, fields, backend, cfg, values, log)

@@ -169,3 +169,86 @@ def _size(n):
         if n >= scale:
             return f'{n / scale:g} {unit}'
     return f'{n} bytes'
+
+
+MARKER = 'rt-llm-output.json'
+
+
+class OutputFolder:
+    """A folder a tool writes whole, without destroying what it did not write.
+
+    ``path`` may not exist (it is made), be an empty folder, or hold an earlier output of
+    the same ``tool`` and nothing else (recognised by the marker file it leaves, which lists
+    the names it wrote): then it is replaced whole, only once the new output is complete.
+    Anything else there is refused (FileError, one line) unless ``force``: then the new
+    output is written beside what is there, replacing only names the marker says this tool
+    wrote, and a name of its output that something else holds is still refused. A path that
+    is a file is an error.
+
+    Write into ``staging`` (a path that does not exist yet, in a fresh hidden folder beside
+    ``path``), then ``commit``; ``discard`` (or a failure before commit) leaves ``path`` as
+    it was.
+    """
+
+    def __init__(self, path, tool, force=False):
+        self.path, self.tool, self.force = Path(path), tool, force
+        what = f'{tool} output'
+        if self.path.is_symlink() or (self.path.exists() and not self.path.is_dir()):
+            raise FileError(what, self.path, 'not a folder (a file is there): choose a folder')
+        self.ours = set()
+        self.foreign = set()
+        if self.path.is_dir():
+            names = {p.name for p in self.path.iterdir()}
+            self.ours = self._marked(names)
+            self.foreign = names - self.ours - {MARKER}
+            if self.foreign and not force:
+                listed = ', '.join(sorted(self.foreign)[:3])
+                more = f' and {len(self.foreign) - 3} more' if len(self.foreign) > 3 else ''
+                raise FileError(what, self.path, f'holds what {tool} did not write ({listed}'
+                                f'{more}): choose another folder, or --force to write beside '
+                                'it (nothing of it is deleted)')
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = Path(tempfile.mkdtemp(prefix=f'.{self.path.name}.', dir=self.path.parent))
+        self.staging = self._tmp / 'out'
+
+    def _marked(self, names):
+        """Names the marker says this tool wrote (none without a marker of this tool)."""
+        if MARKER not in names:
+            return set()
+        try:
+            data = read_json(self.path / MARKER, f'{self.tool} output marker', 1 * MB)
+        except FileError:
+            return set()
+        if not isinstance(data, dict) or data.get('tool') != self.tool:
+            return set()
+        return {n for n in data.get('files', []) if isinstance(n, str)} & names
+
+    def commit(self):
+        """Put the staged output in place (see the class); the marker lists what it wrote."""
+        import shutil
+        names = sorted(p.name for p in self.staging.iterdir())
+        clash = sorted(set(names) & self.foreign)
+        if clash:
+            self.discard()
+            raise FileError(f'{self.tool} output', self.path, f'{", ".join(clash)} there was '
+                            f'not written by {self.tool}: not replaced, even with --force')
+        marker = json.dumps({'tool': self.tool, 'files': names}, indent=2) + '\n'
+        (self.staging / MARKER).write_text(marker, encoding='utf-8')
+        if not self.path.exists():
+            os.rename(self.staging, self.path)
+        elif not self.foreign:   # empty, or only an earlier output of this tool: replaced
+            old = self._tmp / 'old'
+            os.rename(self.path, old)
+            os.rename(self.staging, self.path)
+        else:                    # --force beside foreign files: ours replaced name by name
+            old = self._tmp / 'old'
+            old.mkdir()
+            for name in names + [MARKER]:
+                if (self.path / name).exists() or (self.path / name).is_symlink():
+                    os.rename(self.path / name, old / name)
+                os.rename(self.staging / name, self.path / name)
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def discard(self):
+        import shutil
+        shutil.rmtree(self._tmp, ignore_errors=True)

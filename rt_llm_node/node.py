@@ -209,7 +209,8 @@ class RtLlmNode(LifecycleNode):
         try:
             self._engine = self._at_control_priority(
                 lambda: configure_engine(self._values,
-                                         log=lambda text: self.get_logger().info(text)))
+                                         log=lambda text: self.get_logger().info(text),
+                                         warn=lambda text: self.get_logger().warning(text)))
         except Exception as exc:  # every failure is reported, never raised into rclpy
             self.last_error = f'configure failed: {exc}'
             self.get_logger().error(self.last_error)

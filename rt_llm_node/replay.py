@@ -26,9 +26,7 @@ import json
 import math
 import os
 from pathlib import Path
-import shutil
 import sys
-import tempfile
 import time
 from types import SimpleNamespace
 
@@ -46,6 +44,8 @@ from rt_llm_node.engine import header_stamp_lag
 from rt_llm_node.engine import ModelClock
 from rt_llm_node.engine import WallClock
 from rt_llm_node.files import FileError
+from rt_llm_node.files import OutputFolder
+from rt_llm_node.files import read_text
 from rt_llm_node.files import read_yaml
 from rt_llm_node.params import node_sections
 from rt_llm_node.params import PARAMETERS
@@ -54,6 +54,8 @@ from rt_llm_node.timeline import TimelinePlotter
 
 EXIT_DIFFERENT = 1
 EXIT_ERROR = 2
+MAX_DECISIONS = 1 << 30      # a golden's actions.jsonl: ~100 bytes a tick
+MAX_COST_MODEL = 1 << 20
 REFUSAL_TOPIC = '/rt_llm_node/refusal'
 RECORD_TOPIC = '/rt_llm_node/tick_record'
 DIAGNOSTICS_TOPIC = '/diagnostics'
@@ -132,45 +134,36 @@ def decision_line(result, stamp_ns):
 
 
 def replay(bag, values, out, clock_mode='model', cost_model=None, start_s=0.0, end_s=None,
-           remaps=None, log=print, warn=None):
-    """Replay ``bag`` through a freshly configured engine; write ``out``; return the summary."""
+           remaps=None, log=print, warn=None, force=False):
+    """Replay ``bag`` through a freshly configured engine; write ``out``; return the summary.
+
+    ``out`` is replaced only when it holds nothing but an earlier replay's output
+    (``files.OutputFolder``); ``force`` writes beside anything else there.
+    """
     from rosbags.typesys import get_typestore
     from rosbags.typesys import Stores
     from rt_llm_node.configure import configure_engine
     warn = warn or (lambda text: print(f'rt-llm-replay: warning: {text}', file=sys.stderr))
     store = get_typestore(Stores.LATEST)
-    reader = open_bag(bag)
+    folder = OutputFolder(out, 'rt-llm-replay', force)   # refused before any work
+    reader = None
     try:
+        reader = open_bag(bag)
         connections = input_connections(reader, values, remaps or {}, store, warn)
         clock = ModelClock() if clock_mode == 'model' else WallClock()
         engine = configure_engine(values, clock=clock, log=lambda text: log(f'  {text}'),
                                   cost_model=cost_model)
         # written into a fresh folder beside ``out`` and put in its place only when complete:
         # a replay that fails leaves an earlier output as it was, never a mix of the two
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        partial = Path(tempfile.mkdtemp(prefix=f'.{out.name}.', dir=out.parent))
-        try:
-            summary = _run(reader, connections, engine, clock, clock_mode, values, store,
-                           partial, start_s, end_s, log, warn, shown=out)
-            _put_in_place(partial, out)
-            return summary
-        finally:
-            if partial.exists():
-                shutil.rmtree(partial, ignore_errors=True)
+        folder.staging.mkdir()
+        summary = _run(reader, connections, engine, clock, clock_mode, values, store,
+                       folder.staging, start_s, end_s, log, warn, shown=out)
+        folder.commit()
+        return summary
     finally:
-        reader.close()
-
-
-def _put_in_place(partial, out):
-    """Replace ``out`` by the complete folder ``partial`` (renames on one file system)."""
-    old = None
-    if out.exists():
-        old = out.with_name(f'.{out.name}.old-{os.getpid()}')
-        os.rename(out, old)
-    os.rename(partial, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        folder.discard()
+        if reader is not None:
+            reader.close()
 
 
 def _run(reader, connections, engine, clock, clock_mode, values, store, out, start_s, end_s,
@@ -357,10 +350,16 @@ def compare(out, golden, tolerance=1e-6, max_lines=10):
     def load(directory):
         path = Path(directory) / 'actions.jsonl'
         try:
-            return [json.loads(line) for line in path.read_text(encoding='utf-8').splitlines()
-                    if line]
-        except (OSError, ValueError) as exc:
+            lines = [json.loads(line) for line in read_text(
+                path, 'decisions', MAX_DECISIONS).splitlines() if line]
+        except FileError as exc:
+            raise ReplayError(str(exc)) from None
+        except ValueError as exc:
             raise ReplayError(f'cannot read {path}: {exc}') from None
+        if not all(isinstance(line, dict) and line.get('decision') in ('action', 'refusal')
+                   for line in lines):
+            raise ReplayError(f'{path}: not the decisions of an rt-llm-replay output')
+        return lines
     new, old = load(out), load(golden)
     kinds, first = Counter(), []
     for a, b in zip(new, old):
@@ -413,7 +412,7 @@ def choose_cost_model(args, values):
     from rt_llm_node.model.embedded import default_model_path
     candidates.append(Path(values['model_path'] or default_model_path()) / 'cost_model.json')
     for path in candidates:
-        if path.exists():
+        if os.path.lexists(path):
             print(f'rt-llm-replay: cost model from {path}', file=sys.stderr)
             return read_cost_model(path)
     print('rt-llm-replay: warning: no cost model given: calibrating on this machine, so '
@@ -427,9 +426,9 @@ def read_cost_model(path):
     """Return a CostModel from a cost_model.json (as replay and the node write it)."""
     path = Path(path)
     try:
-        return CostModel.from_json(path.read_text(encoding='utf-8'))
-    except OSError as exc:
-        raise ReplayError(f'cannot read {path}: {exc}') from None
+        return CostModel.from_json(read_text(path, 'cost model', MAX_COST_MODEL))
+    except FileError as exc:
+        raise ReplayError(str(exc)) from None
     except ValueError as exc:
         raise ReplayError(f'{path}: {exc}') from None
 
@@ -439,7 +438,12 @@ def build_parser():
     parser = argparse.ArgumentParser(prog='rt-llm-replay', description=__doc__.split('\n')[0])
     parser.add_argument('bag', help='rosbag2 directory (MCAP or sqlite3 storage) or .mcap file')
     parser.add_argument('--params', help="the node's parameter YAML (e.g. config/demo.yaml)")
-    parser.add_argument('--out', default='out/replay', help='output directory')
+    parser.add_argument('--out', default='out/replay',
+                        help='output folder: new, empty, or an earlier replay output (replaced '
+                        'whole once this one is complete)')
+    parser.add_argument('--force', action='store_true',
+                        help='write into an --out that holds other files too, beside them '
+                        '(nothing this tool did not write is deleted)')
     parser.add_argument('--clock', choices=('model', 'wall'), default='model')
     parser.add_argument('--cost-model', help='cost_model.json to use instead of calibrating')
     parser.add_argument('--state-dir', help="a node's state_dir (overrides the parameter): "
@@ -471,12 +475,13 @@ def main(argv=None):
                 raise ReplayError('--rate must be positive and --delay not negative')
             live(args.bag, remaps, args.publish_clock, args.rate, args.delay)
             return 0
+        OutputFolder(args.out, 'rt-llm-replay', args.force).discard()   # refused at once
         values = load_params(args.params)
         if args.state_dir is not None:
             values['state_dir'] = args.state_dir
         cost_model = choose_cost_model(args, values)
         replay(args.bag, values, args.out, args.clock, cost_model, args.start, args.end,
-               remaps)
+               remaps, force=args.force)
         if args.expect:
             diff = compare(args.out, args.expect, args.tolerance)
             if diff:

@@ -12,8 +12,15 @@ entries go first):
 Every entry carries the fingerprint it was made under (the model files' digest, weight and KV
 formats, backend and its build, the host for cost models) and, for a prefix, the exact token
 ids at positions 0 .. n-1. An entry is used only when all of it matches; anything else (a
-corrupt, truncated or foreign file, another model, format or prompt) is one log line saying
-why and a fresh prefill or calibration, never an error.
+corrupt, truncated or foreign file, another model, format or prompt, a FIFO, a device, a
+directory or an oversized file where an entry should be) is one warning saying why and a
+fresh prefill or calibration, never an error. Entries are opened through ``files``: regular
+files only, without blocking, their size bounded by the store's before a byte is read.
+
+The store fails safe the other way too: a folder that cannot be written (a read-only file
+system, a full disk, a file where the folder should be, a directory in an entry's way) is one
+warning naming ``state_dir`` and the path, and the node runs without saving; what a
+read-only folder holds is still restored.
 """
 
 import hashlib
@@ -25,7 +32,15 @@ import tempfile
 
 import numpy as np
 
+from rt_llm_node.files import FileError
+from rt_llm_node.files import GB
+from rt_llm_node.files import MB
+from rt_llm_node.files import open_regular
+from rt_llm_node.files import read_json
+from rt_llm_node.files import read_text
+
 FORMAT = 'rt_llm_node.state/1'
+MAX_COST_MODEL = 1 * MB
 CUDA_SOURCES = Path(__file__).resolve().parents[1] / 'cuda'
 
 
@@ -35,7 +50,7 @@ def file_digest(paths):
     for path in paths:
         path = Path(path)
         digest.update(path.name.encode() + b'\0')
-        with open(path, 'rb') as f:
+        with open_regular(path, 'model file', 64 * GB) as f:
             for block in iter(lambda: f.read(1 << 20), b''):
                 digest.update(block)
     return digest.hexdigest()
@@ -55,11 +70,10 @@ def cpu_model():
     """Return the CPU's model name (from /proc/cpuinfo where there is one)."""
     cpu = platform.processor() or platform.machine()
     try:
-        with open('/proc/cpuinfo', encoding='utf-8') as f:
-            for line in f:
-                if line.startswith('model name'):
-                    return line.split(':', 1)[1].strip()
-    except OSError:
+        for line in read_text('/proc/cpuinfo', 'CPU description', 4 * MB).splitlines():
+            if line.startswith('model name'):
+                return line.split(':', 1)[1].strip()
+    except FileError:
         pass
     return cpu
 
@@ -114,13 +128,44 @@ def _tensor_digest(tensors):
 
 
 class StateStore:
-    """A folder of prefix states and cost models (see the module docstring)."""
+    """A folder of prefix states and cost models (see the module docstring).
 
-    def __init__(self, folder, max_bytes, log=print):
+    ``log`` takes the lines of what was found, ``warn`` those of what is wrong with the
+    folder or an entry (the node logs them as warnings).
+    """
+
+    def __init__(self, folder, max_bytes, log=print, warn=None):
         self.folder = Path(folder)
         self.max_bytes = int(max_bytes)
         self.log = log
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.warn = warn or log
+        self.writable = True
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self._unwritable(self.folder, exc)
+            return
+        if not self.folder.is_dir():   # mkdir leaves a file in place without a word
+            self._unwritable(self.folder, 'a file is in the way')
+        elif not os.access(self.folder, os.W_OK | os.X_OK):
+            self._unwritable(self.folder, 'read-only file system' if _read_only(self.folder)
+                             else 'not writable')
+
+    def _unwritable(self, path, why):
+        """Say once that nothing will be saved, naming state_dir and the path."""
+        if self.writable:
+            reason = why if isinstance(why, str) else (
+                'read-only file system' if getattr(why, 'errno', None) == 30
+                else why.strerror or type(why).__name__)
+            self.warn(f'state_dir {self.folder}: cannot write {path} ({reason}); running '
+                      'without saving state')
+        self.writable = False
+
+    def _entries(self, pattern):
+        try:
+            return sorted(self.folder.glob(pattern), key=_mtime, reverse=True)
+        except OSError:
+            return []
 
     # -- prefixes -------------------------------------------------------------------------
     def _prefix_path(self, fields, ids, start):
@@ -133,14 +178,14 @@ class StateStore:
         ``start``: the tensors hold slots ``start`` .. only (an instruction after the system
         prompt: ``token_ids`` are both, the slots the instruction's).
         """
-        from safetensors.numpy import save_file
+        from safetensors.numpy import save
         ids = [int(t) for t in token_ids]
         tensors = dict(tensors, mass=np.asarray(mass, np.float32))
         meta = {'format': FORMAT, 'kind': 'prefix', 'fields': json.dumps(fields, sort_keys=True),
                 'token_ids': json.dumps(ids), 'start': str(int(start)),
                 'sha256': _tensor_digest(tensors)}
         path = self._prefix_path(fields, ids, start)
-        self._write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+        self._write(path, save(tensors, metadata=meta))
         return path
 
     def load_prefix(self, fields, token_ids, start=0):
@@ -151,16 +196,19 @@ class StateStore:
         """
         ids = [int(t) for t in token_ids]
         path = self._prefix_path(fields, ids, start)
-        if not path.exists():
+        if not os.path.lexists(path):
             if not start:
                 self.log(f'no stored KV state for this prefix: {self._nearest(fields, ids)}; '
                          'prefilling')
             return None
         try:
             meta, tensors = self._read_prefix(path)
+        except FileError as exc:   # a FIFO, a device, a directory, too large
+            self.warn(f'stored KV state not used: {exc}; prefilling')
+            return None
         except Exception as exc:   # any damage: a warning and a fresh prefill
-            self.log(f'stored KV state {path.name} is unreadable ({type(exc).__name__}: '
-                     f'{exc}); prefilling')
+            self.warn(f'stored KV state {path.name} is unreadable ({type(exc).__name__}: '
+                      f'{" ".join(str(exc).split())[:200]}); prefilling')
             return None
         problem = self._mismatch(meta, fields, ids)
         if problem is None and meta.get('start', '0') != str(int(start)):
@@ -170,16 +218,32 @@ class StateStore:
         if problem:
             self.log(f'stored KV state {path.name} not used: {problem}; prefilling')
             return None
-        os.utime(path)   # recently used
+        self._touch(path)
         mass = tensors.pop('mass')
         return tensors, mass
 
+    def _touch(self, path):
+        """Mark an entry recently used (a read-only store keeps its order)."""
+        if self.writable:
+            try:
+                os.utime(path)
+            except OSError:
+                pass
+
     def _read_prefix(self, path):
-        from safetensors import safe_open
-        with safe_open(str(path), framework='np') as f:
-            meta = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-        return meta, tensors
+        """Return (metadata, tensors) of a prefix entry: a regular file of the store's size.
+
+        Read whole through the guarded reader (an entry is at most ``max_bytes``), then
+        parsed from memory by safetensors.
+        """
+        from safetensors.numpy import load
+        with open_regular(path, 'stored KV state', self.max_bytes) as f:
+            blob = f.read(self.max_bytes + 1)
+        header = int.from_bytes(blob[:8], 'little') if len(blob) >= 8 else 0
+        if not 0 < header <= len(blob) - 8:
+            raise ValueError(f'its header claims {header} bytes of a {len(blob)}-byte file')
+        meta = json.loads(blob[8:8 + header]).get('__metadata__') or {}
+        return meta, load(blob)
 
     def _mismatch(self, meta, fields, ids):
         """Say what differs between a stored entry and what is wanted (None: nothing)."""
@@ -200,8 +264,7 @@ class StateStore:
 
     def _nearest(self, fields, ids):
         """Describe why the most recently used stored prefix does not fit (or that none is)."""
-        entries = sorted(self.folder.glob('prefix-*.safetensors'), key=_mtime, reverse=True)
-        for path in entries[:1]:
+        for path in self._entries('prefix-*.safetensors')[:1]:
             try:
                 meta, _ = self._read_prefix(path)
             except Exception:
@@ -215,45 +278,65 @@ class StateStore:
         text = json.dumps({'format': FORMAT, 'kind': 'cost_model', 'fields': fields,
                            'model': json.loads(model.to_json())}, indent=2, sort_keys=True)
         path = self.folder / f"cost-{_key('cost_model', fields)}.json"
-        self._write(path, lambda tmp: Path(tmp).write_text(text + '\n', encoding='utf-8'))
+        self._write(path, (text + '\n').encode('utf-8'))
         return path
 
     def load_cost_model(self, fields):
         """Return the CostModel stored under ``fields``, or None with a log line saying why."""
         from rt_llm_node.admission import CostModel
         path = self.folder / f"cost-{_key('cost_model', fields)}.json"
-        if not path.exists():
+        if not os.path.lexists(path):
             self.log('no stored cost model for this model, format, backend and host; '
                      'calibrating')
             return None
         try:
-            data = json.loads(path.read_text(encoding='utf-8'))
+            data = read_json(path, 'stored cost model', MAX_COST_MODEL)
             if data.get('format') != FORMAT or data.get('fields') != fields:
                 raise ValueError('made for another model, format, backend or host')
             model = CostModel.from_json(json.dumps(data['model']))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            self.log(f'stored cost model {path.name} not used ({exc}); calibrating')
+        except FileError as exc:
+            self.warn(f'{exc}; calibrating')
             return None
-        os.utime(path)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            self.warn(f'stored cost model {path.name} not used ({exc}); calibrating')
+            return None
+        self._touch(path)
         return model
 
     # -- files ----------------------------------------------------------------------------
-    def _write(self, path, write):
-        """Write an entry atomically, then keep the store within its size."""
-        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix='.tmp-', suffix=path.suffix)
-        os.close(fd)
+    def _write(self, path, data):
+        """Write an entry's bytes atomically, then keep the store within its size.
+
+        Nothing is written once the store is unwritable; a failure (read-only, full, a
+        directory in the way) is one warning, never an error.
+        """
+        if not self.writable:
+            return
+        tmp = None
         try:
-            write(tmp)
+            if os.path.isdir(path):
+                raise IsADirectoryError(21, 'a directory is in the way')
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix='.tmp-', suffix=path.suffix)
+            with os.fdopen(fd, 'wb') as f:
+                f.write(data)
             os.replace(tmp, path)
+            tmp = None
+        except OSError as exc:
+            self._unwritable(path, exc)
+            return
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            if tmp is not None and os.path.exists(tmp):
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
         self._trim(keep=path)
 
     def _trim(self, keep):
         """Remove the least recently used entries until the store fits ``max_bytes``."""
         entries = sorted((p for p in self.folder.iterdir()
-                          if p.name.startswith(('prefix-', 'cost-'))), key=_mtime)
+                          if p.name.startswith(('prefix-', 'cost-')) and p.is_file()),
+                         key=_mtime)
         total = sum(_size(p) for p in entries)
         for path in entries:
             if total <= self.max_bytes:
@@ -270,6 +353,13 @@ class StateStore:
         """Return the bytes the store's entries take."""
         return sum(_size(p) for p in self.folder.iterdir()
                    if p.name.startswith(('prefix-', 'cost-')))
+
+
+def _read_only(folder):
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def _mtime(path):

@@ -10,7 +10,6 @@ are identical. No ROS install is needed (the rosbags library writes the bag).
 
 import argparse
 from pathlib import Path
-import shutil
 import sys
 from types import SimpleNamespace
 
@@ -19,6 +18,8 @@ from rt_llm_node.demo.episodes import SCAN_SECTORS
 from rt_llm_node.demo.expert import expert_command
 from rt_llm_node.demo.messages import MessageFactory
 from rt_llm_node.demo.world import DemoWorld
+from rt_llm_node.files import FileError
+from rt_llm_node.files import OutputFolder
 
 EPOCH_NS = 1_700_000_000 * 1_000_000_000
 TYPES = {
@@ -50,10 +51,12 @@ def offered_qos(topic):
                 QosLiveliness.AUTOMATIC, unspecified, False)]
 
 
-def record_demo_bag(path, seconds=10.0, seed=1_000_000, storage='mcap'):
+def record_demo_bag(path, seconds=10.0, seed=1_000_000, storage='mcap', force=False):
     """Write a bag of ``seconds`` of the expert driving the world; returns its path.
 
-    When an episode ends (three goals) the world of the next seed continues the stream.
+    When an episode ends (three goals) the world of the next seed continues the stream. An
+    existing ``path`` is replaced only when it is an earlier bag of this tool
+    (``files.OutputFolder``; ``force``: written beside what else is there).
     """
     from rosbags.rosbag2 import StoragePlugin
     from rosbags.rosbag2 import Writer
@@ -61,12 +64,11 @@ def record_demo_bag(path, seconds=10.0, seed=1_000_000, storage='mcap'):
     from rosbags.typesys import Stores
     from rt_llm_node.bags import to_store_message
     path = Path(path)
-    if path.exists():
-        shutil.rmtree(path)
+    folder = OutputFolder(path, 'rt-llm-demo-record', force)   # an earlier bag of this tool
     store = get_typestore(Stores.LATEST)
     plugin = {'mcap': StoragePlugin.MCAP, 'sqlite3': StoragePlugin.SQLITE3}[storage]
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
-    writer = Writer(path, version=9, storage_plugin=plugin)
+    writer = Writer(folder.staging, version=9, storage_plugin=plugin)
     writer.open()
     try:
         connections = {topic: writer.add_connection(topic, msgtype, typestore=store,
@@ -95,20 +97,31 @@ def record_demo_bag(path, seconds=10.0, seed=1_000_000, storage='mcap'):
             v, w = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
                                   msgs['/detections'].data, w)
             world.step(v, w)
+    except BaseException:
+        folder.discard()   # a failed recording leaves what was there as it was
+        raise
     finally:
         writer.close()
+    folder.commit()
     return path
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog='rt-llm-demo-record',
                                      description=__doc__.split('\n')[0])
-    parser.add_argument('out', help='bag directory to create (replaced if it exists)')
+    parser.add_argument('out', help='bag folder to create (an earlier bag of this tool there '
+                        'is replaced; anything else is refused)')
+    parser.add_argument('--force', action='store_true',
+                        help='write into a folder that holds other files, beside them')
     parser.add_argument('--seconds', type=float, default=60.0)
     parser.add_argument('--seed', type=int, default=1_000_000)
     parser.add_argument('--storage', choices=('mcap', 'sqlite3'), default='mcap')
     args = parser.parse_args(argv)
-    path = record_demo_bag(args.out, args.seconds, args.seed, args.storage)
+    try:
+        path = record_demo_bag(args.out, args.seconds, args.seed, args.storage, args.force)
+    except FileError as exc:
+        print(f'rt-llm-demo-record: error: {exc}', file=sys.stderr)
+        return 2
     print(f'wrote {path} ({args.storage}, {args.seconds:g} s, seed {args.seed})')
     return 0
 

@@ -502,3 +502,46 @@ def test_every_failure_is_exit_2_with_one_line_never_a_traceback(bags, tmp_path,
                         '--expect', golden, '--end', '0.5'], capsys)
     assert code == 2 and 'Traceback' not in err and len(err.strip().splitlines()) >= 1
     assert err.strip().splitlines()[-1].startswith('rt-llm-replay: error:')
+
+
+def test_an_out_folder_is_replaced_only_when_it_holds_an_earlier_replay(bags, tmp_path, capsys):
+    args = [bags['mcap'], '--params', DEMO_PARAMS, '--end', '0.5']
+    out = tmp_path / 'out'
+    assert run(args + ['--out', out], capsys)[0] == 0
+    assert json.loads((out / 'rt-llm-output.json').read_text())['tool'] == 'rt-llm-replay'
+    assert run(args + ['--out', out], capsys)[0] == 0, 'an earlier replay: replaced'
+    mine = out / 'notes.txt'   # a user's file beside an earlier replay
+    mine.write_text('keep me')
+    code, _, err = run(args + ['--out', out], capsys)
+    assert code == 2 and 'notes.txt' in err and '--force' in err
+    assert len(err.strip().splitlines()) == 1 and mine.read_text() == 'keep me'
+    code, _, err = run(args + ['--out', out, '--force'], capsys)
+    assert code == 0, err
+    assert mine.read_text() == 'keep me' and (out / 'actions.jsonl').exists()
+    theirs = tmp_path / 'theirs'   # a folder of something else, with a clashing name
+    theirs.mkdir()
+    (theirs / 'summary.json').write_text('{"mine": true}')
+    code, _, err = run(args + ['--out', theirs, '--force'], capsys)
+    assert code == 2 and 'summary.json' in err
+    assert (theirs / 'summary.json').read_text() == '{"mine": true}'
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith('.')], 'no leftovers'
+
+
+def test_a_file_as_out_is_an_error_and_stays_as_it_was(bags, tmp_path, capsys):
+    target = tmp_path / 'report.txt'
+    target.write_text('a file')
+    code, _, err = run([bags['mcap'], '--params', DEMO_PARAMS, '--out', target], capsys)
+    assert code == 2 and 'not a folder' in err and target.read_text() == 'a file'
+    assert [p.name for p in tmp_path.iterdir()] == ['report.txt']
+
+
+def test_the_recorder_replaces_its_own_bag_and_refuses_a_foreign_folder(tmp_path, capsys):
+    from rt_llm_node.demo.recorder import main as record
+    bag = tmp_path / 'bag'
+    assert record([str(bag), '--seconds', '0.3']) == 0
+    assert record([str(bag), '--seconds', '0.3']) == 0
+    other = tmp_path / 'photos'
+    other.mkdir()
+    (other / 'cat.jpg').write_bytes(b'\xff\xd8')
+    assert record([str(other), '--seconds', '0.3']) == 2
+    assert 'cat.jpg' in capsys.readouterr().err and (other / 'cat.jpg').exists()
