@@ -11,6 +11,13 @@ from types import SimpleNamespace
 import numpy as np
 
 from rt_llm_node.codec import normalize_type
+from rt_llm_node.files import check_regular
+from rt_llm_node.files import FileError
+from rt_llm_node.files import GB
+from rt_llm_node.files import MB
+
+MAX_METADATA = 16 * MB
+MAX_BAG_FILE = 1024 * GB
 
 
 class BagError(RuntimeError):
@@ -67,6 +74,7 @@ def open_bag(path):
     path = Path(path)
     if not path.exists():
         raise BagError(f'{path}: no such bag')
+    _check_files(path)
     try:
         reader = Reader(path)
         reader.open()
@@ -74,6 +82,25 @@ def open_bag(path):
         raise BagError(f'{path}: not a readable rosbag2 ({type(exc).__name__}: {exc})'
                        ) from None
     return reader
+
+
+def _check_files(path):
+    """Refuse a bag whose files a reader could hang on or read without end.
+
+    rosbags opens them itself: each must be a regular file (no FIFO, no device), and
+    ``metadata.yaml`` small, checked through the guarded reader first.
+    """
+    files = [path]
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if not p.name.startswith('.'))
+    for file in files:
+        if file.is_dir():
+            continue
+        limit = MAX_METADATA if file.name == 'metadata.yaml' else MAX_BAG_FILE
+        try:
+            check_regular(file, 'bag file', limit)
+        except FileError as exc:
+            raise BagError(str(exc)) from None
 
 
 def input_connections(reader, values, remaps, store, warn):

@@ -8,6 +8,7 @@ Examples::
 """
 
 import argparse
+import io
 import json
 import sys
 import time
@@ -18,6 +19,7 @@ from rt_llm_node.backends import BackendError
 from rt_llm_node.backends import BACKENDS
 from rt_llm_node.backends import KV_DTYPES
 from rt_llm_node.backends import make_backend
+from rt_llm_node.files import write_atomic
 from rt_llm_node.kvcache import CacheFullError
 from rt_llm_node.kvcache import make_policy
 from rt_llm_node.kvcache import POLICIES
@@ -124,7 +126,9 @@ def run(args):
         'evicted_tokens': context.cache.evicted_tokens,
     }
     if args.dump_logits:
-        np.save(args.dump_logits, np.stack(logits).astype(np.float32))
+        buffer = io.BytesIO()
+        np.save(buffer, np.stack(logits).astype(np.float32))
+        write_atomic(args.dump_logits, buffer.getvalue(), '--dump-logits')
     return result
 
 

@@ -13,7 +13,13 @@ import os
 from pathlib import Path
 import sys
 
+from rt_llm_node.files import MB
+from rt_llm_node.files import read_bytes
+from rt_llm_node.files import read_text
+from rt_llm_node.files import write_atomic
+
 WEIGHT_DTYPES = ('BF16', 'F16', 'F32')
+MAX_CUBIN = 256 * MB       # a cached compiled program
 COMMON = 'common.cuh'
 # Launch geometry and device-state layout shared by the kernels and the backend: each is a
 # -D option of every build and a Python constant of cuda_backend, from this one table.
@@ -103,7 +109,7 @@ def runtime_sources(folder=None):
 def headers(folder=None):
     """{name: text} of every .cuh header, handed to NVRTC for its #include lines."""
     folder = Path(folder) if folder else source_dir()
-    return {path.name: path.read_text() for path in sorted(folder.glob('*.cuh'))}
+    return {path.name: read_text(path, 'kernel header') for path in sorted(folder.glob('*.cuh'))}
 
 
 def program_source(files):
@@ -111,7 +117,7 @@ def program_source(files):
     parts = []
     for path in map(Path, files):
         parts.append(f'#line 1 "{path.name}"')
-        parts.append(path.read_text())
+        parts.append(read_text(path, 'kernel source'))
     return '\n'.join(parts) + '\n'
 
 
@@ -200,21 +206,19 @@ def cached_cubin(arch, weight_dtype, files=None, folder=None, cache_dir=False, k
         repr(nvrtc.getVersion())]).encode()).hexdigest()
     path = Path(cache_dir) / f'{key}.cubin'
     try:
-        blob = path.read_bytes()
+        blob = read_bytes(path, 'cached kernels', MAX_CUBIN)
         digest, size = blob[:32], int.from_bytes(blob[32:40], 'little')
         cubin, log = blob[40:40 + size], blob[40 + size:].decode()
         if hashlib.sha256(blob[32:]).digest() == digest and len(cubin) == size:
             return cubin, log
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError):   # FileError included: compile anew
         pass
     cubin, log = compile_cubin(arch, weight_dtype, files, folder, kv_int8)
     body = len(cubin).to_bytes(8, 'little') + cubin + log.encode()
-    try:
+    try:   # atomic: a concurrent reader sees the old entry or the new
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f'.{os.getpid()}.tmp')
-        tmp.write_bytes(hashlib.sha256(body).digest() + body)
-        os.replace(tmp, path)   # atomic: a concurrent reader sees the old entry or the new
-    except OSError:
+        write_atomic(path, hashlib.sha256(body).digest() + body, 'cached kernels')
+    except OSError:   # FileError included: the cache is an optimization
         pass
     return cubin, log
 

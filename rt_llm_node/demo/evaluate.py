@@ -41,6 +41,7 @@ from rt_llm_node.demo.task import SYSTEM_PROMPT
 from rt_llm_node.demo.world import DemoWorld
 from rt_llm_node.engine import ModelClock
 from rt_llm_node.engine import TickEngine
+from rt_llm_node.files import write_atomic
 from rt_llm_node.instruction_cache import InstructionCache
 from rt_llm_node.kvcache import POLICIES
 from rt_llm_node.model import load_checkpoint
@@ -241,8 +242,8 @@ def print_table(header, rows):
 def _write_json(path, table, complete, backend='numpy'):
     """Return the table, whether every episode of the run is in it, and the policy's backend."""
     full = {p: table.get(f'{p}@full', {}).get('success') for p in POLICIES}
-    Path(path).write_text(json.dumps({'table': table, 'full': full, 'complete': complete,
-                                      'backend': backend}, indent=2))
+    write_atomic(path, json.dumps({'table': table, 'full': full, 'complete': complete,
+                                   'backend': backend}, indent=2), 'evaluation table')
 
 
 def plot(table, path):

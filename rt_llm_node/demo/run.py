@@ -8,7 +8,6 @@ latency against the deadline.
 
 import argparse
 from collections import Counter
-import json
 from pathlib import Path
 import signal
 import subprocess
@@ -22,8 +21,9 @@ from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 from std_msgs.msg import String
-import yaml
 
+from rt_llm_node.files import read_json
+from rt_llm_node.files import read_yaml
 from rt_llm_node.node import RtLlmNode
 from rt_llm_node.qos import INSTRUCTION_QOS
 
@@ -44,8 +44,7 @@ def demo_parameters(path=None):
         pass
     for candidate in candidates:
         if candidate.exists():
-            data = yaml.safe_load(candidate.read_text())
-            return data['rt_llm_node']['ros__parameters']
+            return read_yaml(candidate, 'demo profile')['rt_llm_node']['ros__parameters']
     raise FileNotFoundError('config/demo.yaml not found')
 
 
@@ -139,7 +138,7 @@ def main(argv=None):
             rclpy.shutdown()
         world.send_signal(signal.SIGINT)
         world.wait(timeout=30)
-    plot(json.loads(layout_file.read_text()), latencies, 1e3 / params['rate_hz'], args.out)
+    plot(read_json(layout_file, 'world record'), latencies, 1e3 / params['rate_hz'], args.out)
     print(f'wrote {args.out}')
     return 0
 

@@ -4,7 +4,7 @@ The same definitions render the training data, drive the evaluation and fill
 ``config/demo.yaml``; a test checks that the YAML and this module agree.
 """
 
-import json
+import os
 from pathlib import Path
 
 from rt_llm_node.codec import ActionField
@@ -74,13 +74,15 @@ def model_inputs(model_dir):
 
 def _training_record(model_dir):
     """Return a checkpoint's ``training.json`` as a dict ({} where it has none)."""
+    from rt_llm_node.files import FileError
+    from rt_llm_node.files import read_json
     path = Path(model_dir) / 'training.json'
-    if not path.is_file():
+    if not os.path.lexists(path):
         return {}
     try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f'{path}: unreadable ({err})') from None
+        record = read_json(path, 'training record', 1 << 20)
+    except FileError as err:
+        raise ValueError(str(err)) from None
     if not isinstance(record, dict):
         raise ValueError(f'{path}: unreadable (not a JSON object)')
     return record

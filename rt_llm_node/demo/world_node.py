@@ -19,6 +19,7 @@ from std_msgs.msg import String
 
 from rt_llm_node.demo.messages import MessageFactory
 from rt_llm_node.demo.world import DemoWorld
+from rt_llm_node.files import write_atomic
 from rt_llm_node.qos import INSTRUCTION_QOS
 from rt_llm_node.spin import spin_until_shutdown
 
@@ -92,8 +93,7 @@ def main(args=None):
 
     def record(node):
         if options.record:
-            with open(options.record, 'w') as f:
-                json.dump(node.layout(), f)
+            write_atomic(options.record, json.dumps(node.layout()), '--record')
 
     return spin_until_shutdown('rt-llm-demo-world', ros_args,
                                lambda: DemoWorldNode(seed=options.seed), finish=record)

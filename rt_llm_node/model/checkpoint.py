@@ -9,16 +9,17 @@ or key. Nothing here unpickles.
 from collections import Counter
 from dataclasses import dataclass
 import json
+import mmap
+import os
 from pathlib import Path
 
 import numpy as np
-import safetensors
 from tokenizers import Tokenizer
 
 from rt_llm_node.model.config import ModelConfig
+from rt_llm_node.model.config import open_checkpoint_file
 from rt_llm_node.model.config import read_config
 from rt_llm_node.model.config import read_small_file
-from rt_llm_node.model.config import regular_file_size
 from rt_llm_node.model.errors import CheckpointError
 
 SINGLE_FILE = 'model.safetensors'
@@ -31,6 +32,7 @@ STORAGE = {
     'F32': (np.uint32, 0x7F800000),
 }
 MAX_HEADER = 100 << 20     # safetensors' own limit on its JSON header
+MAX_SAFETENSORS = 64 << 30  # one weights file (mapped, not read whole)
 MAX_INDEX = 64 << 20       # model.safetensors.index.json
 MAX_TOKENIZER = 256 << 20  # tokenizer.json
 # Larger weights make the fp32 forward overflow (a product of a few such sums is past
@@ -80,34 +82,36 @@ class Checkpoint:
 
 
 def _read_safetensors(path):
-    size = regular_file_size(path)
-    try:
-        with open(path, 'rb') as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(path, f'corrupt or truncated safetensors file: {size} bytes')
-            header = int.from_bytes(head, 'little')
-            if header > min(MAX_HEADER, size - 8):
-                raise CheckpointError(path, 'corrupt or truncated safetensors file: its header '
-                                            f'claims {header} bytes of a {size}-byte file')
-            f.seek(0)
-            blob = f.read(size + 1)
-    except OSError as exc:
-        raise CheckpointError(path, f'cannot read: {exc.strerror}') from None
-    if len(blob) != size:
-        raise CheckpointError(path, 'the file changed while it was read')
-    try:
-        entries = safetensors.deserialize(blob)
-    except Exception as exc:  # the Rust reader raises its own SafetensorError
-        raise CheckpointError(path, f'corrupt or truncated safetensors file: {exc}') from None
+    """Read a safetensors file lazily: tensors are views of a read-only map of the file.
+
+    The header is checked against the file before anything is mapped (its length, each
+    tensor's dtype, shape and extent, the extents covering the data without overlap), so
+    a damaged or foreign file of any size is one error naming it and the tensor.
+    """
+    with open_checkpoint_file(path, MAX_SAFETENSORS) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(path, f'corrupt or truncated safetensors file: {size} bytes')
+        n = int.from_bytes(head, 'little')
+        if not 2 <= n <= min(MAX_HEADER, size - 8):
+            raise CheckpointError(path, 'corrupt or truncated safetensors file: its header '
+                                        f'claims {n} bytes of a {size}-byte file')
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise CheckpointError(path, f'corrupt safetensors header: {exc}') from None
+        entries = _safetensors_entries(header, path)
+        data_start, end = 8 + n, max((e[4] for e in entries), default=0)
+        if data_start + end != size:
+            raise CheckpointError(path, 'corrupt or truncated safetensors file: its tensors '
+                                        f'end at byte {data_start + end} of a {size}-byte file')
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if end else b''
     out = {}
-    for name, info in entries:
-        dtype = info['dtype']
-        if dtype not in STORAGE:
-            raise CheckpointError(path, f"tensor '{name}' has dtype {dtype}, "
-                                        'expected one of BF16, F16, F32')
+    for name, dtype, shape, start, stop in entries:
         storage, exponent = STORAGE[dtype]
-        bits = np.frombuffer(info['data'], dtype=storage)
+        bits = np.frombuffer(data, dtype=storage, count=(stop - start) // storage().itemsize,
+                             offset=data_start + start)
         if np.any((bits & exponent) == exponent):
             raise CheckpointError(path, f"tensor '{name}' holds NaN or infinite values")
         if dtype != 'F16' and len(bits):   # fp16 cannot exceed the bound: 65504
@@ -116,8 +120,42 @@ def _read_safetensors(path):
             if largest > MAX_WEIGHT:
                 raise CheckpointError(path, f"tensor '{name}' holds {largest:.3g}: weights "
                                             f'beyond {MAX_WEIGHT:g} overflow the fp32 forward')
-        out[name] = StoredTensor(dtype, tuple(info['shape']), bits)
+        out[name] = StoredTensor(dtype, shape, bits)
     return out
+
+
+def _safetensors_entries(header, path):
+    """[(name, dtype, shape, start, stop)] of a safetensors header, each extent checked."""
+    if not isinstance(header, dict):
+        raise CheckpointError(path, 'corrupt safetensors header: not a JSON object')
+    entries = []
+    for name, info in header.items():
+        if name == '__metadata__':
+            continue
+        if not isinstance(info, dict):
+            raise CheckpointError(path, f"tensor '{name}': its header entry is not an object")
+        dtype, shape, offsets = info.get('dtype'), info.get('shape'), info.get('data_offsets')
+        if dtype not in STORAGE:
+            raise CheckpointError(path, f"tensor '{name}' has dtype {dtype}, "
+                                        'expected one of BF16, F16, F32')
+        if (not isinstance(shape, list) or len(shape) > 8 or any(
+                isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape)):
+            raise CheckpointError(path, f"tensor '{name}' has shape {shape!r}")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or any(
+                isinstance(o, bool) or not isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise CheckpointError(path, f"tensor '{name}' has data_offsets {offsets!r}")
+        need = int(np.prod(shape, dtype=object)) * np.dtype(STORAGE[dtype][0]).itemsize
+        if offsets[1] - offsets[0] != need:
+            raise CheckpointError(path, f"tensor '{name}' spans {offsets[1] - offsets[0]} "
+                                        f'bytes, its shape {shape} in {dtype} needs {need}')
+        entries.append((name, dtype, tuple(shape), offsets[0], offsets[1]))
+    spans = sorted((e[3], e[4], e[0]) for e in entries)
+    for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise CheckpointError(path, f"tensors '{a}' and '{b}' overlap (bytes {a0}..{a1} "
+                                        f'and {b0}..{b1})')
+    return entries
 
 
 def _read_all_tensors(directory):

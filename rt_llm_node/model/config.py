@@ -14,6 +14,8 @@ from typing import Optional
 
 import numpy as np
 
+from rt_llm_node.files import FileError
+from rt_llm_node.files import open_regular
 from rt_llm_node.model.errors import CheckpointError
 
 SUPPORTED_ARCHITECTURES = {
@@ -288,34 +290,23 @@ def parse_config(raw, path='config.json'):
     return config
 
 
-def regular_file_size(path):
-    """Return the size of ``path`` if it is a regular file (links followed); else raise.
+def open_checkpoint_file(path, limit):
+    """Open a checkpoint file through the guarded reader (``files.open_regular``).
 
     A FIFO would block a reader for ever and a device (a link to /dev/zero) never ends:
-    neither is read.
+    neither is read; a file larger than ``limit`` is refused before any byte is read.
     """
-    import stat
     try:
-        info = Path(path).stat()
-    except FileNotFoundError:
-        raise CheckpointError(path, 'file not found') from None
-    except OSError as exc:
-        raise CheckpointError(path, f'cannot read: {exc.strerror}') from None
-    if not stat.S_ISREG(info.st_mode):
-        raise CheckpointError(path, 'not a regular file (a FIFO, device or folder)')
-    return info.st_size
+        return open_regular(path, 'checkpoint file', limit)
+    except FileError as exc:
+        reason = 'file not found' if 'No such file' in exc.reason else exc.reason
+        raise CheckpointError(path, reason) from None
 
 
 def read_small_file(path, limit):
     """Return the bytes of a regular file of at most ``limit`` bytes."""
-    size = regular_file_size(path)
-    if size > limit:
-        raise CheckpointError(path, f'{size} bytes: larger than the {limit} such a file can be')
-    try:
-        with open(path, 'rb') as f:
-            return f.read(limit + 1)
-    except OSError as exc:
-        raise CheckpointError(path, f'cannot read: {exc.strerror}') from None
+    with open_checkpoint_file(path, limit) as f:
+        return f.read(limit + 1)
 
 
 def read_config(directory):

@@ -123,9 +123,12 @@ def check_layout(path):
     except FileError as exc:
         raise CheckpointError(path, exc.reason) from None
     with f:
+        head = f.read(24)
         size = f.seek(0, 2)
         if size < 24:
             raise CheckpointError(path, f'not a GGUF file: {size} bytes')
+        if head[:4] != b'GGUF':   # before mapping: a huge file of anything else stays unread
+            raise CheckpointError(path, 'not a GGUF file (no GGUF magic)')
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
             return _walk(_Walk(data, path))
 

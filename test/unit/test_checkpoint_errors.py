@@ -166,13 +166,13 @@ def test_a_fifo_or_a_device_is_refused_without_reading_it(ckpt):
     import os
     (ckpt / 'config.json').rename(ckpt / 'config.saved')
     os.mkfifo(ckpt / 'config.json')     # a reader of a FIFO without a writer blocks for ever
-    with pytest.raises(CheckpointError, match='config.json: not a regular file'):
+    with pytest.raises(CheckpointError, match='config.json: a FIFO, not a regular file'):
         load_checkpoint(ckpt)
     (ckpt / 'config.json').unlink()
     (ckpt / 'config.saved').rename(ckpt / 'config.json')
     (ckpt / 'model.safetensors').unlink()
     (ckpt / 'model.safetensors').symlink_to('/dev/zero')   # endless
-    with pytest.raises(CheckpointError, match='model.safetensors: not a regular file'):
+    with pytest.raises(CheckpointError, match='model.safetensors: a character device, not a regular file'):
         load_checkpoint(ckpt)
     (ckpt / 'model.safetensors').unlink()
     (ckpt / 'model.safetensors').write_bytes(b'')
