@@ -26,6 +26,8 @@ ALLOWED = {
     ('model/gguf_file.py', 'GGUFReader(path)'): 'after gguf_layout.check_layout',
     ('model/gguf_layout.py', 'mmap.mmap(f.fileno()'): 'a map of a file files.open_regular '
                                                       'opened and checked',
+    ('model/checkpoint.py', 'mmap.mmap(f.fileno()'): 'the same, after its header was '
+                                                     'checked against the file',
     ('model/synthetic.py', "open(path, 'wb')"): 'writes a fresh random checkpoint for tests '
                                                 'and benchmarks',
     ('model/synthetic.py', "(directory / 'config.json').write_text"): 'the same',
