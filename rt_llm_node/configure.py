@@ -19,9 +19,8 @@ from rt_llm_node.engine import TickEngine
 from rt_llm_node.guard import JOINT_STATE
 from rt_llm_node.guard import OutputGuard
 from rt_llm_node.instruction_cache import InstructionCache
-from rt_llm_node.model import load_checkpoint
+from rt_llm_node.model import load_model
 from rt_llm_node.model.embedded import default_model_path
-from rt_llm_node.model.quant import quantize_checkpoint
 from rt_llm_node.params import grammar_range
 from rt_llm_node.params import validate
 from rt_llm_node.state_store import fingerprint
@@ -120,7 +119,9 @@ def configure_engine(values, clock=None, log=print, cost_model=None, warn=None):
     started = time.monotonic()
     path = values['model_path'] or default_model_path()
     log(f'loading model from {path}')
-    checkpoint = quantize_checkpoint(load_checkpoint(path), values['weight_format'])
+    checkpoint = load_model(path, values['adapter_path'], values['weight_format'])
+    if values['adapter_path']:
+        log(f"adapter {values['adapter_path']} merged into the weights")
     cfg = checkpoint.config
     if values['kv_capacity_tokens'] > cfg.max_position_embeddings:
         raise ConfigurationError(
@@ -153,7 +154,7 @@ def configure_engine(values, clock=None, log=print, cost_model=None, warn=None):
     if values['state_dir']:
         store = StateStore(values['state_dir'], values['state_max_mb'] << 20, log,
                            warn or log)
-        fields = fingerprint(path, backend, values['weight_format'])
+        fields = fingerprint(path, backend, values['weight_format'], values['adapter_path'])
     if cost_model is None:
         model = _stored_cost_model(store, fields, backend, cfg, values, log)
         if model is None:

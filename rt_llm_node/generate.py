@@ -24,9 +24,8 @@ from rt_llm_node.kvcache import CacheFullError
 from rt_llm_node.kvcache import make_policy
 from rt_llm_node.kvcache import POLICIES
 from rt_llm_node.model import CheckpointError
-from rt_llm_node.model import load_checkpoint
+from rt_llm_node.model import load_model
 from rt_llm_node.model.embedded import default_model_path
-from rt_llm_node.model.quant import quantize_checkpoint
 from rt_llm_node.model.quant import WEIGHT_FORMATS
 from rt_llm_node.session import greedy_generate
 from rt_llm_node.session import KVSession
@@ -58,6 +57,8 @@ def build_parser():
     parser.add_argument('--kv-dtype', choices=KV_DTYPES, default='native',
                         help='KV cache values: native (fp32) or int8 (a scale per token and '
                              'kv head)')
+    parser.add_argument('--adapter', default='',
+                        help='LoRA adapter folder (PEFT) merged into the model on load')
     parser.add_argument('--weight-format', choices=sorted(WEIGHT_FORMATS), default='native',
                         help='native (as stored), or int8/int4: float matrices quantized on '
                              'load')
@@ -83,8 +84,8 @@ def build_parser():
 
 def run(args):
     started = time.perf_counter()
-    checkpoint = quantize_checkpoint(load_checkpoint(args.model or default_model_path()),
-                                     args.weight_format)
+    checkpoint = load_model(args.model or default_model_path(), args.adapter,
+                            args.weight_format)
     if args.kv_capacity is None:
         args.kv_capacity = min(1024, checkpoint.config.max_position_embeddings)
     backend = make_backend(args.backend, checkpoint, args.kv_capacity, kv_dtype=args.kv_dtype)

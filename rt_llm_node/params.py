@@ -33,6 +33,8 @@ class Param:
 PARAMETERS = (
     Param('model_path', '', 'HF-layout checkpoint directory or .gguf file; empty: the '
           'embedded demo model'),
+    Param('adapter_path', '', 'LoRA adapter folder as PEFT saves it (adapter_config.json, '
+          'adapter_model.safetensors), merged into the weights at configure; empty: none'),
     Param('weight_format', 'native', "weights at run time: native (as stored; a GGUF's "
           'quantized tensors stay quantized), int8 or int4 (float matrices quantized on load, '
           'round to nearest, groups of 32)', choices=('native', 'int8', 'int4')),

@@ -446,6 +446,8 @@ def build_parser():
                         '(nothing this tool did not write is deleted)')
     parser.add_argument('--clock', choices=('model', 'wall'), default='model')
     parser.add_argument('--cost-model', help='cost_model.json to use instead of calibrating')
+    parser.add_argument('--adapter', help='LoRA adapter folder (PEFT) merged into the model '
+                        '(overrides the adapter_path parameter)')
     parser.add_argument('--state-dir', help="a node's state_dir (overrides the parameter): "
                         'start from its stored system prompt KV state and cost model, as the '
                         'robot restarted warm')
@@ -479,6 +481,8 @@ def main(argv=None):
         values = load_params(args.params)
         if args.state_dir is not None:
             values['state_dir'] = args.state_dir
+        if args.adapter is not None:
+            values['adapter_path'] = args.adapter
         cost_model = choose_cost_model(args, values)
         replay(args.bag, values, args.out, args.clock, cost_model, args.start, args.end,
                remaps, force=args.force)

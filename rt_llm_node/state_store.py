@@ -107,9 +107,14 @@ def backend_build(backend):
     return build
 
 
-def fingerprint(model_path, backend, weight_format):
-    """Return the fields a stored prefix must match (the cost model adds the host)."""
-    return {'model': file_digest(model_files(model_path)), 'weight_format': weight_format,
+def fingerprint(model_path, backend, weight_format, adapter=''):
+    """Return the fields a stored prefix must match (the cost model adds the host).
+
+    A LoRA ``adapter`` merged into the model is part of it: its files join the digest.
+    """
+    from rt_llm_node.model.adapter import adapter_files
+    files = model_files(model_path) + (adapter_files(adapter) if adapter else [])
+    return {'model': file_digest(files), 'weight_format': weight_format,
             'kv_dtype': backend.kv_dtype, 'build': backend_build(backend)}
 
 

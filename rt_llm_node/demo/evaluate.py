@@ -44,9 +44,8 @@ from rt_llm_node.engine import TickEngine
 from rt_llm_node.files import write_atomic
 from rt_llm_node.instruction_cache import InstructionCache
 from rt_llm_node.kvcache import POLICIES
-from rt_llm_node.model import load_checkpoint
+from rt_llm_node.model import load_model
 from rt_llm_node.model.embedded import default_model_path
-from rt_llm_node.model.quant import quantize_checkpoint
 from rt_llm_node.model.quant import WEIGHT_FORMATS
 
 HELD_OUT_SEED0 = 1_000_000      # training uses seeds below 100,000 x (training seed + 1)
@@ -68,10 +67,10 @@ class Actuation:
         return self.queue.popleft()
 
 
-def _checkpoint(path, weight_format='native'):
-    if (path, weight_format) not in _CACHE:
-        _CACHE[path, weight_format] = quantize_checkpoint(load_checkpoint(path), weight_format)
-    return _CACHE[path, weight_format]
+def _checkpoint(path, weight_format='native', adapter=''):
+    if (path, weight_format, adapter) not in _CACHE:
+        _CACHE[path, weight_format, adapter] = load_model(path, adapter, weight_format)
+    return _CACHE[path, weight_format, adapter]
 
 
 def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_ticks=None,
@@ -181,15 +180,15 @@ _BACKENDS = {}
 def _job(job):
     """One episode in a worker process.
 
-    (model, policy, budget, seed, action delay, backend, weight format, kv dtype) -> its
-    result dict.
+    (model, policy, budget, seed, action delay, backend, weight format, kv dtype, adapter)
+    -> its result dict.
     """
-    model, policy, budget, seed, delay, backend, weight_format, kv_dtype = job
-    checkpoint = _checkpoint(model, weight_format)
+    model, policy, budget, seed, delay, backend, weight_format, kv_dtype, adapter = job
+    checkpoint = _checkpoint(model, weight_format, adapter)
     if policy == 'expert':
         return run_expert_episode(seed, delay)
     capacity = checkpoint.config.max_position_embeddings if budget == 'full' else int(budget)
-    key = (model, capacity, weight_format, kv_dtype)
+    key = (model, capacity, weight_format, kv_dtype, adapter)
     if key not in _BACKENDS:   # reused by this worker's later episodes (rolled back to 0)
         _BACKENDS[key] = make_backend(backend, checkpoint, capacity, kv_dtype=kv_dtype)
     return run_model_episode(checkpoint, seed, policy, capacity, _BACKENDS[key],
@@ -287,6 +286,8 @@ def main(argv=None):
                              'float sums in another order can turn a near tie the other way, '
                              'so an episode may differ from the numpy one. Not faster with '
                              'many workers: one GPU serves them one launch at a time')
+    parser.add_argument('--adapter', default='',
+                        help='LoRA adapter folder (PEFT) merged into the model on load')
     parser.add_argument('--weight-format', default='native', choices=tuple(WEIGHT_FORMATS),
                         help="the policy's weights: native, or int8/int4 quantized on load")
     parser.add_argument('--kv-dtype', default='native', choices=KV_DTYPES,
@@ -318,7 +319,7 @@ def main(argv=None):
         for policy, budget in configs:
             owner = 'expert' if policy == 'expert' else f'{policy}@{budget}'
             jobs[(model, policy, budget, seed, args.action_delay, args.backend,
-                  args.weight_format, args.kv_dtype)] = owner
+                  args.weight_format, args.kv_dtype, args.adapter)] = owner
     started = time.time()
     gathered = {}
     # CUDA cannot be used in a child forked after the parent touched it (the check above)

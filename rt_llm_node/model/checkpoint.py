@@ -50,6 +50,19 @@ class StoredTensor:
     shape: tuple
     bits: np.ndarray
 
+    @classmethod
+    def from_float32(cls, dtype, values):
+        """Store float32 ``values`` as ``dtype`` (BF16 and F16 rounded to nearest, even)."""
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        if dtype == 'BF16':
+            bits = values.view(np.uint32).astype(np.uint64)
+            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        elif dtype == 'F16':
+            bits = values.astype(np.float16).view(np.uint16)
+        else:
+            bits = values.view(np.uint32).copy()
+        return cls(dtype, tuple(values.shape), bits.reshape(-1))
+
     def to_float32(self):
         """Upcast to a new float32 array of ``shape``."""
         if self.dtype == 'BF16':
@@ -254,3 +267,18 @@ def load_checkpoint(directory):
     _check_tensors(config, tensors, where)
     tokenizer = load_tokenizer(directory, config)
     return Checkpoint(directory, config, tensors, tokenizer)
+
+
+def load_model(path, adapter='', weight_format='native'):
+    """Load a checkpoint, merge a LoRA ``adapter`` folder into it, quantize as asked.
+
+    What the node, replay, evaluation and generation run: ``weight_format`` quantizes the
+    merged float matrices (a GGUF's quantized ones merged with an adapter become fp32 first).
+    """
+    from rt_llm_node.model.adapter import load_adapter
+    from rt_llm_node.model.adapter import merge_adapter
+    from rt_llm_node.model.quant import quantize_checkpoint
+    checkpoint = load_checkpoint(path)
+    if adapter:
+        merge_adapter(checkpoint, load_adapter(adapter))
+    return quantize_checkpoint(checkpoint, weight_format)

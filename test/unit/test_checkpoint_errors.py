@@ -172,7 +172,8 @@ def test_a_fifo_or_a_device_is_refused_without_reading_it(ckpt):
     (ckpt / 'config.saved').rename(ckpt / 'config.json')
     (ckpt / 'model.safetensors').unlink()
     (ckpt / 'model.safetensors').symlink_to('/dev/zero')   # endless
-    with pytest.raises(CheckpointError, match='model.safetensors: a character device, not a regular file'):
+    with pytest.raises(CheckpointError,
+                       match='model.safetensors: a character device, not a regular file'):
         load_checkpoint(ckpt)
     (ckpt / 'model.safetensors').unlink()
     (ckpt / 'model.safetensors').write_bytes(b'')

@@ -26,7 +26,7 @@ SECONDS = 30
 
 
 def _checkpoint(tmp, name):
-    """A copy of the demo checkpoint with ``name`` replaced later; returns (dir, file)."""
+    """Return a copy of the demo checkpoint with ``name`` replaced later; returns (dir, file)."""
     from rt_llm_node.model.embedded import default_model_path
     folder = tmp / 'model'
     if not folder.exists():
@@ -47,8 +47,8 @@ def _sharded(tmp):
         with safe_open(str(folder / 'model.safetensors'), 'np') as f:
             names = list(f.keys())
         os.rename(folder / 'model.safetensors', folder / 'model-00001-of-00001.safetensors')
-        index.write_text(json.dumps({'weight_map': {n: 'model-00001-of-00001.safetensors'
-                                                    for n in names}}))
+        index.write_text(json.dumps({'weight_map': dict.fromkeys(
+            names, 'model-00001-of-00001.safetensors')}))
     return folder, index
 
 
