@@ -229,7 +229,7 @@ def test_demo_inputs_subsets_keep_what_the_expert_reads(tmp_path):
     (tmp_path / 'training.json').write_text(json.dumps({'inputs': [s.topic for s in without]}))
     assert model_inputs(tmp_path) == without
     (tmp_path / 'training.json').write_text('{not json')
-    with pytest.raises(ValueError, match='unreadable'):
+    with pytest.raises(ValueError, match='training.json: not valid JSON'):
         model_inputs(tmp_path)
     # an episode rendered without /odom has no odom segment and the same labels
     tokenizer = load_checkpoint(default_model_path()).tokenizer
