@@ -9,6 +9,7 @@ control thread; ``on_deactivate`` stops it and sends the fallback action;
 import argparse
 from collections import Counter
 from collections import deque
+from collections import OrderedDict
 from functools import partial
 import gc
 import os
@@ -117,6 +118,7 @@ def to_message(action, action_type, period_s, stamp=None, frame_id=''):
 
 
 LATCHED_FETCH_S = 2.0   # how long a latched subscription is kept to fetch a kept message
+DEDUPE_MESSAGES = 256   # instructions remembered meanwhile, to receive each once
 _LEVELS = {OK: DiagnosticStatus.OK, WARN: DiagnosticStatus.WARN, ERROR: DiagnosticStatus.ERROR}
 
 
@@ -255,7 +257,7 @@ class RtLlmNode(LifecycleNode):
                     incompatible_qos=partial(self._on_incompatible_qos, spec.topic))))
             self._latched[spec.topic] = (None, 0.0)
             self._latched_seen[spec.topic] = set()
-            self._received[spec.topic] = deque(maxlen=8)
+            self._received[spec.topic] = OrderedDict()
         if self._latched:
             self._match_latched()
             self._graph_timer = self.create_timer(0.5, self._match_latched)
@@ -286,11 +288,14 @@ class RtLlmNode(LifecycleNode):
         """
         now = time.monotonic()
         if self._latched[topic][0] is not None:
-            recent = self._received[topic]
-            for seen, at in recent:
-                if now - at < 1.0 and seen == msg:
-                    return
-            recent.append((msg, now))
+            recent = self._received[topic]   # message text -> when it arrived
+            key = getattr(msg, 'data', None)
+            key = key if isinstance(key, str) else repr(msg)
+            if now - recent.get(key, -2.0) < 1.0:
+                return
+            recent[key] = now
+            while len(recent) > DEDUPE_MESSAGES:
+                recent.popitem(last=False)
         self._buffer.put(topic, msg, now, None)
         self._health.arrival(topic, now)
         if now - self._instruction_said.get(topic, -1.0) >= 1.0:   # at most a line a second

@@ -8,6 +8,7 @@ kept across cleanup and configure; a default-QoS instruction publisher told noth
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -169,3 +170,43 @@ def test_a_default_qos_publisher_is_not_told_that_nothing_will_reach_the_node(ri
     assert node._buffer.snapshot()[TASK][0].data == 'go to the blue cone'
     assert 'incompatible' not in teller.stderr.lower(), teller.stderr[-2000:]
     assert 'No messages will be sent' not in teller.stderr
+
+
+def test_a_flood_of_instructions_is_kept_once_each_and_placed_at_most_once_a_tick(rig, executor):
+    """A latched publisher floods distinct instructions: each message kept once, the latest wins.
+
+    The node's buffer is watched (a wrapper counting what reaches it, no stand-in): at most
+    one put a message sent, and at most one placement of a new instruction a tick.
+    """
+    from rt_llm_node.engine import InputBuffer
+    from rt_llm_node.qos import INSTRUCTION_QOS
+    world, recorder, make = rig
+    kept = []
+    put = InputBuffer.put
+
+    def counting(self, topic, *args, **kwargs):
+        if topic == TASK:
+            kept.append(args[0].data)
+        return put(self, topic, *args, **kwargs)
+    InputBuffer.put = counting
+    flooder = Node('test_flooder')
+    pub = flooder.create_publisher(String, TASK, INSTRUCTION_QOS)
+    executor.add_node(flooder)
+    try:
+        node = make(rate_hz=10.0, input_topics=task_topics())
+        start(node, inputs=2)
+        wait_until(lambda: pub.get_subscription_count() >= 1, what='matching')
+        sent = [f'go to the red box number {i}' for i in range(600)]
+        for text in sent:
+            pub.publish(String(data=text))
+        wait_until(lambda: kept and kept[-1] == sent[-1], what='the last instruction')
+        time.sleep(0.5)
+        stats = node.stats()[0]
+        transition(node, 'deactivate')
+    finally:
+        InputBuffer.put = put
+        executor.remove_node(flooder)
+    assert len(kept) <= len(sent), f'{len(kept)} kept of {len(sent)} sent: some twice'
+    assert len(set(kept)) == len(kept), 'a message was kept twice'
+    placements = stats.get('instructions_prefilled', 0) + stats.get('instructions_restored', 0)
+    assert placements <= stats.get('ticks', 0)
