@@ -187,7 +187,8 @@ class TickEngine:
         # not, so that one rare long action cannot keep every later tick refused (typical
         # when none is recent); a longer action than predicted is caught by the watchdog
         self.typical_decodes = max(0, grammar.typical_decode_tokens() - 1)
-        self.recent_decodes = deque()  # (tick, tokens fed, forward passes) of admitted ticks
+        # (tick, tokens fed, forward passes or None where it did not speculate) of admitted ticks
+        self.recent_decodes = deque()
         # speculative decoding: at most this many drafted tokens verified in one pass, where
         # the backend verifies row-exactly (the output stays exactly greedy); 0: off
         self.speculative_tokens = min(int(speculative_tokens),
@@ -221,9 +222,9 @@ class TickEngine:
         if not self.speculative_tokens:
             return None
         self.expected_decodes(index)   # drops what left the window
-        if not self.recent_decodes:
+        passes = [p for _, _, p in self.recent_decodes if p is not None]
+        if not passes:
             return None
-        passes = [p for _, _, p in self.recent_decodes]
         return int(np.quantile(passes, self.admission.quantile, method='higher'))
 
     def start(self, state_store=None, state_fields=None, log=None):
@@ -443,6 +444,17 @@ class TickEngine:
                                               plan.kept, plan.restored, plan.pass_tokens,
                                               plan.fused_tokens)
         available = run.ms_left()
+        if (plan.pass_tokens or plan.fused_tokens) and not admission.admit(plan.predicted,
+                                                                           available):
+            # speculation never refuses a tick that plain decoding would act on in time:
+            # where its passes do not fit but the decode steps they stand for do, this tick
+            # drafts nothing
+            plain = admission.predict_ms(plan.n_prefill, plan.length, plan.n_decode, plan.kept,
+                                         plan.restored)
+            if admission.admit(plain, available):
+                plan.passes, plan.pass_tokens, plan.fused_tokens = plan.n_decode, 0, 0
+                plan.predicted = plain
+                run.speculate = False
         run.record.predicted_ms, run.record.available_ms = plan.predicted, available
         run.record.n_prefill = plan.n_prefill
         if not admission.admit(plan.predicted, available):
@@ -601,7 +613,7 @@ class TickEngine:
             chosen.append(token)
             if grammar.done(state):
                 return state, chosen
-            drafts = self._drafts(state, chosen)
+            drafts = self._drafts(state, chosen) if run.speculate else []
             remaining = grammar.min_remaining(state)
             # a verify pass runs the drafts too, whether they are kept or not: only as many
             # as leave time to finish if none is kept
@@ -775,7 +787,10 @@ class TickEngine:
         self.session.defer(segment, [chosen[-1], *self.grammar.end_ids])
         for ids, kind, topic, part_stamp in parts[:-1]:
             self.rendered[topic] = part_stamp
-        self.recent_decodes.append((record.tick, record.n_fed, record.n_decode))
+        # passes are the speculation's own evidence only where it ran (a tick priced as plain
+        # decoding drafted nothing, and its steps would keep speculation priced off for ever)
+        self.recent_decodes.append((record.tick, record.n_fed,
+                                    record.n_decode if run.speculate else None))
         self.last_action_ids = list(chosen)
         self.session.decay_scores()
         record.decision = 'action'
@@ -824,6 +839,7 @@ class _Run:
         self.stamp, self.deadline = stamp, deadline
         self.instruction = None   # a new instruction to place first: (its part, stored state)
         self.fused = None         # a fused pass's (drafts, grammar states, greedy tokens)
+        self.speculate = True     # False: admission priced this tick as plain decoding
         self.now = engine.clock.now
         self.t0 = self.last = self.admitted = self.now()
 

@@ -221,9 +221,9 @@ def test_admission_plans_the_quantile_of_recent_passes(demo):
         results.append(result)
         world.step(*(result.action.values[f] for f in ('linear.x', 'angular.z'))
                    if result.action else (0.0, 0.0))
-    passes = [p for _, _, p in engine.recent_decodes]
-    fed = [n for _, n, _ in engine.recent_decodes]
-    assert sum(passes) < sum(fed)   # drafts were kept
+    speculated = [(n, p) for _, n, p in engine.recent_decodes if p is not None]
+    passes = [p for _, p in speculated]
+    assert passes and sum(passes) < sum(n for n, _ in speculated)   # drafts were kept
     expected = int(np.quantile(passes, engine.admission.quantile, method='higher'))
     assert engine.expected_passes(90) == expected <= engine.expected_decodes(90)
     # each planned pass priced as the dearer of a step and a verify pass of 5 tokens
@@ -316,3 +316,30 @@ def test_a_wrong_first_draft_backs_off_to_drafting_after_the_prefill(demo):
     assert not any(r.fused for r in records[11:11 + FUSE_BACKOFF])
     assert any(r.verify_passes for r in records[11:11 + FUSE_BACKOFF])   # drafts after it
     assert records[11 + FUSE_BACKOFF].fused
+
+
+def test_speculation_never_refuses_a_tick_that_plain_decoding_acts_on(demo):
+    """Verify passes priced far above the decode steps they stand for (a slow device).
+
+    Speculation must then decode plainly rather than refuse: every tick acts as with
+    speculation off, with the same actions.
+    """
+    from rt_llm_node.demo.task import action_grammar
+    cost = CostModel(prefill=(1.0, 0.01, 0.0), decode=(1.5, 0.0), compact=(0.1, 0.0),
+                     verify=(40.0, 1.0, 0.0), fused=(40.0, 1.0, 0.0))
+
+    grammar = action_grammar(demo.tokenizer, model_aim(default_model_path()))
+
+    def decisions(speculative):
+        engine, clock = engine_for(demo, grammar, 3 if speculative else 0, 256)
+        engine.admission.model = cost
+        world = DemoWorld(HELD_OUT_SEED0 + 3, messages=MessageFactory(ros=False))
+        out = []
+        for result in run_ticks(engine, clock, world, 60):
+            out.append(result.refusal.reason if result.action is None
+                       else tuple(result.action.token_ids))
+            world.step(0.2, 0.1)
+        return out
+    plain, speculating = decisions(False), decisions(True)
+    assert all(isinstance(d, tuple) for d in plain), plain
+    assert speculating == plain
