@@ -37,6 +37,8 @@ DECODE_WINDOW = 150   # ticks (5 s at 30 Hz) over which the longest action is re
 # a fused pass whose first draft was wrong (the action no longer begins as the last one did)
 # ran its rows for nothing: the next this many ticks draft after the prefill instead
 FUSE_BACKOFF = 8
+# a new instruction within this many ticks of the last placement is prefilled with the inputs
+FLOOD_TICKS = 1
 
 
 class WallClock:
@@ -203,6 +205,7 @@ class TickEngine:
         self.instructions = (instruction_cache if hasattr(backend, 'import_kv')
                              else None)
         self.instruction_ids = None    # the instruction in the cache (its token ids)
+        self.placed_at = -FLOOD_TICKS - 1   # the tick that last placed an instruction
         self._log = None
         self.ready = False
 
@@ -515,10 +518,19 @@ class TickEngine:
         tick fails later: the cache then holds the system prompt and that instruction).
         Returns (the mark to roll back to, the action segment).
         """
-        if run.instruction is not None:
+        if run.instruction is not None and self._flooded(run):
+            # instructions arriving tick after tick: the cache starts over after the system
+            # prompt and the instruction is prefilled with the inputs in one call, as admission
+            # priced it; kept by the cache only once it is placed in a tick of its own
+            run.record.evicted = self.session.truncate(len(self.system_ids))
+            self.rendered, self.instruction_ids = {}, None
+            run.placed = [int(t) for t in parts[0][0]]
+            run.record.instruction = 'prefilled'
+        elif run.instruction is not None:
             started = run.now()
             run.record.evicted = self._place_instruction(run)
             run.record.instruction_ms = (run.now() - started) * 1e3
+            self.placed_at = run.index
             parts = parts[1:]
         else:
             run.record.evicted = self.session.apply_plan(plan.slots)
@@ -536,6 +548,14 @@ class TickEngine:
             run.record.fused = True
         run.lap('prefill_ms')
         return mark, segments[-1]
+
+    def _flooded(self, run):
+        """Tell whether a new instruction comes right after the last one was placed.
+
+        Not one to restore by copy; placed in the tick before this one (a flood: each would
+        cost a prefill of its own and one of the inputs, the second unpriced).
+        """
+        return run.instruction[1] is None and self.placed_at >= run.index - FLOOD_TICKS
 
     def _fuses(self, index):
         """Tell whether tick ``index`` verifies the action's drafts beside its prefill.
@@ -787,6 +807,8 @@ class TickEngine:
         self.session.defer(segment, [chosen[-1], *self.grammar.end_ids])
         for ids, kind, topic, part_stamp in parts[:-1]:
             self.rendered[topic] = part_stamp
+        if run.placed is not None:   # a flooded instruction, now in the cache
+            self.instruction_ids, self.placed_at = run.placed, run.index
         # passes are the speculation's own evidence only where it ran (a tick priced as plain
         # decoding drafted nothing, and its steps would keep speculation priced off for ever)
         self.recent_decodes.append((record.tick, record.n_fed,
@@ -840,6 +862,7 @@ class _Run:
         self.instruction = None   # a new instruction to place first: (its part, stored state)
         self.fused = None         # a fused pass's (drafts, grammar states, greedy tokens)
         self.speculate = True     # False: admission priced this tick as plain decoding
+        self.placed = None        # a flooded instruction prefilled with the inputs (its ids)
         self.now = engine.clock.now
         self.t0 = self.last = self.admitted = self.now()
 

@@ -134,3 +134,29 @@ def test_the_cache_keeps_its_bounds_least_recently_used_first():
     assert len(cache) == 3 and cache.nbytes <= 1000
     with pytest.raises(ValueError):
         InstructionCache(max_entries=0)
+
+
+def test_a_flood_of_instructions_places_each_in_one_prefill_with_the_inputs():
+    """A new instruction every tick: one prefill call a tick, the latest instruction in place.
+
+    The first is placed in a call of its own (and kept for a switch back); those that follow
+    it tick after tick are prefilled with the inputs in one call, as admission prices a
+    placement, and are not kept; once the flood stops the last one stays in place.
+    """
+    engine, clock, _ = configure()
+    calls = []
+    prefill = engine.backend.prefill
+
+    def counting(ids):   # counts what reaches the backend (no stand-in: it runs)
+        calls.append(len(ids))
+        return prefill(ids)
+    engine.backend.prefill = counting
+    texts = [f'go to the red box {i}' for i in range(6)]
+    results = ticks(engine, clock, texts + [texts[-1]], per_text=1)
+    assert all(r.action is not None for r in results), [r.refusal for r in results]
+    assert [r.record.instruction for r in results] == ['prefilled'] * 6 + ['']
+    # the first alone, then the inputs; then one call a tick, the last no placement
+    assert len(calls) == 2 + 5 + 1, calls
+    assert texts[-1] in engine.tokenizer.decode(engine.instruction_ids)
+    assert kinds(engine)[:2] == [SYSTEM, INSTRUCTION]
+    assert len(engine.instructions.entries) == 1, 'only the first, placed alone, is kept'
