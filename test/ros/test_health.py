@@ -156,6 +156,8 @@ PUBLISHER = textwrap.dedent("""
     while time.monotonic() < end:
         rclpy.spin_once(node, timeout_sec=0.05)
     print('published', flush=True)
+    node.destroy_node()
+    rclpy.shutdown()
 """)
 
 
@@ -170,6 +172,7 @@ def test_a_default_qos_publisher_is_not_told_that_nothing_will_reach_the_node(ri
     assert node._buffer.snapshot()[TASK][0].data == 'go to the blue cone'
     assert 'incompatible' not in teller.stderr.lower(), teller.stderr[-2000:]
     assert 'No messages will be sent' not in teller.stderr
+    assert transition(node, 'cleanup') == TransitionCallbackReturn.SUCCESS
 
 
 def test_a_flood_of_instructions_is_kept_once_each_and_placed_at_most_once_a_tick(rig, executor):

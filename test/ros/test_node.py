@@ -269,7 +269,6 @@ def test_an_instruction_reaches_the_node_from_a_default_or_a_latched_publisher(e
         wait_until(lambda: node._buffer.snapshot()['/instruction'][0].data ==
                    'go to the green ball', what='a live latched instruction')
         assert node._buffer.snapshot()['/instruction'][1] > arrivals
-        assert node._received['/instruction'][-1][0].data == 'go to the green ball'
     finally:
         node._stop_loop()
         executor.shutdown()
