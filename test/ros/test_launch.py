@@ -28,6 +28,11 @@ RUN_LAUNCH = ('import sys; from ros2launch.api import launch_a_launch_file; '
               'sys.exit(launch_a_launch_file(launch_file_path=sys.argv[1], '
               'launch_file_arguments=sys.argv[2:]))')
 
+# a DDS domain of their own: a participant another test left behind (a process that exited
+# without shutting rclpy down is seen until its lease ends) cannot answer the launched node's
+# lifecycle services in its place
+DOMAIN = (int(os.environ.get('ROS_DOMAIN_ID', '10')) - 10 + 45) % 90 + 10
+
 pytestmark = pytest.mark.skipif(not VENDOR.is_dir(),
                                 reason=f'the launch sources are not at {VENDOR}')
 
@@ -66,7 +71,7 @@ def installed(tmp_path_factory):
     shutil.copytree(VENDOR / 'stubs' / 'composition_interfaces',
                     site / 'composition_interfaces')
     packages = next(prefix.glob('lib/python*/site-packages'))
-    env = dict(os.environ, AMENT_PREFIX_PATH=str(prefix),
+    env = dict(os.environ, AMENT_PREFIX_PATH=str(prefix), ROS_DOMAIN_ID=str(DOMAIN),
                PYTHONPATH=os.pathsep.join([str(site), str(packages)]))
     return prefix, env
 
@@ -84,7 +89,7 @@ class Listener:
     def __init__(self):
         from geometry_msgs.msg import Twist
         self.context = rclpy.Context()
-        rclpy.init(context=self.context)
+        rclpy.init(context=self.context, domain_id=DOMAIN)
         self.node = rclpy.create_node('launch_test_listener', context=self.context)
         self.count, self.enough, self.last = 0, threading.Event(), None
         self.node.create_subscription(Twist, '/cmd_vel', self._action, 10)
@@ -157,7 +162,7 @@ def test_the_managed_launch_without_autostart_leaves_the_node_unconfigured(insta
     try:
         from lifecycle_msgs.srv import GetState
         context = rclpy.Context()
-        rclpy.init(context=context)
+        rclpy.init(context=context, domain_id=DOMAIN)
         node = rclpy.create_node('launch_test_state', context=context)
         client = node.create_client(GetState, '/rt_llm_node/get_state')
         try:
@@ -204,7 +209,7 @@ def test_a_namespace_sim_time_and_log_level_reach_the_node_and_its_params_sectio
     try:
         from rcl_interfaces.srv import GetParameters
         context = rclpy.Context()
-        rclpy.init(context=context)
+        rclpy.init(context=context, domain_id=DOMAIN)
         node = rclpy.create_node('launch_test_params', context=context)
         client = node.create_client(GetParameters, '/robot1/rt_llm_node/get_parameters')
         try:
