@@ -747,10 +747,11 @@ class RtLlmNode(LifecycleNode):
         engine, statuses = self._engine, []
         if engine is None:
             return statuses
-        problems = engine.input_problems(self._buffer.snapshot(), now)
+        snapshot = self._buffer.snapshot()
+        problems = engine.input_problems(snapshot, now)
         for spec in engine.inputs:
             last = self._health.last_arrival(spec.topic)
-            kept = self._buffer.snapshot().get(spec.topic)
+            kept = snapshot.get(spec.topic)
             problem = problems.get(spec.topic, '')
             level = OK if not problem else WARN if spec.kind == 'instruction' else ERROR
             status = DiagnosticStatus(
