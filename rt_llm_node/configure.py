@@ -56,12 +56,12 @@ def action_grammar(values, tokenizer):
         fields = [{'name': n, 'key': k, 'min': lo, 'max': hi, 'step': st}
                   for n, k, lo, hi, st in zip(values['action_fields'], values['action_keys'],
                                               low, high, values['action_step'])]
-        return twist_grammar(tokenizer, fields)
+        return twist_grammar(tokenizer, fields, spelling=values['action_spelling'])
     if kind == 'trajectory_msgs/msg/JointTrajectory':
         joints = [{'name': n, 'min': lo, 'max': hi, 'step': st}
                   for n, lo, hi, st in zip(values['action_fields'], low, high,
                                            values['action_step'])]
-        return joint_trajectory_grammar(tokenizer, joints)
+        return joint_trajectory_grammar(tokenizer, joints, spelling=values['action_spelling'])
     return StringGrammar(tokenizer, values['action_max_tokens'], values['action_stop_text'])
 
 

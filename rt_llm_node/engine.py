@@ -189,12 +189,18 @@ class TickEngine:
         # not, so that one rare long action cannot keep every later tick refused (typical
         # when none is recent); a longer action than predicted is caught by the watchdog
         self.typical_decodes = max(0, grammar.typical_decode_tokens() - 1)
-        # (tick, tokens fed, forward passes or None where it did not speculate) of admitted ticks
+        # (tick, tokens fed, forward passes, whether it speculated) of admitted ticks
         self.recent_decodes = deque()
         # speculative decoding: at most this many drafted tokens verified in one pass, where
         # the backend verifies row-exactly (the output stays exactly greedy); 0: off
         self.speculative_tokens = min(int(speculative_tokens),
                                       max(0, verify_limit(backend) - 1))
+        # tokens the grammar forces after a chosen one ride in the pass that runs it (a verify
+        # pass of them all, where the backend verifies row-exactly): decoding costs a pass a
+        # chosen token, not a pass a token. ``forced_run``: the most such tokens in a row
+        self.forced_run = min(grammar.max_forced_run(), max(0, verify_limit(backend) - 1))
+        self.typical_passes = max(0, (grammar.typical_choices() if self.forced_run
+                                      else grammar.typical_decode_tokens()) - 1)
         self.last_action_ids = []      # the last action's chosen tokens (a draft source)
         self.fuse_from = 0             # the first tick that may verify drafts beside its prefill
         self._system_state = None      # (KV tensors, attention mass) of the prompt's prefill
@@ -213,7 +219,7 @@ class TickEngine:
         """Decode calls to plan for at tick ``index``: the worst of the recent window."""
         while self.recent_decodes and self.recent_decodes[0][0] <= index - DECODE_WINDOW:
             self.recent_decodes.popleft()
-        return max([n for _, n, _ in self.recent_decodes], default=self.typical_decodes)
+        return max([n for _, n, _, _ in self.recent_decodes], default=self.typical_decodes)
 
     def expected_passes(self, index):
         """Forward passes after the prefill to plan for with speculative decoding, or None.
@@ -225,10 +231,21 @@ class TickEngine:
         if not self.speculative_tokens:
             return None
         self.expected_decodes(index)   # drops what left the window
-        passes = [p for _, _, p in self.recent_decodes if p is not None]
+        passes = [p for _, _, p, speculated in self.recent_decodes if speculated]
         if not passes:
             return None
         return int(np.quantile(passes, self.admission.quantile, method='higher'))
+
+    def plain_passes(self, index):
+        """Forward passes after the prefill to plan for without speculation: (passes, tokens).
+
+        The worst of the window, as ``expected_decodes`` (a pass a chosen token, its forced
+        tokens beside it); ``tokens``: what the dearest pass runs (0: decode steps).
+        """
+        n_decode = self.expected_decodes(index)
+        passes = max([p for _, _, p, speculated in self.recent_decodes if not speculated],
+                     default=self.typical_passes)
+        return min(passes, n_decode), (1 + self.forced_run if self.forced_run else 0)
 
     def start(self, state_store=None, state_fields=None, log=None):
         """Prefill the system prompt (pinned), or restore it, and get ready for ticks.
@@ -440,8 +457,11 @@ class TickEngine:
                 return run.refuse('input_error', detail=f'the cache cannot make room: {exc}')
         plan.kept = None if plan.slots is None else len(plan.slots)
         passes = self.expected_passes(run.record.tick)
-        plan.passes = plan.n_decode if passes is None else min(passes, plan.n_decode)
-        plan.pass_tokens = 0 if passes is None else 1 + self.speculative_tokens
+        plain_passes, plain_tokens = self.plain_passes(run.record.tick)
+        if passes is None:
+            plan.passes, plan.pass_tokens = plain_passes, plain_tokens
+        else:
+            plan.passes, plan.pass_tokens = min(passes, plan.n_decode), 1 + self.speculative_tokens
         plan.fused_tokens = 1 + self.speculative_tokens if self._fuses(run.index) else 0
         plan.predicted = admission.predict_ms(plan.n_prefill, plan.length, plan.passes,
                                               plan.kept, plan.restored, plan.pass_tokens,
@@ -452,10 +472,10 @@ class TickEngine:
             # speculation never refuses a tick that plain decoding would act on in time:
             # where its passes do not fit but the decode steps they stand for do, this tick
             # drafts nothing
-            plain = admission.predict_ms(plan.n_prefill, plan.length, plan.n_decode, plan.kept,
-                                         plan.restored)
+            plain = admission.predict_ms(plan.n_prefill, plan.length, plain_passes, plan.kept,
+                                         plan.restored, plain_tokens)
             if admission.admit(plain, available):
-                plan.passes, plan.pass_tokens, plan.fused_tokens = plan.n_decode, 0, 0
+                plan.passes, plan.pass_tokens, plan.fused_tokens = plain_passes, plain_tokens, 0
                 plan.predicted = plain
                 run.speculate = False
         run.record.predicted_ms, run.record.available_ms = plan.predicted, available
@@ -633,8 +653,13 @@ class TickEngine:
             chosen.append(token)
             if grammar.done(state):
                 return state, chosen
-            drafts = self._drafts(state, chosen) if run.speculate else []
-            remaining = grammar.min_remaining(state)
+            if run.speculate and self.speculative_tokens:
+                drafts = self._drafts(state, chosen)
+                remaining = grammar.min_remaining(state)
+            else:   # the pass that runs ``token`` runs the tokens forced after it too
+                drafts = self._forced(state)
+                remaining = (grammar.min_choices(state) + 1 if self.forced_run
+                             else grammar.min_remaining(state))
             # a verify pass runs the drafts too, whether they are kept or not: only as many
             # as leave time to finish if none is kept
             while drafts and not self._can_finish(run, plan, remaining, len(drafts)):
@@ -656,7 +681,8 @@ class TickEngine:
                 record.n_fed += 1
                 token = self._choose(state)
                 continue
-            token, state = self._verify(record, segment, state, chosen, token, drafts)
+            token, state = self._verify(record, segment, state, chosen, token, drafts,
+                                        counted=run.speculate and self.speculative_tokens > 0)
             if token is None:   # the drafts finished the action
                 return state, chosen
 
@@ -722,6 +748,21 @@ class TickEngine:
             state = grammar.advance(state, t)
         return drafts
 
+    def _forced(self, state):
+        """Return the tokens the grammar forces from ``state`` on (at most ``forced_run``).
+
+        Only as many as the cache has room for without eviction mid-pass.
+        """
+        limit = min(self.forced_run, self.backend.capacity - self.session.length - 1)
+        grammar, forced = self.grammar, []
+        while len(forced) < limit and not grammar.done(state):
+            allowed = grammar.allowed(state)
+            if len(allowed) != 1:
+                break
+            forced.append(int(allowed[0]))
+            state = grammar.advance(state, forced[-1])
+        return forced
+
     def _lookup(self, sequence, n=2, span=16):
         """Return up to ``span`` tokens that followed the latest ``sequence[-n:]`` in the cache."""
         if len(sequence) < n:
@@ -737,11 +778,13 @@ class TickEngine:
         at = int(hits[-1]) + n
         return ids[at:at + span].tolist()
 
-    def _verify(self, record, segment, state, chosen, token, drafts):
+    def _verify(self, record, segment, state, chosen, token, drafts, counted=True):
         """Run ``token`` and ``drafts`` in one pass and keep what greedy decoding would.
 
         Returns (the next token to choose from, or None when the action is complete, and
-        the grammar state), having appended the kept drafts to ``chosen``.
+        the grammar state), having appended the kept drafts to ``chosen``. ``counted``:
+        the drafts are speculation's (in the record's drafted and accepted), not only the
+        tokens the grammar forces.
         """
         grammar = self.grammar
         states = [state]
@@ -753,9 +796,10 @@ class TickEngine:
         kept = 0
         while kept < len(drafts) and int(predicted[kept]) == drafts[kept]:
             kept += 1
-        record.drafted += len(drafts)
-        record.accepted += kept
-        record.verify_passes += 1
+        if counted:
+            record.drafted += len(drafts)
+            record.accepted += kept
+            record.verify_passes += 1
         chosen.extend(drafts[:kept])
         state = states[kept]
         if grammar.done(state):   # its last token is deferred like any action's last
@@ -811,8 +855,8 @@ class TickEngine:
             self.instruction_ids, self.placed_at = run.placed, run.index
         # passes are the speculation's own evidence only where it ran (a tick priced as plain
         # decoding drafted nothing, and its steps would keep speculation priced off for ever)
-        self.recent_decodes.append((record.tick, record.n_fed,
-                                    record.n_decode if run.speculate else None))
+        self.recent_decodes.append((record.tick, record.n_fed, record.n_decode,
+                                    bool(run.speculate and self.speculative_tokens)))
         self.last_action_ids = list(chosen)
         self.session.decay_scores()
         record.decision = 'action'

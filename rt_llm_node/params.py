@@ -94,6 +94,10 @@ PARAMETERS = (
     Param('action_grammar_max', [], "upper end of each field's range in the action grammar; "
           'empty: action_max'),
     Param('action_step', [0.1, 0.25], 'quantization step of each field'),
+    Param('action_spelling', 'digits', 'how action values are written: digits (the number, '
+          "e.g. 'v+0.40') or compact (a letter a value, e.g. 'v g': one chosen token a field "
+          "with a pretrained model's tokenizer; for a model trained to it)",
+          choices=('digits', 'compact')),
     Param('joint_max_step', [0.05], 'JointTrajectory actions: the farthest a published '
           'target may lie from the measured position, per tick (rad or m); one value for '
           'every joint, or one per field'),

@@ -20,6 +20,26 @@ class GrammarError(ValueError):
     """An action schema cannot be expressed with this tokenizer, or is invalid."""
 
 
+# How a field's values are written. ``digits``: the number (readable, and what a model that
+# reads numbers in its inputs can copy; with a tokenizer that splits digits, a token a digit);
+# ``compact``: one letter word per value (' a'..' Z' are one token each in the vocabularies of
+# pretrained models), so an action costs one chosen token a field up to 52 values a field.
+SPELLINGS = ('digits', 'compact')
+_ALPHABET = 'abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ'
+
+
+def _letters(index, count):
+    """Return fixed-width letters of ``index`` among ``count`` values (base 52)."""
+    width = 1
+    while len(_ALPHABET) ** width < count:
+        width += 1
+    out = ''
+    for _ in range(width):
+        index, digit = divmod(index, len(_ALPHABET))
+        out = _ALPHABET[digit] + out
+    return out
+
+
 # -- action grammar ---------------------------------------------------------------------
 class TokenTrie:
     """Token-id sequences of a finite set of strings, with the value each one spells."""
@@ -47,6 +67,13 @@ class TokenTrie:
                 c.shortest() for c in self.children.values())
         return self._shortest
 
+    def fewest_choices(self):
+        """Fewest chosen (not forced) tokens from here to a complete value (cached)."""
+        if not hasattr(self, '_choices'):
+            self._choices = 0 if self.terminal else (len(self.children) > 1) + min(
+                c.fewest_choices() for c in self.children.values())
+        return self._choices
+
     def allowed(self):
         """Sorted int64 array of the tokens that may follow here (cached)."""
         if self._allowed is None:
@@ -71,6 +98,7 @@ class ActionField:
     minimum: float
     maximum: float
     step: float
+    spelling: str = 'digits'   # SPELLINGS
 
     def __post_init__(self):
         for what in ('minimum', 'maximum', 'step'):
@@ -78,6 +106,8 @@ class ActionField:
                 raise GrammarError(f'action field {self.name}: {what} must be finite')
         if self.step <= 0 or self.maximum < self.minimum:
             raise GrammarError(f'action field {self.name}: need step > 0 and max >= min')
+        if self.spelling not in SPELLINGS:
+            raise GrammarError(f'action spelling {self.spelling!r} is not one of {SPELLINGS}')
         self.values = _steps(self.minimum, self.maximum, self.step)
         decimals = next(d for d in range(7)
                         if abs(self.step * 10 ** d - round(self.step * 10 ** d)) < 1e-6)
@@ -86,15 +116,40 @@ class ActionField:
         self.width = width
 
     def text(self, value):
-        """Fixed-width text of one quantized value, e.g. 'v+0.40' (never a prefix of another)."""
+        """Text of one quantized value, never a prefix of another's.
+
+        ``digits``: the number at fixed width, e.g. 'v+0.40'; ``compact``: the key and the
+        value's letter, in increasing order (a..z, A..Z, then two letters), e.g. 'v g'.
+        """
+        if self.spelling == 'compact':
+            return f'{self.key} {_letters(self._index(value), len(self.values))}'
         return f'{self.key}{"-" if value < 0 else "+"}{abs(value):0{self.width}.{self.decimals}f}'
+
+    def _index(self, value):
+        return int(round((value - self.minimum) / self.step))
+
+    def value_of(self, word):
+        """Return the value ``word`` spells (one field's text, e.g. 'v+0.40' or 'v g')."""
+        if self.spelling == 'compact':
+            key, _, letters = word.partition(' ')
+            if key == self.key:
+                for i, v in enumerate(self.values):
+                    if _letters(i, len(self.values)) == letters:
+                        return v
+            raise GrammarError(f'expected field {self.key!r}, got {word!r}')
+        if not word.startswith(self.key):
+            raise GrammarError(f'expected field {self.key!r}, got {word!r}')
+        try:
+            return self.quantize(float(word[len(self.key):]))
+        except ValueError:
+            raise GrammarError(f'bad number in {word!r}') from None
 
     def quantize(self, value):
         """Return the permitted value nearest to ``value`` (clamped; NaN: 0 or the minimum)."""
         if not math.isfinite(value):
             value = 0.0
         value = min(max(value, self.minimum), self.maximum)
-        return self.values[int(round((value - self.minimum) / self.step))]
+        return self.values[self._index(value)]
 
 
 @dataclass
@@ -175,6 +230,47 @@ class FieldGrammar:
         return sum(sorted(len(self._word_ids(f.text(v))) for v in f.values)[len(f.values) // 2]
                    for f in self.fields)
 
+    def _choices(self, index, ids):
+        """Tokens of field ``index``'s word ``ids`` that are chosen (the others are forced)."""
+        node, count = self.tries[index], 0
+        for token in ids:
+            count += len(node.children) > 1
+            node = node.children[int(token)]
+        return count
+
+    def typical_choices(self):
+        """Chosen (not forced) tokens of an action whose every field takes its median value."""
+        return sum(sorted(self._choices(i, self._word_ids(f.text(v))) for v in f.values)
+                   [len(f.values) // 2] for i, f in enumerate(self.fields))
+
+    def max_forced_run(self):
+        """Most tokens the grammar forces in a row after a chosen one (across field ends)."""
+        memo = {}
+
+        def run(index, node):   # forced tokens from ``node`` of field ``index`` on
+            if index >= len(self.tries):
+                return 0
+            key = (index, id(node))
+            if key not in memo:
+                if node.terminal:
+                    memo[key] = run(index + 1, self.tries[index + 1]) if (
+                        index + 1 < len(self.tries)) else 0
+                elif len(node.children) == 1:
+                    memo[key] = 1 + run(index, next(iter(node.children.values())))
+                else:
+                    memo[key] = 0
+            return memo[key]
+
+        best = 0
+        for index, trie in enumerate(self.tries):
+            stack = [trie]
+            while stack:
+                node = stack.pop()
+                if len(node.children) > 1:
+                    best = max(best, *(run(index, c) for c in node.children.values()))
+                stack.extend(node.children.values())
+        return best
+
     # decoding state: (field index, trie node, chosen values)
     def start(self):
         return (0, self.tries[0], ())
@@ -203,6 +299,13 @@ class FieldGrammar:
             return 0
         return node.shortest() + sum(t.shortest() for t in self.tries[index + 1:])
 
+    def min_choices(self, state):
+        """Fewest tokens still to choose that the grammar does not force."""
+        index, node, _ = state
+        if index >= len(self.tries):
+            return 0
+        return node.fewest_choices() + sum(t.fewest_choices() for t in self.tries[index + 1:])
+
     def action(self, state, token_ids=()):
         """Return the clamped Action of a finished state."""
         values = {f.name: float(f.quantize(v)) for f, v in zip(self.fields, state[2])}
@@ -215,16 +318,13 @@ class FieldGrammar:
             if not words or words[0] != self.prefix:
                 raise GrammarError(f'action text does not start with {self.prefix!r}')
             words = words[1:]
-        if len(words) != len(self.fields):
-            raise GrammarError(f'expected {len(self.fields)} fields, got {len(words)}')
-        values = {}
-        for f, word in zip(self.fields, words):
-            if not word.startswith(f.key):
-                raise GrammarError(f'expected field {f.key!r}, got {word!r}')
-            try:
-                values[f.name] = float(f.quantize(float(word[len(f.key):])))
-            except ValueError:
-                raise GrammarError(f'bad number in {word!r}') from None
+        sizes = [len(f.text(f.values[0]).split()) for f in self.fields]
+        if len(words) != sum(sizes):
+            raise GrammarError(f'expected {len(self.fields)} fields, got {len(words)} words')
+        values, at = {}, 0
+        for f, size in zip(self.fields, sizes):
+            values[f.name] = float(f.value_of(' '.join(words[at:at + size])))
+            at += size
         return Action(self.kind, values)
 
 
@@ -238,7 +338,7 @@ def is_plan_field(name):
     return name.startswith('_')
 
 
-def twist_grammar(tokenizer, fields, prefix='act'):
+def twist_grammar(tokenizer, fields, prefix='act', spelling='digits'):
     """Grammar for geometry_msgs/Twist; ``fields``: dicts with name, key, min, max, step."""
     allowed = {'linear.x', 'linear.y', 'linear.z', 'angular.x', 'angular.y', 'angular.z'}
     specs = []
@@ -247,14 +347,14 @@ def twist_grammar(tokenizer, fields, prefix='act'):
             raise GrammarError(f"Twist has no field {f['name']!r} (one of {sorted(allowed)}, "
                                "or a plan field named '_...')")
         specs.append(ActionField(f['name'], f['key'], float(f['min']), float(f['max']),
-                                 float(f['step'])))
+                                 float(f['step']), spelling))
     return FieldGrammar(tokenizer, 'twist', specs, prefix)
 
 
-def joint_trajectory_grammar(tokenizer, joints, prefix='act'):
+def joint_trajectory_grammar(tokenizer, joints, prefix='act', spelling='digits'):
     """Grammar for trajectory_msgs/JointTrajectory: one position per joint."""
     specs = [ActionField(j['name'], f'j{i}', float(j['min']), float(j['max']),
-                         float(j['step'])) for i, j in enumerate(joints)]
+                         float(j['step']), spelling) for i, j in enumerate(joints)]
     return FieldGrammar(tokenizer, 'joint_trajectory', specs, prefix)
 
 
@@ -278,6 +378,12 @@ class StringGrammar:
     def typical_decode_tokens(self):
         return self.max_tokens
 
+    def typical_choices(self):
+        return self.max_tokens
+
+    def max_forced_run(self):
+        return 0
+
     def max_action_tokens(self):
         return len(self.prefix_ids) + self.max_tokens + len(self.end_ids)
 
@@ -292,6 +398,9 @@ class StringGrammar:
 
     def min_remaining(self, state):
         return 0 if self.done(state) else 1
+
+    def min_choices(self, state):
+        return self.min_remaining(state)
 
     def done(self, state):
         return (len(state) >= self.max_tokens

@@ -199,7 +199,7 @@ def test_one_long_action_does_not_keep_later_ticks_refused(checkpoint):
     from rt_llm_node.engine import DECODE_WINDOW
     engine, clock = make_engine(checkpoint, CostModel(prefill=(2.0, 0.0, 0.0),
                                                       decode=(5.0, 0.0)))
-    engine.recent_decodes.append((engine.index, 7, 7))   # just seen: a long action
+    engine.recent_decodes.append((engine.index, 7, 7, False))   # just seen: a long action
     world = DemoWorld(8, messages=MessageFactory(ros=False))
     decisions = []
     for result in run_ticks(engine, clock, world, DECODE_WINDOW + 20):
