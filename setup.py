@@ -15,9 +15,9 @@ ROS_WHEELS = [
 
 
 def model_files():
-    """Return the embedded demo model, shipped as package data when present."""
-    root = os.path.join(PACKAGE, 'demo', 'model')
-    return [os.path.relpath(p, PACKAGE) for p in glob(os.path.join(root, '*'))]
+    """Return the embedded demo model and SmolLM2 adapter, shipped as package data."""
+    return [os.path.relpath(p, PACKAGE) for folder in ('model', 'smollm2')
+            for p in glob(os.path.join(PACKAGE, 'demo', folder, '*'))]
 
 
 setup(

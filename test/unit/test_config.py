@@ -1,5 +1,6 @@
 """The YAML files declare exactly the node's parameters, and the demo profile matches the demo."""
 
+import dataclasses
 import os
 
 import pytest
@@ -66,6 +67,35 @@ def test_demo_profile_feeds_the_shipped_model_what_it_was_trained_on():
     from rt_llm_node.model.embedded import default_model_path
     values = load('demo.yaml')
     assert values['input_topics'] == [s.topic for s in task.model_inputs(default_model_path())]
+
+
+def test_smollm2_profile_is_valid_and_fits_a_tick_of_its_tokenizer(smollm2_gguf):
+    """The real model's profile: valid, its grammar compact, a tick's inputs uncut.
+
+    With SmolLM2's tokenizer (a token a digit) a scan and the detections take ~50 and ~66
+    tokens: the caps must not cut them (the instructed object could be the one cut off).
+    """
+    from rt_llm_node.codec import ObservationCodec
+    from rt_llm_node.configure import action_grammar
+    from rt_llm_node.configure import input_specs
+    from rt_llm_node.demo.messages import MessageFactory
+    from rt_llm_node.demo.world import DemoWorld
+    from rt_llm_node.model import load_model
+    values = {p: BY_NAME[p].default for p in BY_NAME}
+    values.update(load('demo_smollm2.yaml'))
+    assert validate(values) == []
+    tokenizer = load_model(str(smollm2_gguf)).tokenizer
+    assert action_grammar(values, tokenizer).typical_choices() == 2
+    specs = input_specs(values)
+    uncapped = ObservationCodec(tokenizer, [dataclasses.replace(s, max_tokens=1000)
+                                            for s in specs])
+    world = DemoWorld(1_000_000, messages=MessageFactory(ros=False))
+    for _ in range(200):
+        for topic, msg in world.observe().items():
+            spec = next((s for s in specs if s.topic == topic), None)
+            if spec is not None:
+                assert len(uncapped.encode(topic, msg)) <= spec.max_tokens, topic
+        world.step(0.4, 0.5)
 
 
 def test_inconsistent_lists_are_reported():

@@ -1,0 +1,207 @@
+"""Fine-tune a LoRA adapter for a base model from recorded rosbags.
+
+    python training/finetune.py --params config/demo_smollm2.yaml --base MODEL \
+        --bags BAG [BAG ...] --out ADAPTER [--steps 1500] [--device cuda]
+
+The bags hold the robot's inputs and the commands it was driven by (``rt-llm-demo-record
+--commands`` for the demo's expert). Each recorded tick becomes a sample exactly as the node
+would feed the model at that tick (``bag_samples.py``: the node's engine replays the bag with
+the recorded actions in its cache; the attention the ``meaning`` policy evicts by comes from
+the base model, run beside it on the node's own backend). The loss is the action's tokens
+given the context, at the positions the cache's slots hold. The adapter is written as PEFT
+saves it (``adapter_config.json``, ``adapter_model.safetensors``), with ``training.json``
+(command, base and its sha256, bags, samples, steps, losses), and loads with
+``adapter_path`` / ``--adapter``.
+
+Offline tooling (torch, transformers, peft), best on a GPU; nothing here runs on the robot.
+"""
+
+import argparse
+from concurrent.futures import ProcessPoolExecutor
+import hashlib
+import json
+import multiprocessing
+from pathlib import Path
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rt_llm_node.backends import make_backend  # noqa: E402
+from rt_llm_node.configure import action_grammar  # noqa: E402
+from rt_llm_node.configure import verify_tokens  # noqa: E402
+from rt_llm_node.files import write_atomic  # noqa: E402
+from rt_llm_node.model import load_model  # noqa: E402
+from rt_llm_node.replay import load_params  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bag_samples import bag_samples  # noqa: E402,I100
+
+TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
+
+
+_WORKER = {}
+
+
+def _bag_job(job):
+    """Return the samples of one bag in a worker: (bag, params file, base, attention)."""
+    bag, params, base, attention = job
+    values = load_params(params)
+    if 'checkpoint' not in _WORKER:   # one model and backend a worker, for all its bags
+        _WORKER['checkpoint'] = load_model(base)
+        grammar = action_grammar(values, _WORKER['checkpoint'].tokenizer)
+        _WORKER['scorer'] = (make_backend(values['backend'], _WORKER['checkpoint'],
+                                          values['kv_capacity_tokens'],
+                                          verify_tokens=verify_tokens(0, grammar))
+                             if attention == 'base' else None)
+    return bag_samples(bag, values, _WORKER['checkpoint'].tokenizer, _WORKER['scorer'],
+                       log=lambda text: print(f'  {bag}: {text}', flush=True))
+
+
+def hf_model(base, torch):
+    """Return the base as a transformers model in float32 (a GGUF dequantized)."""
+    import transformers
+    base = Path(base)
+    if base.suffix == '.gguf':
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(base.parent), gguf_file=base.name, dtype=torch.float32)
+    return transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+
+
+def batches(samples, batch, rng):
+    """Yield lists of samples: shuffled, each epoch over all of them."""
+    while True:
+        order = rng.permutation(len(samples))
+        for at in range(0, len(order) - batch + 1, batch):
+            yield [samples[i] for i in order[at:at + batch]]
+
+
+def collate(chunk, torch, device):
+    """Right-padded ids, labels on the action tokens only, and their attention mask."""
+    width = max(len(s.context) + len(s.action) for s in chunk)
+    ids = np.zeros((len(chunk), width), np.int64)
+    labels = np.full((len(chunk), width), -100, np.int64)
+    mask = np.zeros((len(chunk), width), np.int64)
+    for row, s in enumerate(chunk):
+        n, m = len(s.context), len(s.action)
+        ids[row, :n], ids[row, n:n + m] = s.context, s.action
+        labels[row, n:n + m] = s.action
+        mask[row, :n + m] = 1
+    return (torch.from_numpy(ids).to(device), torch.from_numpy(labels).to(device),
+            torch.from_numpy(mask).to(device))
+
+
+def action_loss(model, ids, labels, mask):
+    """Mean cross-entropy of the action tokens (positions 0..n-1: the cache's slots)."""
+    import torch
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                             labels[:, 1:].reshape(-1), ignore_index=-100)
+
+
+def sha256(path):
+    digest = hashlib.sha256()
+    with open(path, 'rb') as f:
+        for block in iter(lambda: f.read(1 << 20), b''):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--params', required=True, help="the node's parameter file")
+    parser.add_argument('--base', default='', help="base model (default: the params' "
+                        'model_path)')
+    parser.add_argument('--bags', nargs='+', required=True)
+    parser.add_argument('--out', required=True, help='adapter folder to write')
+    parser.add_argument('--rank', type=int, default=16)
+    parser.add_argument('--alpha', type=float, default=32.0)
+    parser.add_argument('--targets', default=','.join(TARGETS))
+    parser.add_argument('--steps', type=int, default=1500)
+    parser.add_argument('--batch', type=int, default=32)
+    parser.add_argument('--lr', type=float, default=1e-3)
+    parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--max-minutes', type=float, default=None,
+                        help='stop training after this long (from the start), whatever '
+                        '--steps says; training.json records the steps run')
+    parser.add_argument('--workers', type=int, default=1,
+                        help='processes that build the samples, a bag each at a time')
+    parser.add_argument('--dtype', choices=('float32', 'bfloat16'), default='bfloat16',
+                        help='the adapter as written (training runs in float32 with bf16 '
+                        'autocast on a GPU)')
+    parser.add_argument('--device', default='cuda')
+    parser.add_argument('--attention', choices=('base', 'none'), default='base',
+                        help='whose attention the eviction policy reads while the samples are '
+                        "built: the base model's (run on the node's backend) or none (every "
+                        'mass 0: exact for recency and sink_window)')
+    args = parser.parse_args(argv)
+    import peft
+    import torch
+    started = time.monotonic()
+    values = load_params(args.params)
+    base = args.base or values['model_path']
+    if not base:
+        parser.error('no base model: --base or model_path in the parameters')
+    samples, per_bag = [], {}
+    # each worker process runs the base on its own backend (CUDA: its own context, started
+    # fresh, never forked from a parent that touched the GPU)
+    jobs = [(bag, args.params, base, args.attention) for bag in args.bags]
+    with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context('spawn')
+                             ) as pool:
+        for bag, found in zip(args.bags, pool.map(_bag_job, jobs)):
+            per_bag[Path(bag).name] = len(found)
+            samples += found
+            print(f'{bag}: {len(found)} samples ({time.monotonic() - started:.0f} s)',
+                  flush=True)
+    if not samples:
+        sys.exit('finetune: no samples (no tick with a recorded command)')
+    torch.manual_seed(args.seed)
+    model = hf_model(base, torch).to(args.device)
+    config = peft.LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=0.0,
+                             target_modules=args.targets.split(','), task_type='CAUSAL_LM')
+    model = peft.get_peft_model(model, config)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=args.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=args.steps,
+                                                   pct_start=0.05)
+    rng = np.random.default_rng(args.seed)
+    losses, feed = [], batches(samples, min(args.batch, len(samples)), rng)
+    model.train()
+    steps = 0
+    for step in range(args.steps):
+        if args.max_minutes and time.monotonic() - started > args.max_minutes * 60:
+            print(f'stopped at step {step}: --max-minutes {args.max_minutes}')
+            break
+        with torch.autocast('cuda', torch.bfloat16, enabled=args.device.startswith('cuda')):
+            loss = action_loss(model, *collate(next(feed), torch, args.device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        losses.append(float(loss.detach()))
+        steps = step + 1
+        if step % 100 == 0 or step == args.steps - 1:
+            print(f'step {step}: loss {np.mean(losses[-100:]):.4f} '
+                  f'({time.monotonic() - started:.0f} s)', flush=True)
+    out = Path(args.out)
+    if args.dtype == 'bfloat16':   # half the bytes; merged on load in float32 all the same
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(str(out))
+    (out / 'README.md').unlink(missing_ok=True)   # PEFT's model card template
+    record = {'command': 'python training/finetune.py ' + ' '.join(argv or sys.argv[1:]),
+              'base': Path(base).name, 'base_sha256': sha256(base) if Path(base).is_file()
+              else None, 'params': Path(args.params).name, 'bags': per_bag,
+              'samples': len(samples), 'steps': steps, 'batch': args.batch,
+              'lr': args.lr, 'rank': args.rank, 'alpha': args.alpha, 'seed': args.seed,
+              'attention': args.attention, 'loss_first_100': float(np.mean(losses[:100])),
+              'loss_last_100': float(np.mean(losses[-100:])),
+              'seconds': round(time.monotonic() - started, 1)}
+    write_atomic(out / 'training.json', json.dumps(record, indent=2) + '\n', 'training record')
+    print(f'wrote {out} ({record["seconds"]} s)')
+
+
+if __name__ == '__main__':
+    main()

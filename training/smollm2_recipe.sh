@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The shipped SmolLM2 adapter's recipe (rt_llm_node/demo/smollm2/): bags of the demo's expert
+# driving, recorded with its commands, then a LoRA fine-tune of SmolLM2-135M-Instruct on
+# what the node would have fed the model at each recorded tick (training/finetune.py).
+#
+#   training/smollm2_recipe.sh BASE_GGUF OUT [WORKERS]
+#
+# Bags: 8 x 300 s on training seeds (0, 1000, ... 7000; the evaluation's held-out seeds start
+# at 1000000); every second one with noise on what the robot executes (not on the recorded
+# command), so the data holds the expert's answer in states its own drive would not reach.
+# Offline tooling (torch, transformers, peft); on the GPU machine.
+set -euo pipefail
+base=${1:?usage: training/smollm2_recipe.sh BASE_GGUF OUT [WORKERS]}
+out=${2:?usage: training/smollm2_recipe.sh BASE_GGUF OUT [WORKERS]}
+workers=${WORKERS:-${3:-8}}
+here=$(cd "$(dirname "$0")" && pwd)
+export PYTHONPATH="$(dirname "$here")${PYTHONPATH:+:$PYTHONPATH}"
+bags=$(mktemp -d)
+trap 'rm -rf "$bags"' EXIT
+SECONDS=0
+for i in 0 1 2 3 4 5 6 7; do
+    noise=0,0
+    if [ $((i % 2)) = 1 ]; then noise=0.15,0.5; fi
+    python3 -m rt_llm_node.demo.recorder "$bags/b$i" --seconds 300 --seed $((i * 1000)) \
+        --commands --noise "$noise" > /dev/null &
+done
+wait
+echo "bags: ${SECONDS} s"
+python3 -u "$here/finetune.py" --params "$(dirname "$here")/config/demo_smollm2.yaml" \
+    --base "$base" --bags "$bags"/b* --out "$out" --workers "$workers" \
+    --steps 2000 --batch 32 --lr 1e-3 --rank 8 --alpha 16 ${MAX_MINUTES:+--max-minutes "$MAX_MINUTES"}
+echo "recipe: ${SECONDS} s"

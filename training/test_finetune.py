@@ -1,0 +1,175 @@
+"""Fine-tuning data from bags is what the node feeds the model, token for token.
+
+A bag is replayed through the engine with a real model (the numpy backend) and the cache
+recorded at each decision; the model's own actions are then written into a bag as if an
+operator had commanded them, and the fine-tuning data built from that bag must hold the same
+contexts and actions, tick for tick.
+"""
+
+from pathlib import Path
+import sys
+
+import numpy as np
+import pytest
+
+from rt_llm_node.admission import CostModel
+from rt_llm_node.configure import configure_engine
+from rt_llm_node.engine import ModelClock
+from rt_llm_node.replay import load_params
+from rt_llm_node.replay import ReplayError
+
+pytest.importorskip('rosbags', reason='rosbags reads and writes the bags')
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bag_samples import bag_samples  # noqa: E402,I100
+from bag_samples import TeacherBackend  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def demo_values(**changes):
+    """Return the demo profile without its plan field (a bag holds no aim)."""
+    values = load_params(ROOT / 'config' / 'demo.yaml')
+    values.update(model_path='', speculative_tokens=0, realtime_priority=0,
+                  action_fields=['linear.x', 'angular.z'], action_keys=['v', 'w'],
+                  action_min=[-0.2, -1.5], action_max=[0.8, 1.5], action_grammar_min=[],
+                  action_grammar_max=[], action_step=[0.1, 0.25], kv_capacity_tokens=160)
+    values.update(changes)
+    return values
+
+
+@pytest.fixture(scope='module')
+def expert_bag(tmp_path_factory):
+    from rt_llm_node.demo.recorder import record_demo_bag
+    return record_demo_bag(tmp_path_factory.mktemp('bags') / 'expert', seconds=20.0,
+                           seed=1_000_003, commands=True)
+
+
+def model_run(bag, values):
+    """Replay ``bag`` through a real engine; return [(tick ns, context ids, action ids)]."""
+    from collections import Counter
+
+    from rosbags.typesys import get_typestore
+    from rosbags.typesys import Stores
+    from rt_llm_node.bags import input_connections
+    from rt_llm_node.bags import open_bag
+    from rt_llm_node.replay import bag_ticks
+    store = get_typestore(Stores.LATEST)
+    engine = configure_engine(values, clock=ModelClock(), log=lambda text: None,
+                              cost_model=CostModel())
+    grammar, backend = engine.grammar, engine.backend
+    decisions, seen = [], []
+    choose = backend.argmax
+
+    def recording(allowed=None):   # the cache the model decides on, once a tick
+        if not seen:
+            length = engine.session.length
+            seen.append(engine.session.cache.token_ids[:length].copy())
+        return choose(allowed)
+    backend.argmax = recording
+    reader = open_bag(bag)
+    try:
+        connections = input_connections(reader, values, {}, store, print)
+        topic_of = {c.topic: t for t, c in connections.items()}
+        for tick_ns, snapshot in bag_ticks(reader, topic_of, store, reader.start_time,
+                                           reader.end_time, 1 / values['rate_hz'], print,
+                                           Counter()):
+            seen.clear()
+            engine.clock.advance_to(tick_ns / 1e9)
+            result = engine.tick(dict(snapshot), tick_ns / 1e9, tick_ns / 1e9 + 1e3)
+            if result.action is not None:
+                ids = list(result.action.token_ids)
+                action = ids[len(grammar.prefix_ids):len(ids) - len(grammar.end_ids)]
+                decisions.append((tick_ns, seen[0], action, result.action.values))
+    finally:
+        reader.close()
+    return decisions
+
+
+def write_commanded(bag, out, decisions):
+    """Copy ``bag``'s inputs to ``out`` with ``decisions``' actions as /cmd_vel."""
+    from rosbags.rosbag2 import Reader
+    from rosbags.rosbag2 import Writer
+    from rosbags.typesys import get_typestore
+    from rosbags.typesys import Stores
+    store = get_typestore(Stores.LATEST)
+    twist, vector = (store.types[t] for t in ('geometry_msgs/msg/Twist',
+                                              'geometry_msgs/msg/Vector3'))
+    writer = Writer(out, version=9)
+    writer.open()
+    with Reader(bag) as reader:
+        copies = {c.id: writer.add_connection(c.topic, c.msgtype, typestore=store)
+                  for c in reader.connections if c.topic != '/cmd_vel'}
+        command = writer.add_connection('/cmd_vel', 'geometry_msgs/msg/Twist', typestore=store)
+        for connection, stamp, raw in reader.messages():
+            if connection.id in copies:
+                writer.write(copies[connection.id], stamp, raw)
+        for tick_ns, _, _, values in decisions:
+            msg = twist(linear=vector(x=values['linear.x'], y=0.0, z=0.0),
+                        angular=vector(x=0.0, y=0.0, z=values['angular.z']))
+            writer.write(command, tick_ns + 5_000_000,
+                         store.serialize_cdr(msg, 'geometry_msgs/msg/Twist'))
+    writer.close()
+    return out
+
+
+@pytest.mark.parametrize('policy', ['meaning', 'recency'])
+def test_samples_are_what_the_engine_fed_the_model(expert_bag, tmp_path, policy):
+    values = demo_values(eviction_policy=policy)
+    decisions = model_run(expert_bag, values)
+    assert len(decisions) > 500
+    commanded = write_commanded(expert_bag, tmp_path / 'commanded', decisions)
+    from rt_llm_node.model import load_model
+    from rt_llm_node.model.embedded import default_model_path
+    tokenizer = load_model(str(default_model_path())).tokenizer
+    model = None
+    if policy == 'meaning':   # it evicts by attention: the model's, run beside the teacher
+        from rt_llm_node.backends.numpy_backend import NumpyBackend
+        model = NumpyBackend(load_model(str(default_model_path())), values['kv_capacity_tokens'])
+    samples = bag_samples(commanded, values, tokenizer, model, log=lambda text: None)
+    assert [s.tick_ns for s in samples] == [d[0] for d in decisions]
+    for sample, (tick_ns, context, action, _) in zip(samples, decisions):
+        assert np.array_equal(sample.context, context), f'tick {tick_ns}: another context'
+        assert sample.action.tolist() == action
+    lengths = [len(s.context) for s in samples]
+    assert max(lengths) <= values['kv_capacity_tokens'] and min(lengths) < max(lengths)
+
+
+def test_expert_samples_and_bags_that_cannot_teach(expert_bag, tmp_path):
+    from rt_llm_node.demo.recorder import record_demo_bag
+    from rt_llm_node.model import load_model
+    from rt_llm_node.model.embedded import default_model_path
+    tokenizer = load_model(str(default_model_path())).tokenizer
+    values = demo_values()
+    samples = bag_samples(expert_bag, values, tokenizer, log=lambda text: None)
+    assert len(samples) >= 590   # 600 ticks, a stale or unlabelled one at most here and there
+    system = tokenizer.encode(values['system_prompt'] + '\n').ids
+    prefix = tokenizer.encode('act').ids
+    for sample in samples:
+        assert sample.context[:len(system)].tolist() == system
+        assert sample.context[-len(prefix):].tolist() == prefix
+    texts = {tokenizer.decode(s.action.tolist()) for s in samples}
+    assert len(texts) > 5, 'the expert steers: several commands'
+    bare = record_demo_bag(tmp_path / 'bare', seconds=2.0)
+    with pytest.raises(ReplayError, match='/cmd_vel'):
+        bag_samples(bare, values, tokenizer, log=lambda text: None)
+    with pytest.raises(ReplayError, match='plan fields'):
+        bag_samples(expert_bag, load_params(ROOT / 'config' / 'demo.yaml'), tokenizer,
+                    log=lambda text: None)
+
+
+def test_the_teacher_backend_keeps_slots_like_a_backend():
+    backend = TeacherBackend(8, 100)
+    backend.prefill([1, 2, 3])
+    backend.teach([7, 8, 9])
+    assert backend.argmax() == 7 and backend.contexts[-1].tolist() == [1, 2, 3]
+    assert backend.verify([7, 8], None).tolist() == [8, 9]
+    backend.rollback(5)
+    backend.compact([0, 2, 4])
+    assert backend.ids[:backend.length].tolist() == [1, 3, 8]
+    from rt_llm_node.backends import BackendError
+    with pytest.raises(BackendError):
+        backend.prefill(range(6))
+    with pytest.raises(BackendError, match='not allowed'):
+        backend.teach([5])
+        backend.prefill([1])
+        backend.argmax(np.array([1, 2]))
