@@ -72,11 +72,13 @@ class TeacherBackend:
         self.ids = np.zeros(self.capacity, np.int64)
         self.length = 0
         self.action = None       # the taught action's tokens
-        self.start = None        # the slot of its first token (set at the first choice)
+        self.start = None        # the slot of its first token: where the last prefill ended
+        self.decided = False     # the context of this action is in ``contexts``
+        self.rows_from = 0       # the length before the last verify pass
         self.contexts = []
 
     def teach(self, action_ids):
-        self.action, self.start = [int(t) for t in action_ids], None
+        self.action, self.start, self.decided = [int(t) for t in action_ids], None, False
 
     def _append(self, token_ids):
         ids = np.asarray(token_ids, np.int64).reshape(-1)
@@ -99,7 +101,7 @@ class TeacherBackend:
         ids = self._append(token_ids)
         if self.model is not None:
             self.model.prefill(ids)
-        self.start = None
+        self.start = self.length   # the action prefix is the last thing a tick prefills
 
     def decode(self, token_id):
         self._append([token_id])
@@ -108,15 +110,16 @@ class TeacherBackend:
 
     def verify(self, token_ids, allowed):
         base = self.length - self.start
+        self.rows_from = self.length   # row i's mass spans the slots before it and itself
         ids = self._append(token_ids)
         if self.model is not None:
             self.model.verify(ids, allowed)
         return np.array([self._taught(base + i + 1) for i in range(len(ids))], np.int64)
 
     def argmax(self, allowed=None):
-        if self.start is None:   # the decision: what the model sees is the cache as it is
-            self.start = self.length
-            self.contexts.append(self.ids[:self.length].copy())
+        if not self.decided:   # the first choice: the model decides on the cache to the prefix
+            self.decided = True
+            self.contexts.append(self.ids[:self.start].copy())
         token = self._taught(self.length - self.start)
         if allowed is not None and token not in {int(t) for t in allowed}:
             raise BackendError(f'the taught token {token} is not allowed by the grammar here')
@@ -130,7 +133,7 @@ class TeacherBackend:
     def row_mass(self, i):
         if self.model is not None:
             return self.model.row_mass(i)
-        return np.zeros(self.length, np.float32)
+        return np.zeros(self.rows_from + i + 1, np.float32)
 
     def rollback(self, length):
         self.length = rollback_length(length, self.length)

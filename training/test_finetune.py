@@ -61,9 +61,11 @@ def model_run(bag, values):
     choose = backend.argmax
 
     def recording(allowed=None):   # the cache the model decides on, once a tick
-        if not seen:
-            length = engine.session.length
-            seen.append(engine.session.cache.token_ids[:length].copy())
+        if not seen:   # to the action's prefix (a token the grammar forced may follow it)
+            cache = engine.session.cache
+            owner = cache.owner[:cache.length]
+            first = int(np.flatnonzero(owner == owner[-1])[0])   # the action segment's
+            seen.append(cache.token_ids[:first + len(grammar.prefix_ids)].copy())
         return choose(allowed)
     backend.argmax = recording
     reader = open_bag(bag)
@@ -112,9 +114,10 @@ def write_commanded(bag, out, decisions):
     return out
 
 
-@pytest.mark.parametrize('policy', ['meaning', 'recency'])
-def test_samples_are_what_the_engine_fed_the_model(expert_bag, tmp_path, policy):
-    values = demo_values(eviction_policy=policy)
+@pytest.mark.parametrize('policy,spelling', [('meaning', 'digits'), ('recency', 'compact'),
+                                             ('meaning', 'compact')])
+def test_samples_are_what_the_engine_fed_the_model(expert_bag, tmp_path, policy, spelling):
+    values = demo_values(eviction_policy=policy, action_spelling=spelling)
     decisions = model_run(expert_bag, values)
     assert len(decisions) > 500
     commanded = write_commanded(expert_bag, tmp_path / 'commanded', decisions)
@@ -159,8 +162,8 @@ def test_expert_samples_and_bags_that_cannot_teach(expert_bag, tmp_path):
 
 def test_the_teacher_backend_keeps_slots_like_a_backend():
     backend = TeacherBackend(8, 100)
-    backend.prefill([1, 2, 3])
     backend.teach([7, 8, 9])
+    backend.prefill([1, 2, 3])
     assert backend.argmax() == 7 and backend.contexts[-1].tolist() == [1, 2, 3]
     assert backend.verify([7, 8], None).tolist() == [8, 9]
     backend.rollback(5)
