@@ -155,6 +155,7 @@ class RtLlmNode(LifecycleNode):
         self._instruction_topics = set()
         self._lines = LineLimiter(1.0)
         self._input_problems = {}       # topic -> its state as last logged (fresh, stale...)
+        self._deciding = 'action'       # what the ticks do as last logged: 'action' or a reason
         self._values = {}
         self._failed = False
         self._active = False            # between on_activate and leaving the active state
@@ -354,6 +355,7 @@ class RtLlmNode(LifecycleNode):
         self._diagnostics_timer = self.create_timer(1.0, self._publish_diagnostics)
         self._engine.guard.reset()
         self._input_problems = {}
+        self._deciding = 'action'
         result = super().on_activate(state)
         self._thread.start()
         self.get_logger().info(f"activated: ticking at {self._values['rate_hz']:g} Hz, actions "
@@ -584,6 +586,7 @@ class RtLlmNode(LifecycleNode):
                 self._health.tick(start, '' if result.action else result.refusal.reason,
                                   rec.late)
             self._log_inputs(engine, snapshot, start)
+            self._log_decision(result, start)
             if consecutive_errors >= self._values['backend_error_limit']:
                 self.last_error = (f'{consecutive_errors} consecutive backend errors, the last: '
                                    f'{result.refusal.detail}')
@@ -636,6 +639,31 @@ class RtLlmNode(LifecycleNode):
             hint = (' (publish one: see the README, "Instructions")'
                     if spec.topic in self._instruction_topics else '')
             self.get_logger().info(f'{spec.topic}: {problem}, refusing ticks{hint}')
+
+    def _log_decision(self, result, now):
+        """Say when the ticks go from acting to refusing for a reason other than the inputs.
+
+        And back. At most a line a second: a deadline refusal says what admission predicted
+        against the time there was (a model too slow for this rate on this device refuses every
+        tick, on time, and this line says why). Input refusals have their own lines.
+        """
+        refusal = result.refusal
+        state = 'action' if refusal is None else refusal.reason
+        if state == self._deciding or state == 'stale_input':
+            return
+        if self._lines.allow(('decision',), now) is None:
+            return
+        self._deciding = state
+        if refusal is None:
+            self.get_logger().info('acting again')
+        elif refusal.reason == 'deadline':
+            self.get_logger().info(
+                f'refusing ticks: deadline (the tick would take {refusal.predicted_ms:.1f} ms, '
+                f'{refusal.available_ms:.1f} ms are left of the period after the margin: the '
+                'model is too slow for rate_hz on this device, or the inputs too long)')
+        else:
+            detail = f': {refusal.detail}' if refusal.detail else ''
+            self.get_logger().info(f'refusing ticks: {refusal.reason}{detail}')
 
     def _publish_result(self, result, ros_start, snapshot):
         with self._publish_lock:

@@ -98,7 +98,8 @@ def test_levels_come_from_a_recent_window_and_each_input_has_a_status(rig, execu
     assert log.count('/scan: fresh again') <= 3, 'rate-limited'
 
 
-def test_every_tick_refused_for_time_is_an_error(rig):
+def test_every_tick_refused_for_time_is_an_error(rig, capfd):
+    """/diagnostics says ERROR, and the console says once why every tick is refused."""
     world, recorder, make = rig
     diagnostics = Diagnostics()
     rig_executor = recorder.executor
@@ -115,6 +116,8 @@ def test_every_tick_refused_for_time_is_an_error(rig):
     finally:
         rig_executor.remove_node(diagnostics)
     assert status.level == DiagnosticStatus.ERROR and 'deadline' in status.message
+    log = capfd.readouterr().err
+    assert log.count('refusing ticks: deadline (the tick would take') == 1, log[-3000:]
 
 
 def test_an_instruction_is_kept_across_cleanup_and_configure(rig, executor):
