@@ -90,3 +90,53 @@ def test_the_task_format_holds_two_waits():
         task.words()
     with pytest.raises(PlanError, match='assign mode'):
         assign(build(shape_config('tiny'), 4, 64), 'random')
+
+
+@pytest.mark.parametrize('shape,n_sm', [('tiny', 8), ('tiny', 16), ('qwen-like', 8)])
+def test_the_tasks_compute_the_decode_step_in_any_order(tmp_path, shape, n_sm):
+    """Each task on its slice, in orders the lists allow: the logits of a decode step."""
+    import dataclasses
+
+    from dataflow_vm import DataflowVM
+    from rt_llm_node.backends.numpy_backend import NumpyBackend
+    from rt_llm_node.model import load_checkpoint
+    from rt_llm_node.model.synthetic import random_weights
+    from rt_llm_node.model.synthetic import write_checkpoint
+    from tokenizers import models
+    from tokenizers import Tokenizer
+    cfg = shape_config('tiny')
+    if shape == 'qwen-like':   # biases on q/k/v, one kv head for three query heads
+        cfg = dataclasses.replace(cfg, family='qwen2', attention_bias=True, num_heads=6,
+                                  num_kv_heads=2, hidden_size=96, head_dim=16)
+    tokenizer = Tokenizer(models.WordLevel({f't{i}': i for i in range(cfg.vocab_size)},
+                                           unk_token='t0'))
+    weights = random_weights(cfg, 5)
+    for name in weights:   # sharper logits than the 0.02 init
+        if not name.endswith('norm.weight'):
+            weights[name] *= 8
+    path = write_checkpoint(tmp_path / 'm', cfg, weights, tokenizer, 'F32')
+    checkpoint = load_checkpoint(path)
+    rng = np.random.default_rng(0)
+    reference = NumpyBackend(checkpoint, 128)
+    reference.prefill(rng.integers(0, cfg.vocab_size, 70))   # across a 64-key chunk's end
+    token = 17
+    plan = build(checkpoint.config, n_sm, capacity=128, weight_bytes=4.0)
+    check(plan)
+    queues = assign(plan, 'greedy')
+    results = []
+    for seed in range(3):
+        vm = DataflowVM(reference, token)
+        for index in simulate(plan, queues, np.random.default_rng(seed)):
+            vm.run(plan.tasks[index])
+        results.append(vm)
+    reference.decode(token)
+    expected = reference.logits()
+    for vm in results:
+        assert np.array_equal(vm.logits, results[0].logits), 'another order, other bits'
+        assert vm.token == results[0].token
+    np.testing.assert_allclose(results[0].logits, expected, rtol=2e-4, atol=2e-4)
+    assert results[0].token == int(np.argmax(expected))
+    for layer in range(cfg.num_layers):   # the new key and value were appended at its slot
+        k, v = reference.kv.read(layer, 71)
+        np.testing.assert_allclose(results[0].k[layer][70], k[70], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(results[0].v[layer][70], v[70], rtol=1e-5, atol=1e-5)
