@@ -41,7 +41,9 @@ setup(
         'demo': ['matplotlib'],
         'replay': ['rosbags>=0.10'],
         'gguf': ['gguf>=0.10'],
+        'fleet': ['ray>=2.9', 'rosbags>=0.10', 'matplotlib'],
         'test': ['pytest', 'transformers', 'accelerate', 'peft', 'gguf>=0.10', 'rosbags>=0.10',
+                 'ray>=2.9',
                  'matplotlib', 'flake8>=6', 'pyyaml',
                  'flake8-docstrings', 'hypothesis', 'colcon-core', 'colcon-ros',
                  'ros-ament-package', 'osrf-pycommon',
@@ -57,6 +59,7 @@ setup(
         'console_scripts': [
             'rt-llm-generate = rt_llm_node.generate:main',
             'rt-llm-eval = rt_llm_node.demo.evaluate:main',
+            'rt-llm-replay-fleet = rt_llm_node.fleet:main',
             'rt-llm-node = rt_llm_node.node:main',
             'rt-llm-demo = rt_llm_node.demo.run:main',
             'rt-llm-demo-world = rt_llm_node.demo.world_node:main',

@@ -367,23 +367,30 @@ def summarize(records, bag_seconds, wall_s, clock_mode):
 
 
 # -- comparing with a golden output ------------------------------------------------------------
-def compare(out, golden, tolerance=1e-6, max_lines=10):
-    """Differences between two output directories' decision streams, as text lines."""
-    def load(directory):
-        path = Path(directory) / 'actions.jsonl'
-        try:
-            lines = [json.loads(line) for line in read_text(
-                path, 'decisions', MAX_DECISIONS).splitlines() if line]
-        except FileError as exc:
-            raise ReplayError(str(exc)) from None
-        except ValueError as exc:
-            raise ReplayError(f'cannot read {path}: {exc}') from None
-        if not all(isinstance(line, dict) and line.get('decision') in ('action', 'refusal')
-                   for line in lines):
-            raise ReplayError(f'{path}: not the decisions of an rt-llm-replay output')
-        return lines
-    new, old = load(out), load(golden)
-    kinds, first = Counter(), []
+def load_decisions(directory):
+    """Return an output directory's decisions (``actions.jsonl``) as dicts; ReplayError."""
+    path = Path(directory) / 'actions.jsonl'
+    try:
+        lines = [json.loads(line) for line in read_text(
+            path, 'decisions', MAX_DECISIONS).splitlines() if line]
+    except FileError as exc:
+        raise ReplayError(str(exc)) from None
+    except ValueError as exc:
+        raise ReplayError(f'cannot read {path}: {exc}') from None
+    if not all(isinstance(line, dict) and line.get('decision') in ('action', 'refusal')
+               for line in lines):
+        raise ReplayError(f'{path}: not the decisions of an rt-llm-replay output')
+    return lines
+
+
+def differences(out, golden, tolerance=1e-6):
+    """Return [(kind, golden line, new line)] where two outputs' decisions differ.
+
+    Kinds: 'action -> refusal' (and back), 'refusal reason', 'action values' (a field
+    beyond ``tolerance``), 'action text', 'tick count' (with None for the lines).
+    """
+    new, old = load_decisions(out), load_decisions(golden)
+    found = []
     for a, b in zip(new, old):
         kind = None
         if a['decision'] != b['decision']:
@@ -398,14 +405,22 @@ def compare(out, golden, tolerance=1e-6, max_lines=10):
                     not math.isclose(va[k], vb[k], abs_tol=tolerance) for k in va)):
                 kind = 'action values'
         if kind:
-            kinds[kind] += 1
-            if len(first) < max_lines:
-                first.append(f"  tick {a['tick']}: golden {_brief(b)} | now {_brief(a)}")
+            found.append((kind, b, a))
     if len(new) != len(old):
-        kinds['tick count'] += 1
-        first.append(f'  golden has {len(old)} ticks, this replay {len(new)}')
-    if not kinds:
+        found.append(('tick count', {'ticks': len(old)}, {'ticks': len(new)}))
+    return found
+
+
+def compare(out, golden, tolerance=1e-6, max_lines=10):
+    """Differences between two output directories' decision streams, as text lines."""
+    found = differences(out, golden, tolerance)
+    if not found:
         return []
+    kinds = Counter(kind for kind, _, _ in found)
+    first = [f"  tick {a['tick']}: golden {_brief(b)} | now {_brief(a)}"
+             for kind, b, a in found if kind != 'tick count'][:max_lines]
+    first += [f"  golden has {b['ticks']} ticks, this replay {a['ticks']}"
+              for kind, b, a in found if kind == 'tick count']
     return ([f'{sum(kinds.values())} differences against {golden}: '
              + ', '.join(f'{k} x{v}' for k, v in sorted(kinds.items())), 'first ones:'] + first)
 

@@ -1,0 +1,117 @@
+"""rt-llm-replay-fleet: a fleet of demo bags replayed on a local Ray cluster.
+
+Bags of different seeds, one corrupt, one whose golden was made with another parameter: the
+report names the corrupt one (the others' results kept), diffs the changed one at its first
+differing tick, and says the rest are the same; each bag's decisions are those of a
+single-bag rt-llm-replay, whatever the number of workers; --resume replays nothing twice.
+"""
+
+import json
+from pathlib import Path
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from rt_llm_node import fleet
+from rt_llm_node.replay import load_params
+from rt_llm_node.replay import read_cost_model
+from rt_llm_node.replay import replay
+
+pytest.importorskip('rosbags', reason='rosbags writes and reads the bags')
+pytest.importorskip('ray', reason="Ray runs the fleet: pip install 'rt_llm_node[fleet]'")
+
+ROOT = Path(__file__).resolve().parents[2]
+PARAMS = str(ROOT / 'config' / 'demo.yaml')
+
+
+@pytest.fixture(scope='module')
+def fleet_dir(tmp_path_factory):
+    from rt_llm_node.demo.recorder import record_demo_bag
+    root = tmp_path_factory.mktemp('fleet')
+    for i, storage in enumerate(('mcap', 'sqlite3', 'mcap')):
+        record_demo_bag(root / 'bags' / f'robot{i}', seconds=4.0, seed=1_000_100 + i,
+                        storage=storage)
+    corrupt = root / 'bags' / 'robot3'
+    shutil.copytree(root / 'bags' / 'robot0', corrupt)
+    mcap = next(corrupt.glob('*.mcap'))
+    mcap.write_bytes(mcap.read_bytes()[:20000])
+    return root
+
+
+def run(*args):
+    return subprocess.run([sys.executable, '-m', 'rt_llm_node.fleet', *map(str, args)],
+                          capture_output=True, text=True, timeout=600)
+
+
+def report(out):
+    data = json.loads((Path(out) / 'report.json').read_text())
+    return {b['bag']: b for b in data['bags']}, data['totals']
+
+
+def decisions(folder):
+    return (Path(folder) / 'actions.jsonl').read_text()
+
+
+def test_a_fleet_is_reported_the_same_whatever_the_workers(fleet_dir):
+    golden = fleet_dir / 'golden'
+    made = run(fleet_dir / 'bags', '--params', PARAMS, '--write-golden', golden,
+               '--workers', 2)
+    assert made.returncode == 1, made.stderr[-2000:]   # the corrupt bag
+    bags, totals = report(golden)
+    assert totals['by_status'] == {'written': 3, 'error': 1}
+    assert 'robot3' in bags and 'not a readable rosbag2' in bags['robot3']['error']
+    assert bags['robot3']['attempts'] == 2 and bags['robot0']['attempts'] == 1
+    assert 'robot3: failed (' in made.stderr and 'trying again' in made.stderr
+    # a single-bag replay with the same cost model decides the same, tick for tick
+    cost_model = read_cost_model(golden / 'robot0' / 'cost_model.json')
+    replay(str(fleet_dir / 'bags' / 'robot0'), load_params(PARAMS), fleet_dir / 'single',
+           'model', cost_model, log=lambda text: None)
+    assert decisions(fleet_dir / 'single') == decisions(golden / 'robot0')
+    # robot1's golden from another parameter: the wheels' command limited
+    values = load_params(PARAMS)
+    values['action_max'] = [180.0, 0.3, 1.5]
+    shutil.rmtree(golden / 'robot1')
+    replay(str(fleet_dir / 'bags' / 'robot1'), values, golden / 'robot1', 'model',
+           read_cost_model(golden / 'robot0' / 'cost_model.json'), log=lambda text: None)
+    runs = {}
+    for workers in (1, 2):
+        out = fleet_dir / f'check{workers}'
+        done = run(fleet_dir / 'bags', '--params', PARAMS, '--golden', golden, '--out', out,
+                   '--workers', workers)
+        assert done.returncode == 1, done.stderr[-2000:]
+        runs[workers] = report(out)
+        assert (out / 'report.md').exists()
+    bags, totals = runs[1]
+    assert totals['by_status'] == {'same': 2, 'different': 1, 'error': 1}
+    assert bags['robot0']['status'] == bags['robot2']['status'] == 'same'
+    first = bags['robot1']['first']
+    assert first['kind'] == 'action values'
+    assert first['golden']['values']['linear.x'] <= 0.3 < first['now']['values']['linear.x']
+    strip = {'seconds', 'host', 'fingerprint', 'path', 'attempts'}
+    for name in bags:
+        assert ({k: v for k, v in runs[2][0][name].items() if k not in strip}
+                == {k: v for k, v in bags[name].items() if k not in strip}), name
+    # an interrupted run goes on: the finished bags are kept, the failed one tried again
+    again = run(fleet_dir / 'bags', '--params', PARAMS, '--golden', golden, '--out',
+                fleet_dir / 'check1', '--workers', 1, '--resume')
+    assert '3 bags kept from the interrupted run' in again.stderr
+    assert report(fleet_dir / 'check1')[1] == totals
+
+
+def test_bad_runs_are_one_line_errors(fleet_dir, tmp_path):
+    missing = run(tmp_path / 'nothing', '--params', PARAMS, '--golden', tmp_path)
+    assert missing.returncode == 2 and 'no such bag' in missing.stderr
+    (tmp_path / 'foreign').mkdir()
+    (tmp_path / 'foreign' / 'notes.txt').write_text('mine')
+    taken = run(fleet_dir / 'bags' / 'robot0', '--params', PARAMS, '--golden', tmp_path,
+                '--out', tmp_path / 'foreign')
+    assert taken.returncode == 2 and 'did not write' in taken.stderr
+    assert (tmp_path / 'foreign' / 'notes.txt').read_text() == 'mine'
+
+
+def test_without_ray_it_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, 'ray', None)
+    assert fleet.main(['bag', '--golden', 'g']) == 2
+    assert "pip install 'rt_llm_node[fleet]'" in capsys.readouterr().err
