@@ -17,6 +17,8 @@ from rt_llm_node.demo.world import WorldConfig
 from rt_llm_node.model import load_checkpoint
 from rt_llm_node.model.embedded import default_model_path
 
+from conftest import ROOT  # noqa: I100
+
 
 def rollout(seed, ticks, command):
     """Render the observations of ``ticks`` ticks driven by ``command(tick)``."""
@@ -177,6 +179,26 @@ def test_eval_reports_each_episode_as_it_finishes_and_writes_the_table(tmp_path,
         with pytest.raises(SystemExit):
             main(['--episodes', '1', '--backend', 'cuda'])
         assert 'needs CuPy and a CUDA device' in capsys.readouterr().err
+
+
+def test_eval_under_a_parameter_file_decodes_its_grammar_on_its_inputs():
+    """--params: the policy reads the file's inputs and answers in its (compact) grammar."""
+    from rt_llm_node.configure import action_grammar
+    from rt_llm_node.configure import input_specs
+    from rt_llm_node.demo.evaluate import _job
+    from rt_llm_node.demo.evaluate import HELD_OUT_SEED0
+    from rt_llm_node.replay import load_params
+    params = str(ROOT / 'config' / 'demo_smollm2.yaml')
+    model = str(default_model_path())
+    episode = _job((model, 'meaning', 256, HELD_OUT_SEED0, 0, 'numpy', 'native', 'native', '',
+                    params))
+    values = load_params(params)
+    from rt_llm_node.model import load_model
+    grammar = action_grammar(values, load_model(model).tokenizer)
+    texts = {grammar.tokenizer.decode(list(ids)) for ids in episode['actions'] if ids}
+    assert texts and all(grammar.parse(text).values for text in texts)
+    assert all(' v ' in text and ' w ' in text for text in texts), 'the compact spelling'
+    assert [s.topic for s in input_specs(values)] == ['/instruction', '/scan', '/detections']
 
 
 def test_action_delay_holds_each_command_back_and_the_replay_still_matches():

@@ -1,0 +1,115 @@
+"""Fleet regression on Ray: wall time of a fleet of demo bags against the workers.
+
+    python benchmarks/bench_fleet.py [--bags 64] [--seconds 20] [--workers 1,4,8,16]
+        [--cluster] [--write]
+
+Records ``--bags`` demo bags of ``--seconds`` (seeds from 1000000, one world after another),
+writes their goldens once (one cost model), then replays the fleet against them with each
+worker count on a local Ray cluster of that many CPUs: wall time (Ray's start included),
+speed-up over one worker, and whether every report is the same (it must be: the model clock).
+``--cluster``: the same run through ``--address`` on a cluster started here with ``ray start
+--head`` and one more node process (half the CPUs each).
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import markdown_table  # noqa: E402
+from report import print_table  # noqa: E402
+from report import write_section  # noqa: E402
+
+PARAMS = str(ROOT / 'config' / 'demo.yaml')
+
+
+def fleet(*args):
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, '-m', 'rt_llm_node.fleet', *map(str, args)],
+                          capture_output=True, text=True)
+    if done.returncode not in (0, 1):
+        sys.exit(f'the fleet run failed:\n{done.stderr[-3000:]}')
+    return time.monotonic() - started
+
+
+def decisions(out):
+    data = json.loads((Path(out) / 'report.json').read_text())
+    strip = {'seconds', 'host', 'fingerprint', 'path', 'attempts'}
+    return [{k: v for k, v in b.items() if k not in strip} for b in data['bags']], data['totals']
+
+
+def cluster_run(root, golden, cpus):
+    """Run the fleet through --address on a head and one more node started here."""
+    env = dict(os.environ, RAY_ADDRESS='')
+    port = 6391
+    head = cpus // 2 or 1
+    subprocess.run(['ray', 'start', '--head', f'--port={port}', f'--num-cpus={head}',
+                    '--include-dashboard=false'], check=True, capture_output=True, env=env)
+    try:
+        subprocess.run(['ray', 'start', f'--address=127.0.0.1:{port}',
+                        f'--num-cpus={max(1, cpus - head)}'], check=True,
+                       capture_output=True, env=env)
+        seconds = fleet(root / 'bags', '--params', PARAMS, '--golden', golden, '--out',
+                        root / 'cluster', '--address', f'127.0.0.1:{port}')
+        return seconds, decisions(root / 'cluster')
+    finally:
+        subprocess.run(['ray', 'stop', '--force'], capture_output=True, env=env)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--bags', type=int, default=64)
+    parser.add_argument('--seconds', type=float, default=20.0)
+    parser.add_argument('--workers', default='1,4,8,16')
+    parser.add_argument('--cluster', action='store_true')
+    parser.add_argument('--write', action='store_true')
+    args = parser.parse_args()
+    from rt_llm_node.demo.recorder import record_demo_bag
+    counts = [int(w) for w in args.workers.split(',')]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        started = time.monotonic()
+        for i in range(args.bags):
+            record_demo_bag(root / 'bags' / f'bag{i:03d}', args.seconds, seed=1_000_000 + 7 * i)
+        print(f'{args.bags} bags of {args.seconds:g} s recorded in '
+              f'{time.monotonic() - started:.0f} s', flush=True)
+        golden = root / 'golden'
+        fleet(root / 'bags', '--params', PARAMS, '--write-golden', golden,
+              '--workers', max(counts))
+        rows, reference, base = [], None, None
+        for workers in counts:
+            out = root / f'w{workers}'
+            seconds = fleet(root / 'bags', '--params', PARAMS, '--golden', golden, '--out',
+                            out, '--workers', workers)
+            found, totals = decisions(out)
+            reference = reference or found
+            base = base or seconds
+            rows.append([workers, f'{seconds:.1f}', f'{base / seconds:.2f}',
+                         f"{totals['ticks'] / seconds:,.0f}",
+                         str(totals['by_status']), 'yes' if found == reference else 'NO'])
+            print_table(['workers', 'wall s', 'speed-up', 'ticks/s', 'bags', 'same report'],
+                        rows[-1:])
+        if args.cluster:
+            seconds, (found, totals) = cluster_run(root, golden, max(counts))
+            rows.append([f'{max(counts)} (head + 1 node, --address)', f'{seconds:.1f}',
+                         f'{base / seconds:.2f}', f"{totals['ticks'] / seconds:,.0f}",
+                         str(totals['by_status']), 'yes' if found == reference else 'NO'])
+    header = ['workers', 'wall s', 'speed-up', 'ticks/s', 'bags', 'same report']
+    print_table(header, rows)
+    if args.write:
+        body = (f'{args.bags} demo bags of {args.seconds:g} s (demo profile, shipped policy, '
+                'numpy backend, model clock) against goldens written once; wall time of '
+                "`rt-llm-replay-fleet --golden` including Ray's start; same report: every "
+                "bag's decisions and counts as with the first row.\n\n"
+                + markdown_table(header, rows))
+        write_section('fleet', 'Fleet regression on Ray', body)
+
+
+if __name__ == '__main__':
+    main()
