@@ -29,10 +29,10 @@ from report import write_section  # noqa: E402
 PARAMS = str(ROOT / 'config' / 'demo.yaml')
 
 
-def fleet(*args):
+def fleet(*args, env=None):
     started = time.monotonic()
     done = subprocess.run([sys.executable, '-m', 'rt_llm_node.fleet', *map(str, args)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     if done.returncode not in (0, 1):
         sys.exit(f'the fleet run failed:\n{done.stderr[-3000:]}')
     return time.monotonic() - started
@@ -46,7 +46,9 @@ def decisions(out):
 
 def cluster_run(root, golden, cpus):
     """Run the fleet through --address on a head and one more node started here."""
-    env = dict(os.environ, RAY_ADDRESS='')
+    # a cluster on this host for the run alone: no token authentication (Ray's default for
+    # clusters started by ray start; a cluster that has it needs RAY_AUTH_TOKEN here)
+    env = dict(os.environ, RAY_ADDRESS='', RAY_AUTH_MODE='disabled')
     port = 6391
     head = cpus // 2 or 1
     subprocess.run(['ray', 'start', '--head', f'--port={port}', f'--num-cpus={head}',
@@ -56,7 +58,7 @@ def cluster_run(root, golden, cpus):
                         f'--num-cpus={max(1, cpus - head)}'], check=True,
                        capture_output=True, env=env)
         seconds = fleet(root / 'bags', '--params', PARAMS, '--golden', golden, '--out',
-                        root / 'cluster', '--address', f'127.0.0.1:{port}')
+                        root / 'cluster', '--address', f'127.0.0.1:{port}', env=env)
         return seconds, decisions(root / 'cluster')
     finally:
         subprocess.run(['ray', 'stop', '--force'], capture_output=True, env=env)
