@@ -101,9 +101,21 @@ def main(argv=None):
         params['backend'] = args.backend
     if args.model:
         from rt_llm_node.model.embedded import smollm2_path
-        params['model_path'] = str(smollm2_path() if args.model == 'smollm2' else args.model)
+        from rt_llm_node.model.errors import CheckpointError
+        try:
+            params['model_path'] = str(smollm2_path() if args.model == 'smollm2'
+                                       else args.model)
+        except CheckpointError as exc:
+            print(f'rt-llm-demo: error: {exc}', file=sys.stderr)
+            return 2
     if args.adapter:
         from rt_llm_node.model.embedded import SMOLLM2_ADAPTER_DIR
+        if args.adapter == 'smollm2' and not (SMOLLM2_ADAPTER_DIR /
+                                              'adapter_config.json').exists():
+            print(f'rt-llm-demo: error: no SmolLM2 adapter in {SMOLLM2_ADAPTER_DIR}: '
+                  'training/smollm2_recipe.sh makes one (on a GPU machine), or pass '
+                  '--adapter FOLDER', file=sys.stderr)
+            return 2
         params['adapter_path'] = str(SMOLLM2_ADAPTER_DIR if args.adapter == 'smollm2'
                                      else args.adapter)
     layout_file = Path(args.out).with_suffix('.world.json')
