@@ -169,9 +169,9 @@ def configure_engine(values, clock=None, log=print, cost_model=None, warn=None):
         log(f"decode step: {tuning['chosen']} (a kernel a phase {tuning['kernels']:.0f} us, "
             + ('one persistent launch n/a)' if persistent is None else
                f'one persistent launch {persistent:.0f} us)'))
-    elif backend.name == 'cuda' and speculative:
-        log('decode step: kernels, unstaged (what a speculative verify pass repeats bit for '
-            'bit)')
+    elif backend.name == 'cuda' and verify_limit(backend):
+        log('decode step: kernels, unstaged (what a verify pass, of drafts or of the tokens '
+            'the grammar forces, repeats bit for bit)')
     elif backend.name == 'cuda':
         log(f"decode step: {values['cuda_decode_step']} (set by cuda_decode_step)")
     specs = input_specs(values)
