@@ -51,7 +51,7 @@ soak: $(STAMP)
 
 # On a GPU machine whose python3 has CuPy (+ torch and transformers for the HF comparisons).
 gpu-test:
-	PYTHONPATH=. python3 -m pytest -q -ra -m gpu test dev/cuda/test_probes.py
+	PYTHONPATH=. python3 -m pytest -q -ra -m gpu test training/test_finetune.py dev/cuda/test_probes.py
 
 # RESULTS_OUT=DIR also copies the updated benchmarks/RESULTS.md there (a remote GPU
 # machine's output folder, so the figures come back with the run).

@@ -114,10 +114,23 @@ def write_commanded(bag, out, decisions):
     return out
 
 
-@pytest.mark.parametrize('policy,spelling', [('meaning', 'digits'), ('recency', 'compact'),
-                                             ('meaning', 'compact')])
-def test_samples_are_what_the_engine_fed_the_model(expert_bag, tmp_path, policy, spelling):
-    values = demo_values(eviction_policy=policy, action_spelling=spelling)
+def gpu_available():
+    from rt_llm_node.backends import cuda_available
+    return cuda_available()
+
+
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif('not gpu_available()',
+                                              reason='no CUDA device (CuPy sees none)')]
+
+
+@pytest.mark.parametrize('policy,spelling,backend', [
+    ('meaning', 'digits', 'numpy'), ('recency', 'compact', 'numpy'),
+    ('meaning', 'compact', 'numpy'),
+    pytest.param('meaning', 'compact', 'cuda', marks=ON_GPU),   # its attention, its passes
+])
+def test_samples_are_what_the_engine_fed_the_model(expert_bag, tmp_path, policy, spelling,
+                                                   backend):
+    values = demo_values(eviction_policy=policy, action_spelling=spelling, backend=backend)
     decisions = model_run(expert_bag, values)
     assert len(decisions) > 500
     commanded = write_commanded(expert_bag, tmp_path / 'commanded', decisions)
@@ -126,8 +139,13 @@ def test_samples_are_what_the_engine_fed_the_model(expert_bag, tmp_path, policy,
     tokenizer = load_model(str(default_model_path())).tokenizer
     model = None
     if policy == 'meaning':   # it evicts by attention: the model's, run beside the teacher
-        from rt_llm_node.backends.numpy_backend import NumpyBackend
-        model = NumpyBackend(load_model(str(default_model_path())), values['kv_capacity_tokens'])
+        from rt_llm_node.backends import make_backend
+        from rt_llm_node.configure import action_grammar
+        from rt_llm_node.configure import verify_tokens
+        grammar = action_grammar(values, tokenizer)
+        model = make_backend(backend, load_model(str(default_model_path())),
+                             values['kv_capacity_tokens'],
+                             verify_tokens=verify_tokens(0, grammar))
     samples = bag_samples(commanded, values, tokenizer, model, log=lambda text: None)
     assert [s.tick_ns for s in samples] == [d[0] for d in decisions]
     for sample, (tick_ns, context, action, _) in zip(samples, decisions):
