@@ -135,8 +135,10 @@ def fingerprint(values, cost_model_json, golden, tolerance):
             return [info.st_size, info.st_mtime_ns]
         except OSError:
             return None
+    from rt_llm_node.model.embedded import default_model_path
+    model = values['model_path'] or default_model_path() / 'model.safetensors'
     key = {'values': values, 'cost_model': cost_model_json, 'golden': golden,
-           'tolerance': tolerance, 'model': stat(values['model_path'] or '.'),
+           'tolerance': tolerance, 'model': stat(model),
            'adapter': stat(values['adapter_path']) if values['adapter_path'] else None}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -311,6 +313,8 @@ def main(argv=None):
         if args.adapter:
             values['adapter_path'] = args.adapter
         golden = Path(args.golden) if args.golden else None
+        if golden is not None and not args.out:
+            raise FleetError('--golden needs --out (where this run writes its outputs)')
         out = open_output(args.out or args.write_golden, args.force)
         cost_model_json = None
         if golden is None:

@@ -101,8 +101,11 @@ def test_a_fleet_is_reported_the_same_whatever_the_workers(fleet_dir):
 
 
 def test_bad_runs_are_one_line_errors(fleet_dir, tmp_path):
-    missing = run(tmp_path / 'nothing', '--params', PARAMS, '--golden', tmp_path)
+    missing = run(tmp_path / 'nothing', '--params', PARAMS, '--golden', tmp_path, '--out',
+                  tmp_path / 'out')
     assert missing.returncode == 2 and 'no such bag' in missing.stderr
+    nowhere = run(fleet_dir / 'bags' / 'robot0', '--params', PARAMS, '--golden', tmp_path)
+    assert nowhere.returncode == 2 and '--golden needs --out' in nowhere.stderr
     (tmp_path / 'foreign').mkdir()
     (tmp_path / 'foreign' / 'notes.txt').write_text('mine')
     taken = run(fleet_dir / 'bags' / 'robot0', '--params', PARAMS, '--golden', tmp_path,
