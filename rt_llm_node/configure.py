@@ -117,15 +117,17 @@ def verify_tokens(speculative, grammar):
     return max(speculative + 1 if speculative else 0, forced + 1 if forced else 0)
 
 
-def build_engine(values, backend, tokenizer, admission, clock=None, guard=None):
+def build_engine(values, backend, tokenizer, admission, clock=None, guard=None, grammar=None):
     """Return the TickEngine the parameters describe over ``backend`` (not yet started).
 
     The one place the node, the replay and the fine-tuning data (training/finetune.py) lay
-    out the prompt: inputs and renderers, action grammar, system prompt, eviction policy.
+    out the prompt: inputs and renderers, action grammar (``grammar``, where the caller
+    built it already), system prompt, eviction policy.
     """
-    return TickEngine(backend, tokenizer, input_specs(values), action_grammar(values, tokenizer),
-                      admission, policy=values['eviction_policy'],
-                      system_prompt=values['system_prompt'], clock=clock,
+    return TickEngine(backend, tokenizer, input_specs(values),
+                      grammar or action_grammar(values, tokenizer), admission,
+                      policy=values['eviction_policy'], system_prompt=values['system_prompt'],
+                      clock=clock,
                       stamp_tolerance_s=values['input_stamp_tolerance_s'], guard=guard,
                       speculative_tokens=values['speculative_tokens'],
                       instruction_cache=(InstructionCache(values['instruction_cache_entries'],
@@ -202,7 +204,8 @@ def configure_engine(values, clock=None, log=print, cost_model=None, warn=None):
                                        else values['admission_probe_ticks']),
                           min_scale=values['admission_min_scale'],
                           quantile=values['admission_quantile'])
-    engine = build_engine(values, backend, checkpoint.tokenizer, admission, clock, guard)
+    engine = build_engine(values, backend, checkpoint.tokenizer, admission, clock, guard,
+                          grammar)
     check_room(engine, engine.inputs, engine.grammar, backend.capacity)
     if engine.start(store, fields, log):
         log(f'system prompt: {len(engine.system_ids)} tokens of KV state restored from '

@@ -236,13 +236,13 @@ class TickEngine:
             return None
         return int(np.quantile(passes, self.admission.quantile, method='higher'))
 
-    def plain_passes(self, index):
+    def plain_passes(self, n_decode):
         """Forward passes after the prefill to plan for without speculation: (passes, tokens).
 
-        The worst of the window, as ``expected_decodes`` (a pass a chosen token, its forced
-        tokens beside it); ``tokens``: what the dearest pass runs (0: decode steps).
+        The worst of the window (``expected_decodes`` drops what left it), a pass a chosen
+        token with its forced tokens beside it, never more than the ``n_decode`` tokens
+        planned; ``tokens``: what the dearest pass runs (0: decode steps).
         """
-        n_decode = self.expected_decodes(index)
         passes = max([p for _, _, p, speculated in self.recent_decodes if not speculated],
                      default=self.typical_passes)
         return min(passes, n_decode), (1 + self.forced_run if self.forced_run else 0)
@@ -457,9 +457,8 @@ class TickEngine:
                 return run.refuse('input_error', detail=f'the cache cannot make room: {exc}')
         plan.kept = None if plan.slots is None else len(plan.slots)
         passes = self.expected_passes(run.record.tick)
-        plain_passes, plain_tokens = self.plain_passes(run.record.tick)
         if passes is None:
-            plan.passes, plan.pass_tokens = plain_passes, plain_tokens
+            plan.passes, plan.pass_tokens = self.plain_passes(plan.n_decode)
         else:
             plan.passes, plan.pass_tokens = min(passes, plan.n_decode), 1 + self.speculative_tokens
         plan.fused_tokens = 1 + self.speculative_tokens if self._fuses(run.index) else 0
@@ -472,6 +471,7 @@ class TickEngine:
             # speculation never refuses a tick that plain decoding would act on in time:
             # where its passes do not fit but the decode steps they stand for do, this tick
             # drafts nothing
+            plain_passes, plain_tokens = self.plain_passes(plan.n_decode)
             plain = admission.predict_ms(plan.n_prefill, plan.length, plain_passes, plan.kept,
                                          plan.restored, plain_tokens)
             if admission.admit(plain, available):
@@ -653,7 +653,7 @@ class TickEngine:
             chosen.append(token)
             if grammar.done(state):
                 return state, chosen
-            if run.speculate and self.speculative_tokens:
+            if run.speculate:
                 drafts = self._drafts(state, chosen)
                 remaining = grammar.min_remaining(state)
             else:   # the pass that runs ``token`` runs the tokens forced after it too
@@ -682,7 +682,7 @@ class TickEngine:
                 token = self._choose(state)
                 continue
             token, state = self._verify(record, segment, state, chosen, token, drafts,
-                                        counted=run.speculate and self.speculative_tokens > 0)
+                                        counted=run.speculate)
             if token is None:   # the drafts finished the action
                 return state, chosen
 
@@ -735,6 +735,14 @@ class TickEngine:
             source = self.last_action_ids[n:]
         else:
             source = self._lookup(list(self.grammar.prefix_ids) + chosen)
+        return self._allowed_run(state, source, limit)
+
+    def _allowed_run(self, state, source, limit):
+        """Return ``source``'s tokens from ``state`` on while the grammar allows them.
+
+        Then the tokens it forces (a source token it does not allow ends the source); at
+        most ``limit``, none past the action's end.
+        """
         grammar, drafts = self.grammar, []
         for t in list(source) + [None] * limit:
             if len(drafts) >= limit or grammar.done(state):
@@ -753,15 +761,8 @@ class TickEngine:
 
         Only as many as the cache has room for without eviction mid-pass.
         """
-        limit = min(self.forced_run, self.backend.capacity - self.session.length - 1)
-        grammar, forced = self.grammar, []
-        while len(forced) < limit and not grammar.done(state):
-            allowed = grammar.allowed(state)
-            if len(allowed) != 1:
-                break
-            forced.append(int(allowed[0]))
-            state = grammar.advance(state, forced[-1])
-        return forced
+        return self._allowed_run(state, (), min(self.forced_run,
+                                                self.backend.capacity - self.session.length - 1))
 
     def _lookup(self, sequence, n=2, span=16):
         """Return up to ``span`` tokens that followed the latest ``sequence[-n:]`` in the cache."""
@@ -856,7 +857,7 @@ class TickEngine:
         # passes are the speculation's own evidence only where it ran (a tick priced as plain
         # decoding drafted nothing, and its steps would keep speculation priced off for ever)
         self.recent_decodes.append((record.tick, record.n_fed, record.n_decode,
-                                    bool(run.speculate and self.speculative_tokens)))
+                                    run.speculate))
         self.last_action_ids = list(chosen)
         self.session.decay_scores()
         record.decision = 'action'
@@ -905,7 +906,8 @@ class _Run:
         self.stamp, self.deadline = stamp, deadline
         self.instruction = None   # a new instruction to place first: (its part, stored state)
         self.fused = None         # a fused pass's (drafts, grammar states, greedy tokens)
-        self.speculate = True     # False: admission priced this tick as plain decoding
+        # drafts: speculation is on, and admission did not price this tick as plain decoding
+        self.speculate = engine.speculative_tokens > 0
         self.placed = None        # a flooded instruction prefilled with the inputs (its ids)
         self.now = engine.clock.now
         self.t0 = self.last = self.admitted = self.now()

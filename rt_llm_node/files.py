@@ -96,6 +96,16 @@ def read_bytes(path, what, max_bytes):
     return data
 
 
+def file_sha256(path, what, max_bytes):
+    """Return the SHA-256 (hex) of a regular file of at most ``max_bytes``, read in blocks."""
+    import hashlib
+    digest = hashlib.sha256()
+    with open_regular(path, what, max_bytes) as f:
+        for block in iter(lambda: f.read(1 << 20), b''):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def read_text(path, what, max_bytes=MAX_TEXT):
     """Return a UTF-8 text file of at most ``max_bytes``; FileError if it does not decode."""
     data = read_bytes(path, what, max_bytes)

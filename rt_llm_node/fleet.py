@@ -302,7 +302,7 @@ def main(argv=None):
         print(f'{TOOL}: error: Ray is not installed: {INSTALL}; rt-llm-replay replays one '
               'bag without it', file=sys.stderr)
         return EXIT_ERROR
-    started = ray_started = False
+    ray_started = False
     try:
         if args.workers < 1 or args.gpus_per_bag < 0:
             raise FleetError('--workers must be at least 1 and --gpus-per-bag not negative')
@@ -337,7 +337,6 @@ def main(argv=None):
             else:
                 ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False)
             ray_started = True
-            started = True
             # retried here, not by Ray: a failure (a corrupt bag, a worker that died) is tried
             # once more and then reported with its attempts; the other bags go on
             task = ray.remote(replay_one).options(num_cpus=1, num_gpus=args.gpus_per_bag,
@@ -391,7 +390,7 @@ def main(argv=None):
               file=sys.stderr)
         return 130
     finally:
-        if ray_started and started:
+        if ray_started:
             ray.shutdown()
 
 

@@ -109,11 +109,15 @@ def action_namespace(action, action_type, period_s, stamp_ns=0, frame_id=''):
                           stamp=_stamp(stamp_ns), frame_id=frame_id)
 
 
+def action_topic(values):
+    """Return the action topic's absolute name (a node at the root namespace)."""
+    action = values['action_topic']
+    return action if action.startswith('/') else '/' + action
+
+
 def output_topics(values):
     """Return the topics the node publishes (absolute names): a bag recorded with -a holds them."""
-    action = values['action_topic']
-    return {action if action.startswith('/') else '/' + action, REFUSAL_TOPIC, RECORD_TOPIC,
-            DIAGNOSTICS_TOPIC}
+    return {action_topic(values), REFUSAL_TOPIC, RECORD_TOPIC, DIAGNOSTICS_TOPIC}
 
 
 # -- the replay ----------------------------------------------------------------------------
@@ -194,13 +198,11 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
                 connection.topic, connection.msgtype, typestore=store,
                 offered_qos_profiles=getattr(connection.ext, 'offered_qos_profiles', ()) or ())
     action_type = values['action_type']
-    action_topic = values['action_topic']
-    action_conn = writer.add_connection(action_topic if action_topic.startswith('/')
-                                        else '/' + action_topic, action_type, typestore=store)
+    action_conn = writer.add_connection(action_topic(values), action_type, typestore=store)
     refusal_conn = writer.add_connection(REFUSAL_TOPIC, 'diagnostic_msgs/msg/DiagnosticArray',
                                          typestore=store)
     record_conn = writer.add_connection(RECORD_TOPIC, 'std_msgs/msg/String', typestore=store)
-    snapshot, lines, records = {}, [], []
+    lines, records = [], []
     guard = engine.guard
     bad_messages = Counter()
 

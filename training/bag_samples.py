@@ -32,6 +32,7 @@ from rt_llm_node.bags import open_bag
 from rt_llm_node.codec import normalize_type
 from rt_llm_node.configure import build_engine
 from rt_llm_node.engine import ModelClock
+from rt_llm_node.replay import action_topic
 from rt_llm_node.replay import bag_ticks
 from rt_llm_node.replay import ReplayError
 
@@ -178,8 +179,7 @@ def command_values(msg, msgtype, grammar):
 
 def recorded_commands(reader, values, grammar, store):
     """Return [(stamp ns, field values)] of the bag's commands on the action topic, in order."""
-    topic = values['action_topic'] if values['action_topic'].startswith('/') \
-        else '/' + values['action_topic']
+    topic = action_topic(values)
     connections = [c for c in reader.connections if c.topic == topic]
     if not connections:
         raise ReplayError(f'the bag has no {topic}: the commands to learn from are missing '

