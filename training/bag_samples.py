@@ -10,6 +10,15 @@ the cache, and each sample is the cache as the model would see it at that tick (
 positions 0..n-1, which is what the backends' slots hold after eviction) followed by the
 action's tokens.
 
+``history_noise``: what the cache shows of earlier ticks is the recorded command with Gaussian
+noise on each field (standard deviations in the fields' units, quantized to the grammar),
+while every label stays the recorded command. Commands change slowly, so a learner shown the
+clean history learns to repeat its last action (the copycat shortcut of behaviour cloning
+with an action history; Wen et al., "Fighting Copycat Agents", 2020): in closed loop one wrong
+early action is then repeated for ever. The noise makes the history a poor predictor of the
+label while keeping what it says about the turn under way; the contexts are still exactly the
+engine's, with these actions in its cache (as after the node had acted so).
+
 Ticks without a command in the period after them (before the operator's first, after a
 gap) and ticks the engine refuses (stale inputs) give no sample; their observations stay
 unrendered, as after a refusal on the robot.
@@ -18,6 +27,8 @@ unrendered, as after a refusal on the robot.
 import bisect
 from dataclasses import dataclass
 import math
+from pathlib import Path
+import zlib
 
 import numpy as np
 
@@ -200,11 +211,13 @@ def recorded_commands(reader, values, grammar, store):
     return out
 
 
-def bag_samples(bag, values, tokenizer, model=None, log=print):
+def bag_samples(bag, values, tokenizer, model=None, log=print, history_noise=None, seed=0):
     """Return the Samples of one bag under the parameters ``values`` (the node's own).
 
     ``model``: a backend of the model whose attention the eviction policy reads
-    (``TeacherBackend``), rolled back to empty first.
+    (``TeacherBackend``), rolled back to empty first. ``history_noise``: a standard deviation
+    per action field for the actions the cache keeps (module docstring), drawn from ``seed``
+    and the bag's name.
     """
     from collections import Counter
 
@@ -225,10 +238,19 @@ def bag_samples(bag, values, tokenizer, model=None, log=print):
         engine.start()
         grammar = engine.grammar
         commands = recorded_commands(reader, values, grammar, store)
+        if history_noise is not None and len(history_noise) != len(grammar.fields):
+            raise ValueError(f'history noise needs {len(grammar.fields)} standard deviations '
+                             f'(one per action field), not {len(history_noise)}')
+        rng = np.random.default_rng([seed, zlib.crc32(Path(bag).name.encode())])
         stamps = [stamp for stamp, _ in commands]
         period_ns = int(1e9 / values['rate_hz'])
         topic_of = {c.topic: node_topic for node_topic, c in connections.items()}
         n_prefix, n_end = len(grammar.prefix_ids), len(grammar.end_ids)
+
+        def action_tokens(command):
+            ids = tokenizer.encode(grammar.render(command)).ids
+            return ids[n_prefix:len(ids) - n_end]
+
         samples, bad = [], Counter()
         for tick_ns, snapshot in bag_ticks(reader, topic_of, store, reader.start_time,
                                            reader.end_time, 1.0 / values['rate_hz'],
@@ -237,19 +259,23 @@ def bag_samples(bag, values, tokenizer, model=None, log=print):
             at = bisect.bisect_right(stamps, tick_ns)
             if at == len(stamps) or stamps[at] > tick_ns + period_ns:
                 continue
-            ids = tokenizer.encode(grammar.render(commands[at][1])).ids
-            action = ids[n_prefix:len(ids) - n_end]
-            backend.teach(action)
+            label = action_tokens(commands[at][1])
+            shown = label
+            if history_noise is not None:
+                shown = action_tokens({f.name: f.quantize(commands[at][1][f.name]
+                                                          + rng.normal(0.0, std))
+                                       for f, std in zip(grammar.fields, history_noise)})
+            backend.teach(shown)
             engine.clock.advance_to(tick_ns / 1e9)
             decided = len(backend.contexts)
             result = engine.tick(dict(snapshot), tick_ns / 1e9, tick_ns / 1e9 + 1e9)
             if result.action is None:
                 continue
             if list(result.action.token_ids[n_prefix:len(result.action.token_ids) - n_end]) \
-                    != action or len(backend.contexts) != decided + 1:
+                    != shown or len(backend.contexts) != decided + 1:
                 raise ReplayError(f'tick at {tick_ns} ns: the engine did not take the taught '
                                   'action')
-            samples.append(Sample(backend.contexts[-1], np.asarray(action, np.int64), tick_ns))
+            samples.append(Sample(backend.contexts[-1], np.asarray(label, np.int64), tick_ns))
         return samples
     finally:
         reader.close()

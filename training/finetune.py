@@ -46,8 +46,9 @@ _WORKER = {}
 
 
 def _bag_job(job):
-    """Return the samples of one bag in a worker: (bag, params file, base, attention)."""
-    bag, params, base, attention = job
+    """The samples of one bag in a worker: (bag, params file, base, attention, history noise,
+    seed)."""
+    bag, params, base, attention, history_noise, seed = job
     values = load_params(params)
     if 'checkpoint' not in _WORKER:   # one model and backend a worker, for all its bags
         _WORKER['checkpoint'] = load_model(base)
@@ -57,7 +58,8 @@ def _bag_job(job):
                                           verify_tokens=verify_tokens(0, grammar))
                              if attention == 'base' else None)
     return bag_samples(bag, values, _WORKER['checkpoint'].tokenizer, _WORKER['scorer'],
-                       log=lambda text: print(f'  {bag}: {text}', flush=True))
+                       log=lambda text: print(f'  {bag}: {text}', flush=True),
+                       history_noise=history_noise, seed=seed)
 
 
 def hf_model(base, torch):
@@ -129,7 +131,19 @@ def main(argv=None):
                         help='whose attention the eviction policy reads while the samples are '
                         "built: the base model's (run on the node's backend) or none (every "
                         'mass 0: exact for recency and sink_window)')
+    parser.add_argument('--history-noise', default='', metavar='STD[,STD...]',
+                        help='Gaussian noise (one standard deviation per action field, in its '
+                        'units) on the actions the context shows of earlier ticks, labels '
+                        'clean: keeps the adapter from repeating its last action '
+                        '(bag_samples.py); e.g. 0.2,0.6 for the demo\'s v, w')
     args = parser.parse_args(argv)
+    try:
+        history_noise = (tuple(float(x) for x in args.history_noise.split(','))
+                         if args.history_noise else None)
+    except ValueError:
+        parser.error(f'--history-noise takes numbers, not {args.history_noise!r}')
+    if history_noise is not None and not all(0.0 <= x < 1e3 for x in history_noise):
+        parser.error('--history-noise: standard deviations are finite and >= 0')
     import peft
     import torch
     started = time.monotonic()
@@ -140,7 +154,8 @@ def main(argv=None):
     samples, per_bag = [], {}
     # each worker process runs the base on its own backend (CUDA: its own context, started
     # fresh, never forked from a parent that touched the GPU)
-    jobs = [(bag, args.params, base, args.attention) for bag in args.bags]
+    jobs = [(bag, args.params, base, args.attention, history_noise, args.seed)
+            for bag in args.bags]
     with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context('spawn')
                              ) as pool:
         for bag, found in zip(args.bags, pool.map(_bag_job, jobs)):
@@ -190,7 +205,8 @@ def main(argv=None):
               'params': Path(args.params).name, 'bags': per_bag,
               'samples': len(samples), 'steps': steps, 'batch': args.batch,
               'lr': args.lr, 'rank': args.rank, 'alpha': args.alpha, 'seed': args.seed,
-              'attention': args.attention, 'loss_first_100': float(np.mean(losses[:100])),
+              'attention': args.attention, 'history_noise': history_noise,
+              'loss_first_100': float(np.mean(losses[:100])),
               'loss_last_100': float(np.mean(losses[-100:])),
               'seconds': round(time.monotonic() - started, 1)}
     write_atomic(out / 'training.json', json.dumps(record, indent=2) + '\n', 'training record')

@@ -12,7 +12,10 @@
 # attention (--attention none): exact for the instruction, the newest inputs and the
 # superseded ones the meaning policy drops first, with older segments dropped by age where
 # the node would drop the least attended; running the base beside every recorded tick costs
-# more GPU time than the training itself (a ~125-token prefill a tick).
+# more GPU time than the training itself (a ~125-token prefill a tick). The actions the
+# context shows of earlier ticks carry noise (--history-noise, labels clean): trained on the
+# clean history, the adapter learns to repeat its last action and, in closed loop, repeats a
+# wrong first one for ever (bag_samples.py).
 # Offline tooling (torch, transformers, peft); on the GPU machine.
 set -euo pipefail
 base=${1:?usage: training/smollm2_recipe.sh BASE_GGUF OUT [WORKERS]}
@@ -39,6 +42,6 @@ wait
 echo "bags: ${SECONDS} s"
 python3 -u "$here/finetune.py" --params "$(dirname "$here")/config/demo_smollm2.yaml" \
     --base "$base" --bags "$bags"/b* --out "$out" --workers "$workers" --attention none \
-    --steps 1500 --batch 32 --lr 1e-3 --rank 8 --alpha 16 \
+    --steps 1200 --batch 32 --lr 1e-3 --rank 8 --alpha 16 --history-noise 0.2,0.6 \
     ${MAX_MINUTES:+--max-minutes "$MAX_MINUTES"}
 echo "recipe: ${SECONDS} s"

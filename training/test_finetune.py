@@ -178,6 +178,37 @@ def test_expert_samples_and_bags_that_cannot_teach(expert_bag, tmp_path):
                     log=lambda text: None)
 
 
+def test_history_noise_changes_the_shown_actions_only(expert_bag):
+    from rt_llm_node.configure import action_grammar
+    from rt_llm_node.model import load_model
+    from rt_llm_node.model.embedded import default_model_path
+    tokenizer = load_model(str(default_model_path())).tokenizer
+    values = demo_values()
+    clean = bag_samples(expert_bag, values, tokenizer, log=lambda text: None)
+    noisy = bag_samples(expert_bag, values, tokenizer, log=lambda text: None,
+                        history_noise=(0.2, 0.6), seed=3)
+    again = bag_samples(expert_bag, values, tokenizer, log=lambda text: None,
+                        history_noise=(0.2, 0.6), seed=3)
+    assert [s.tick_ns for s in noisy] == [s.tick_ns for s in clean]
+    assert all(np.array_equal(a.action, b.action) for a, b in zip(clean, noisy)), \
+        'labels stay the recorded commands'
+    assert all(np.array_equal(a.context, b.context) for a, b in zip(noisy, again))
+    grammar = action_grammar(values, tokenizer)
+    first, second = grammar.fields
+    value_ids = {t for v in first.values for w in second.values
+                 for t in tokenizer.encode(grammar.render({first.name: v, second.name: w})).ids}
+    changed = 0
+    for a, b in zip(clean, noisy):
+        assert len(a.context) == len(b.context)
+        differ = a.context != b.context
+        changed += bool(differ.any())
+        assert set(a.context[differ].tolist()) <= value_ids, 'only action values differ'
+    assert changed > 0.8 * len(clean), 'most contexts show another history'
+    with pytest.raises(ValueError, match='one per action field'):
+        bag_samples(expert_bag, values, tokenizer, log=lambda text: None,
+                    history_noise=(0.2,))
+
+
 def test_the_teacher_backend_keeps_slots_like_a_backend():
     backend = TeacherBackend(8, 100)
     backend.teach([7, 8, 9])
