@@ -38,7 +38,17 @@ def fleet(*args, env=None):
     return time.monotonic() - started
 
 
+def failed(out):
+    """Exit naming the failed bags' errors: a timing of failed replays measures nothing."""
+    data = json.loads((Path(out) / 'report.json').read_text())
+    errors = {b['bag']: b.get('error') for b in data['bags'] if b['status'] == 'error'}
+    if errors:
+        shown = '\n'.join(f'  {name}: {error}' for name, error in list(errors.items())[:5])
+        sys.exit(f'{len(errors)} of {len(data["bags"])} bags failed in {out}:\n{shown}')
+
+
 def decisions(out):
+    failed(out)
     data = json.loads((Path(out) / 'report.json').read_text())
     strip = {'seconds', 'host', 'fingerprint', 'path', 'attempts'}
     return [{k: v for k, v in b.items() if k not in strip} for b in data['bags']], data['totals']
@@ -84,6 +94,7 @@ def main():
         golden = root / 'golden'
         fleet(root / 'bags', '--params', PARAMS, '--write-golden', golden,
               '--workers', max(counts))
+        failed(golden)
         rows, reference, base = [], None, None
         for workers in counts:
             out = root / f'w{workers}'

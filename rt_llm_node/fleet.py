@@ -4,7 +4,7 @@
     rt-llm-replay-fleet BAGS... --params P.yaml --write-golden GOLDEN [--cost-model F]
 
 BAGS: bag folders, folders of bags, ``.mcap`` files or globs of them. Each bag is one Ray
-task (``--gpus-per-bag`` for the CUDA backend) running ``rt-llm-replay`` under the model
+task (``--gpus-per-bag`` for the CUDA backend; ``backend: auto`` is numpy without it) running ``rt-llm-replay`` under the model
 clock, so a bag's decisions depend on the bag, the parameters, the model and the cost model
 alone, never on the number or kind of workers: with ``--golden`` each bag uses its golden's
 ``cost_model.json`` (as ``rt-llm-replay --expect``); writing goldens, every bag uses one cost
@@ -93,6 +93,22 @@ def find_bags(items):
     if not out:
         raise FleetError('no bags given')
     return out
+
+
+def task_backend(backend, gpus_per_bag):
+    """The backend every bag's task runs, fixed on the driver for the whole run.
+
+    ``auto`` is the CUDA backend where bags ask Ray for a GPU share and numpy where they do
+    not, never what each worker happens to find: a CPU task on a host with a GPU would
+    otherwise open it, and one fleet would mix two arithmetics (and every task would compile
+    the kernels at once). ``cuda`` without a GPU share is an error.
+    """
+    if backend == 'auto':
+        return 'cuda' if gpus_per_bag > 0 else 'numpy'
+    if backend == 'cuda' and gpus_per_bag <= 0:
+        raise FleetError("backend cuda: give each bag's task a GPU share (--gpus-per-bag, "
+                         'e.g. 0.25)')
+    return backend
 
 
 def replay_one(name, bag, values, cost_model_json, out, golden, tolerance):
@@ -312,6 +328,7 @@ def main(argv=None):
             values['model_path'] = args.model
         if args.adapter:
             values['adapter_path'] = args.adapter
+        values['backend'] = task_backend(values['backend'], args.gpus_per_bag)
         golden = Path(args.golden) if args.golden else None
         if golden is not None and not args.out:
             raise FleetError('--golden needs --out (where this run writes its outputs)')

@@ -114,6 +114,15 @@ def test_bad_runs_are_one_line_errors(fleet_dir, tmp_path):
     assert (tmp_path / 'foreign' / 'notes.txt').read_text() == 'mine'
 
 
+def test_every_task_runs_the_backend_the_driver_chose():
+    # a CPU task never opens the GPU its host may have: one arithmetic for the whole fleet
+    assert fleet.task_backend('auto', 0.0) == 'numpy'
+    assert fleet.task_backend('auto', 0.25) == 'cuda'
+    assert fleet.task_backend('numpy', 0.25) == 'numpy'
+    with pytest.raises(fleet.FleetError, match='--gpus-per-bag'):
+        fleet.task_backend('cuda', 0.0)
+
+
 def test_without_ray_it_says_how_to_install_it(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, 'ray', None)
     assert fleet.main(['bag', '--golden', 'g']) == 2
