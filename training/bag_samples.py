@@ -10,14 +10,16 @@ the cache, and each sample is the cache as the model would see it at that tick (
 positions 0..n-1, which is what the backends' slots hold after eviction) followed by the
 action's tokens.
 
-``history_noise``: what the cache shows of earlier ticks is the recorded command with Gaussian
-noise on each field (standard deviations in the fields' units, quantized to the grammar),
-while every label stays the recorded command. Commands change slowly, so a learner shown the
-clean history learns to repeat its last action (the copycat shortcut of behaviour cloning
-with an action history; Wen et al., "Fighting Copycat Agents", 2020): in closed loop one wrong
-early action is then repeated for ever. The noise makes the history a poor predictor of the
-label while keeping what it says about the turn under way; the contexts are still exactly the
-engine's, with these actions in its cache (as after the node had acted so).
+What the cache shows of earlier ticks may differ from the recorded commands while every label
+stays the recorded command (``Augment``): Gaussian noise on each field, and now and then a
+random action held for a while. Commands change slowly, so a learner shown the clean history
+learns to repeat its last action (the copycat shortcut of behaviour cloning with an action
+history; Wen et al., "Fighting Copycat Agents", 2020): in closed loop one wrong early action
+is then repeated for ever. Noise and held random actions make the history a poor predictor of
+the label, and teach the way back from a wrong action. Simulated restarts (the engine built
+afresh, as after the node restarted) add decisions with no history at all, which a long bag
+holds once. The contexts stay exactly the engine's, with these actions in its cache (as after
+the node had acted so).
 
 Ticks without a command in the period after them (before the operator's first, after a
 gap) and ticks the engine refuses (stale inputs) give no sample; their observations stay
@@ -48,6 +50,29 @@ from rt_llm_node.replay import bag_ticks
 from rt_llm_node.replay import ReplayError
 
 TWISTS = ('geometry_msgs/msg/Twist', 'geometry_msgs/msg/TwistStamped')
+
+
+@dataclass(frozen=True)
+class Augment:
+    """What the cache shows of earlier ticks (module docstring); labels are never changed.
+
+    ``noise``: a standard deviation per action field (its units) added to the shown command;
+    ``hold_rate``: the chance a tick starts showing a uniformly random action instead, held for
+    1 to ``hold_ticks`` ticks; ``restart_s``: mean seconds between simulated restarts.
+    """
+
+    noise: tuple = ()
+    hold_rate: float = 0.0
+    hold_ticks: int = 30
+    restart_s: float = 0.0
+
+    def check(self, grammar):
+        if self.noise and len(self.noise) != len(grammar.fields):
+            raise ValueError(f'history noise needs {len(grammar.fields)} standard deviations '
+                             f'(one per action field), not {len(self.noise)}')
+        if not (all(0.0 <= x < 1e3 for x in self.noise) and 0.0 <= self.hold_rate <= 1.0
+                and self.hold_ticks >= 1 and 0.0 <= self.restart_s < 1e9):
+            raise ValueError(f'augmentation out of range: {self}')
 
 
 @dataclass
@@ -211,13 +236,13 @@ def recorded_commands(reader, values, grammar, store):
     return out
 
 
-def bag_samples(bag, values, tokenizer, model=None, log=print, history_noise=None, seed=0):
+def bag_samples(bag, values, tokenizer, model=None, log=print, augment=Augment(), seed=0):
     """Return the Samples of one bag under the parameters ``values`` (the node's own).
 
     ``model``: a backend of the model whose attention the eviction policy reads
-    (``TeacherBackend``), rolled back to empty first. ``history_noise``: a standard deviation
-    per action field for the actions the cache keeps (module docstring), drawn from ``seed``
-    and the bag's name.
+    (``TeacherBackend``), rolled back to empty first. ``augment``: what the cache shows of
+    earlier ticks and the simulated restarts (``Augment``), drawn from ``seed`` and the bag's
+    name.
     """
     from collections import Counter
 
@@ -233,14 +258,18 @@ def bag_samples(bag, values, tokenizer, model=None, log=print, history_noise=Non
             model.rollback(0)
         backend = TeacherBackend(values['kv_capacity_tokens'], tokenizer.get_vocab_size(),
                                  model)
-        engine = build_engine(values, backend, tokenizer, Admission(CostModel(), margin_ms=0.0),
-                              ModelClock())
-        engine.start()
+
+        def started():   # the node's engine on an empty cache
+            backend.rollback(0)
+            engine = build_engine(values, backend, tokenizer,
+                                  Admission(CostModel(), margin_ms=0.0), ModelClock())
+            engine.start()
+            return engine
+        engine = started()
         grammar = engine.grammar
         commands = recorded_commands(reader, values, grammar, store)
-        if history_noise is not None and len(history_noise) != len(grammar.fields):
-            raise ValueError(f'history noise needs {len(grammar.fields)} standard deviations '
-                             f'(one per action field), not {len(history_noise)}')
+        augment.check(grammar)
+        held, held_for = None, 0
         rng = np.random.default_rng([seed, zlib.crc32(Path(bag).name.encode())])
         stamps = [stamp for stamp, _ in commands]
         period_ns = int(1e9 / values['rate_hz'])
@@ -259,12 +288,19 @@ def bag_samples(bag, values, tokenizer, model=None, log=print, history_noise=Non
             at = bisect.bisect_right(stamps, tick_ns)
             if at == len(stamps) or stamps[at] > tick_ns + period_ns:
                 continue
+            if augment.restart_s and rng.random() < period_ns / 1e9 / augment.restart_s:
+                engine = started()
             label = action_tokens(commands[at][1])
-            shown = label
-            if history_noise is not None:
-                shown = action_tokens({f.name: f.quantize(commands[at][1][f.name]
-                                                          + rng.normal(0.0, std))
-                                       for f, std in zip(grammar.fields, history_noise)})
+            shown = commands[at][1]
+            if augment.noise:
+                shown = {f.name: f.quantize(shown[f.name] + rng.normal(0.0, std))
+                         for f, std in zip(grammar.fields, augment.noise)}
+            if held_for == 0 and rng.random() < augment.hold_rate:
+                held = {f.name: f.values[rng.integers(len(f.values))] for f in grammar.fields}
+                held_for = int(rng.integers(1, augment.hold_ticks + 1))
+            if held_for:
+                shown, held_for = held, held_for - 1
+            shown = action_tokens(shown)
             backend.teach(shown)
             engine.clock.advance_to(tick_ns / 1e9)
             decided = len(backend.contexts)

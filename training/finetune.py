@@ -37,7 +37,8 @@ from rt_llm_node.model import load_model  # noqa: E402
 from rt_llm_node.replay import load_params  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bag_samples import bag_samples  # noqa: E402,I100
+from bag_samples import Augment  # noqa: E402,I100
+from bag_samples import bag_samples  # noqa: E402
 
 TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
 
@@ -46,9 +47,8 @@ _WORKER = {}
 
 
 def _bag_job(job):
-    """The samples of one bag in a worker: (bag, params file, base, attention, history noise,
-    seed)."""
-    bag, params, base, attention, history_noise, seed = job
+    """The samples of one bag in a worker: (bag, params file, base, attention, Augment, seed)."""
+    bag, params, base, attention, augment, seed = job
     values = load_params(params)
     if 'checkpoint' not in _WORKER:   # one model and backend a worker, for all its bags
         _WORKER['checkpoint'] = load_model(base)
@@ -59,7 +59,7 @@ def _bag_job(job):
                              if attention == 'base' else None)
     return bag_samples(bag, values, _WORKER['checkpoint'].tokenizer, _WORKER['scorer'],
                        log=lambda text: print(f'  {bag}: {text}', flush=True),
-                       history_noise=history_noise, seed=seed)
+                       augment=augment, seed=seed)
 
 
 def hf_model(base, torch):
@@ -135,15 +135,24 @@ def main(argv=None):
                         help='Gaussian noise (one standard deviation per action field, in its '
                         'units) on the actions the context shows of earlier ticks, labels '
                         'clean: keeps the adapter from repeating its last action '
-                        '(bag_samples.py); e.g. 0.2,0.6 for the demo\'s v, w')
+                        "(bag_samples.py); e.g. 0.2,0.6 for the demo's v, w")
+    parser.add_argument('--history-hold', type=float, default=0.0, metavar='RATE',
+                        help='the chance a tick starts showing a random action in the history '
+                        'instead, held for 1-30 ticks (labels clean)')
+    parser.add_argument('--restart-every', type=float, default=0.0, metavar='SECONDS',
+                        help='mean seconds between simulated node restarts (the cache emptied): '
+                        'decisions with no history, which a long bag holds once')
     args = parser.parse_args(argv)
     try:
-        history_noise = (tuple(float(x) for x in args.history_noise.split(','))
-                         if args.history_noise else None)
-    except ValueError:
-        parser.error(f'--history-noise takes numbers, not {args.history_noise!r}')
-    if history_noise is not None and not all(0.0 <= x < 1e3 for x in history_noise):
-        parser.error('--history-noise: standard deviations are finite and >= 0')
+        augment = Augment(tuple(float(x) for x in args.history_noise.split(','))
+                          if args.history_noise else (), args.history_hold,
+                          restart_s=args.restart_every)
+        if not (all(0.0 <= x < 1e3 for x in augment.noise) and 0.0 <= augment.hold_rate <= 1.0
+                and 0.0 <= augment.restart_s < 1e9):
+            raise ValueError('out of range')
+    except ValueError as exc:
+        parser.error(f'--history-noise, --history-hold, --restart-every: {exc} (noise >= 0, '
+                     'a hold rate in [0, 1], seconds >= 0)')
     import peft
     import torch
     started = time.monotonic()
@@ -154,7 +163,7 @@ def main(argv=None):
     samples, per_bag = [], {}
     # each worker process runs the base on its own backend (CUDA: its own context, started
     # fresh, never forked from a parent that touched the GPU)
-    jobs = [(bag, args.params, base, args.attention, history_noise, args.seed)
+    jobs = [(bag, args.params, base, args.attention, augment, args.seed)
             for bag in args.bags]
     with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context('spawn')
                              ) as pool:
@@ -205,7 +214,8 @@ def main(argv=None):
               'params': Path(args.params).name, 'bags': per_bag,
               'samples': len(samples), 'steps': steps, 'batch': args.batch,
               'lr': args.lr, 'rank': args.rank, 'alpha': args.alpha, 'seed': args.seed,
-              'attention': args.attention, 'history_noise': history_noise,
+              'attention': args.attention, 'history_noise': list(augment.noise),
+              'history_hold': augment.hold_rate, 'restart_every': augment.restart_s,
               'loss_first_100': float(np.mean(losses[:100])),
               'loss_last_100': float(np.mean(losses[-100:])),
               'seconds': round(time.monotonic() - started, 1)}

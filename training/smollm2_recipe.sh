@@ -43,5 +43,6 @@ echo "bags: ${SECONDS} s"
 python3 -u "$here/finetune.py" --params "$(dirname "$here")/config/demo_smollm2.yaml" \
     --base "$base" --bags "$bags"/b* --out "$out" --workers "$workers" --attention none \
     --steps 1200 --batch 32 --lr 1e-3 --rank 8 --alpha 16 --history-noise 0.2,0.6 \
+    --history-hold 0.03 --restart-every 10 \
     ${MAX_MINUTES:+--max-minutes "$MAX_MINUTES"}
 echo "recipe: ${SECONDS} s"

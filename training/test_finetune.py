@@ -20,7 +20,8 @@ from rt_llm_node.replay import ReplayError
 
 pytest.importorskip('rosbags', reason='rosbags reads and writes the bags')
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bag_samples import bag_samples  # noqa: E402,I100
+from bag_samples import Augment  # noqa: E402,I100
+from bag_samples import bag_samples  # noqa: E402
 from bag_samples import TeacherBackend  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,17 +179,18 @@ def test_expert_samples_and_bags_that_cannot_teach(expert_bag, tmp_path):
                     log=lambda text: None)
 
 
-def test_history_noise_changes_the_shown_actions_only(expert_bag):
+def test_augmented_history_changes_the_shown_actions_only(expert_bag):
     from rt_llm_node.configure import action_grammar
     from rt_llm_node.model import load_model
     from rt_llm_node.model.embedded import default_model_path
     tokenizer = load_model(str(default_model_path())).tokenizer
     values = demo_values()
     clean = bag_samples(expert_bag, values, tokenizer, log=lambda text: None)
+    augment = Augment(noise=(0.2, 0.6), hold_rate=0.05)
     noisy = bag_samples(expert_bag, values, tokenizer, log=lambda text: None,
-                        history_noise=(0.2, 0.6), seed=3)
+                        augment=augment, seed=3)
     again = bag_samples(expert_bag, values, tokenizer, log=lambda text: None,
-                        history_noise=(0.2, 0.6), seed=3)
+                        augment=augment, seed=3)
     assert [s.tick_ns for s in noisy] == [s.tick_ns for s in clean]
     assert all(np.array_equal(a.action, b.action) for a, b in zip(clean, noisy)), \
         'labels stay the recorded commands'
@@ -206,7 +208,24 @@ def test_history_noise_changes_the_shown_actions_only(expert_bag):
     assert changed > 0.8 * len(clean), 'most contexts show another history'
     with pytest.raises(ValueError, match='one per action field'):
         bag_samples(expert_bag, values, tokenizer, log=lambda text: None,
-                    history_noise=(0.2,))
+                    augment=Augment(noise=(0.2,)))
+    # a restart empties the cache: the next decision sees no earlier action
+    restarted = bag_samples(expert_bag, values, tokenizer, log=lambda text: None,
+                            augment=Augment(restart_s=2.0), seed=3)
+    assert all(np.array_equal(a.action, b.action) for a, b in zip(clean, restarted))
+    prefix = tokenizer.encode('act').ids
+
+    def actions_shown(context):
+        return sum(context[i:i + len(prefix)].tolist() == prefix
+                   for i in range(len(context) - len(prefix)))
+    # without restarts: the bag's first tick and the first after each new goal (the meaning
+    # policy drops the superseded history)
+    before = [actions_shown(s.context) for s in clean].count(0)
+    fresh = [actions_shown(s.context) for s in restarted].count(0) - before
+    assert 4 <= fresh <= 25, f'about one restart in 2 s of a 20 s bag, not {fresh}'
+    with pytest.raises(ValueError, match='out of range'):
+        bag_samples(expert_bag, values, tokenizer, log=lambda text: None,
+                    augment=Augment(hold_rate=2.0))
 
 
 def test_the_teacher_backend_keeps_slots_like_a_backend():
