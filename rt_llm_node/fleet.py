@@ -3,21 +3,21 @@
     rt-llm-replay-fleet BAGS... --params P.yaml --golden GOLDEN --out OUT [--address ADDR]
     rt-llm-replay-fleet BAGS... --params P.yaml --write-golden GOLDEN [--cost-model F]
 
-BAGS: bag folders, folders of bags, ``.mcap`` files or globs of them. Each bag is one Ray
-task (``--gpus-per-bag`` for the CUDA backend; ``backend: auto`` is numpy without it) running ``rt-llm-replay`` under the model
-clock, so a bag's decisions depend on the bag, the parameters, the model and the cost model
-alone, never on the number or kind of workers: with ``--golden`` each bag uses its golden's
-``cost_model.json`` (as ``rt-llm-replay --expect``); writing goldens, every bag uses one cost
-model (``--cost-model``, else one calibrated here first). ``ray.init()`` starts a local
-cluster of ``--workers`` CPUs; ``--address`` joins a running one (its workers need this
-package and the bags at the same paths). Results stream in as bags finish (a line each, and
-a progress line: bags done, ticks/s, ETA); each is kept in OUT/bags/NAME.json, so an
-interrupted run goes on with ``--resume``. A bag that fails (corrupt, or its worker died)
-is retried once, then reported; the others' results are kept. The report: OUT/report.json
-(each bag: ticks, actions, refusals by reason, late, the first difference against its golden;
-totals), OUT/report.md with refusal rate and differences per bag (PNG plots with
-matplotlib). Exit status: 0 every bag as its golden (or goldens written), 1 a difference or a
-failed bag, 2 an error of the run itself.
+BAGS: bag folders, folders of bags, ``.mcap`` files or globs of them. Each bag is one Ray task
+(``--gpus-per-bag`` for the CUDA backend; ``backend: auto`` is numpy without it) running
+``rt-llm-replay`` under the model clock, so a bag's decisions depend on the bag, the
+parameters, the model and the cost model alone, never on the number or kind of workers: with
+``--golden`` each bag uses its golden's ``cost_model.json`` (as ``rt-llm-replay --expect``);
+writing goldens, every bag uses one cost model (``--cost-model``, else one calibrated here
+first). ``ray.init()`` starts a local cluster of ``--workers`` CPUs; ``--address`` joins a
+running one (its workers need this package and the bags at the same paths). Results stream in
+as bags finish (a line each, and a progress line: bags done, ticks/s, ETA); each is kept in
+OUT/bags/NAME.json, so an interrupted run goes on with ``--resume``. A bag that fails (corrupt,
+or its worker died) is retried once, then reported; the others' results are kept. The report:
+OUT/report.json (each bag: ticks, actions, refusals by reason, late, the first difference
+against its golden; totals), OUT/report.md with refusal rate and differences per bag (PNG plots
+with matplotlib). Exit status: 0 every bag as its golden (or goldens written), 1 a difference
+or a failed bag, 2 an error of the run itself.
 """
 
 import argparse
@@ -96,7 +96,7 @@ def find_bags(items):
 
 
 def task_backend(backend, gpus_per_bag):
-    """The backend every bag's task runs, fixed on the driver for the whole run.
+    """Return the backend every bag's task runs, fixed on the driver for the whole run.
 
     ``auto`` is the CUDA backend where bags ask Ray for a GPU share and numpy where they do
     not, never what each worker happens to find: a CPU task on a host with a GPU would

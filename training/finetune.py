@@ -47,7 +47,7 @@ _WORKER = {}
 
 
 def _bag_job(job):
-    """The samples of one bag in a worker: (bag, params file, base, attention, Augment, seed)."""
+    """Return the samples of one bag in a worker: (bag, params, base, attention, Augment, seed)."""
     bag, params, base, attention, augment, seed = job
     values = load_params(params)
     if 'checkpoint' not in _WORKER:   # one model and backend a worker, for all its bags

@@ -110,7 +110,11 @@ class CudaOptions:
     it; 0: no verify). A verify row runs the one-token kernels of a decode step (one row of
     blocks a token), so with verify on a decode step is 'kernels', unstaged: the step whose
     sums a verify row repeats bit for bit ('auto' and None resolve to it; 'persistent' or
-    staged_decode True are an error).
+    staged_decode True are an error). ``dataflow_lists``: with decode_step 'persistent', run
+    the step's phases as that many per-block task lists instead (``decode_dataflow``, the
+    plan of dataflow_plan.py; no grid-wide barrier; the same sums bit for bit); fewer lists
+    than multiprocessors give a small device's latency structure on a large one. 0: off.
+    Tests and benchmarks set it; the node's decode steps do not include it.
     """
 
     decode_step: str = 'auto'
@@ -119,6 +123,7 @@ class CudaOptions:
     device_id: int = 0
     kv_dtype: str = 'native'
     verify_tokens: int = 0
+    dataflow_lists: int = 0
 
     def __post_init__(self):
         check_kv_dtype(self.kv_dtype)
@@ -131,6 +136,10 @@ class CudaOptions:
         if not 0 <= self.verify_tokens <= VERIFY_MAX:
             raise ValueError(f'verify_tokens must be 0 .. {VERIFY_MAX}, '
                              f'not {self.verify_tokens}')
+        if self.dataflow_lists and (self.decode_step != 'persistent'
+                                    or not 0 < self.dataflow_lists <= 4096):
+            raise ValueError("dataflow_lists runs the persistent step's phases as task lists: "
+                             "it needs decode_step 'persistent' and 1 .. 4096 lists")
         if self.verify_tokens and (self.decode_step == 'persistent' or self.staged_decode):
             raise ValueError('a verify pass repeats the per-kernel, unstaged decode step bit '
                              "for bit: verify_tokens needs decode_step 'kernels' or 'auto' "
@@ -424,9 +433,11 @@ class CudaBackend:
             self._choose_launch(options.dependent_launch)
             verify = self.verify_tokens > 0
             self._staged = self._check_staged(False if verify else options.staged_decode)
-            self._pd_args = None
+            self._pd_args = self._df_args = None
             if options.decode_step == 'persistent':
                 self._prepare_persistent()
+            if options.dataflow_lists:
+                self._prepare_dataflow(options.dataflow_lists)
             self._warm_up_and_capture()
             self.decode_tuning = (self._tune_decode()
                                   if options.decode_step == 'auto' and not verify else None)
@@ -635,8 +646,35 @@ class CudaBackend:
 
     @property
     def decode_step(self):
-        """The decode step in use: 'persistent' (one cooperative launch) or 'kernels'."""
+        """The decode step in use: 'dataflow' or 'persistent' (one launch) or 'kernels'."""
+        if self._df_args is not None:
+            return 'dataflow'
         return 'persistent' if self._pd_args is not None else 'kernels'
+
+    def _prepare_dataflow(self, lists):
+        """Plan decode_dataflow's task lists for ``lists`` blocks and pack its arguments."""
+        import struct
+
+        from rt_llm_node.backends import dataflow_plan
+        resident = self._resident_blocks('decode_dataflow', PD_THREADS, self._pd_shared())
+        if resident < 1:
+            raise BackendError('decode_dataflow does not fit on a multiprocessor')
+        if lists > self.n_sm * resident:
+            raise BackendError(f'{lists} task lists cannot all be resident on {self.n_sm} '
+                               'multiprocessors')
+        cp = self.cp
+        plan = dataflow_plan.build(self.config, lists, self.capacity,
+                                   weight_bytes=4.0 if self.weight_dtype == 'F32' else 2.0)
+        queues = dataflow_plan.assign(plan, 'greedy')
+        tasks = dataflow_plan.pack(plan, queues)
+        self.dataflow_plan = (plan, queues)   # for dataflow_plan.dump when a step stalls
+        self._df_tasks = cp.asarray(tasks)
+        self._df_ready = cp.zeros(len(plan.ready) + 1, np.uint32)   # + the blocks out
+        n_lm = sum(t.op == 'lm_head' for t in plan.tasks)
+        packed = struct.pack('<2Q3i', self._df_tasks.data.ptr, self._df_ready.data.ptr,
+                             tasks.shape[1], len(plan.ready), n_lm)
+        self._df_args = cp.asarray(np.frombuffer(packed, np.uint8))
+        self._df_lists = lists
 
     def _prepare_persistent(self):
         """Pack decode_persistent's arguments (the step then runs as one launch)."""
@@ -952,6 +990,11 @@ class CudaBackend:
                 grid, split = mm(units, k, kind, norm=norm)
                 launch(kind + sfx, grid, tblock(k, grid), lane.state, *args, _i32(units), _i32(0),
                        split, shared=xshared(k, norm))
+        if decode and self._df_args is not None:
+            self._cooperative(self.kernels.functions['decode_dataflow'], (self._df_lists,),
+                              (PD_THREADS,), (lane.state, self._pd_args, self._df_args),
+                              self._pd_shared(), self.stream)
+            return
         if decode and self._pd_args is not None:
             self._cooperative(self.kernels.functions['decode_persistent'], (self.n_sm,),
                               (PD_THREADS,), (lane.state, self._pd_args), self._pd_shared(),

@@ -63,6 +63,7 @@ KERNELS = {
     'argmax.cu': ('argmax_masked', 'argmax_rows'),
     'compact.cu': ('compact_gather', 'compact_store', 'kv_quantize'),
     'decode_persistent.cu': ('decode_persistent',),
+    'decode_dataflow.cu': ('decode_dataflow',),
     'qmatmul.cu': tuple(f'{kind}_{fmt}{deep}' for fmt in ('i8', 'u4', 'i8h', 'u4h')
                         for kind, deeps in (
                             ('qmatvec_residual', ('', '_d2')), ('qmatvec_store', ('', '_d2')),
@@ -130,6 +131,14 @@ def program_source(files):
 EXACT = ('--fmad=false',)
 
 
+def task_format():
+    """Return the dataflow step's task words as -D names (dataflow_plan.py's tables)."""
+    from rt_llm_node.backends import dataflow_plan as plan
+    names = {f'TASK_OP_{op.upper()}': i for i, op in enumerate(plan.TASK_OPS)}
+    names.update({f'TASK_F_{f.upper()}': i for i, f in enumerate(plan.TASK_FIELDS)})
+    return {**names, 'TASK_WORDS': plan.TASK_WORDS, 'TASK_CHUNK_KEYS': plan.ATTN_CHUNK_KEYS}
+
+
 def compile_options(arch, weight_dtype, kv_int8=False):
     """NVRTC options for compute capability ``arch`` (e.g. 90), a weight dtype and the cache's.
 
@@ -138,7 +147,7 @@ def compile_options(arch, weight_dtype, kv_int8=False):
     """
     if weight_dtype not in WEIGHT_DTYPES:
         raise KernelBuildError(f'no kernels for weight dtype {weight_dtype!r}')
-    defines = [f'-D{name}={value}' for name, value in GEOMETRY.items()]
+    defines = [f'-D{name}={value}' for name, value in {**GEOMETRY, **task_format()}.items()]
     return [f'--gpu-architecture=sm_{arch}', '--std=c++17', f'-DRT_WEIGHT_{weight_dtype}',
             *defines, f'-DMV_BATCH={MV_BATCH[weight_dtype]}',
             f'-DMV_MIN_BLOCKS={MV_MIN_BLOCKS}', *(['-DRT_KV_INT8'] if kv_int8 else []),
