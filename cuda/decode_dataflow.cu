@@ -34,7 +34,7 @@
 #include "matvec.cuh"
 #include "persistent_ops.cuh"
 
-struct DataflowArgs {   // packed by the backend beside DecodeArgs
+struct DataflowArgs {   // packed by the backend (launch_args.DATAFLOW_ARGS, the same order)
   const int* tasks;     // [lists, max_len, TASK_WORDS], each list nop-padded at its end
   unsigned* ready;      // [n_ready + 1]: the counters, then the blocks out
   int max_len, n_ready, n_lm;

@@ -21,12 +21,12 @@
 #define PD_PB 4
 #endif
 
-struct DecodeLayer {   // one layer's pointers; the backend packs these 11 words per layer
+struct DecodeLayer {   // one layer's pointers (launch_args.DECODE_LAYER, the same order)
   const wt *attn_norm, *wqkv, *bqkv, *wo, *mlp_norm, *wgate_up, *wdown;
   float *k, *v, *scores, *ml;
 };
 
-struct DecodeArgs {    // packed by the backend (CudaBackend._choose_persistent)
+struct DecodeArgs {    // packed by the backend (launch_args.DECODE_ARGS, the same order)
   const DecodeLayer* layers;
   const wt *embed, *final_norm, *lm_head;
   const float *cos_t, *sin_t;

@@ -653,9 +653,8 @@ class CudaBackend:
 
     def _prepare_dataflow(self, lists):
         """Plan decode_dataflow's task lists for ``lists`` blocks and pack its arguments."""
-        import struct
-
         from rt_llm_node.backends import dataflow_plan
+        from rt_llm_node.backends import launch_args
         resident = self._resident_blocks('decode_dataflow', PD_THREADS, self._pd_shared())
         if resident < 1:
             raise BackendError('decode_dataflow does not fit on a multiprocessor')
@@ -671,8 +670,9 @@ class CudaBackend:
         self._df_tasks = cp.asarray(tasks)
         self._df_ready = cp.zeros(len(plan.ready) + 1, np.uint32)   # + the blocks out
         n_lm = sum(t.op == 'lm_head' for t in plan.tasks)
-        packed = struct.pack('<2Q3i', self._df_tasks.data.ptr, self._df_ready.data.ptr,
-                             tasks.shape[1], len(plan.ready), n_lm)
+        packed = launch_args.pack(launch_args.DATAFLOW_ARGS, {
+            'tasks': self._df_tasks.data.ptr, 'ready': self._df_ready.data.ptr,
+            'max_len': tasks.shape[1], 'n_ready': len(plan.ready), 'n_lm': n_lm})
         self._df_args = cp.asarray(np.frombuffer(packed, np.uint8))
         self._df_lists = lists
 
@@ -681,28 +681,31 @@ class CudaBackend:
         problem = self.persistent_decode_problem()
         if problem:
             raise BackendError(f'persistent decode not possible: {problem}')
-        import struct
+        from rt_llm_node.backends import launch_args
         cp, cfg, cap = self.cp, self.config, self.capacity
         ptr = lambda a: 0 if a is None else a.data.ptr   # noqa: E731
-        words = []
-        for i, layer in enumerate(self.layers):
-            words += [ptr(layer.attn_norm), ptr(layer.wqkv), ptr(layer.bqkv), ptr(layer.wo),
-                      ptr(layer.mlp_norm), ptr(layer.wgate_up), ptr(layer.wdown),
-                      ptr(self.k[i]), ptr(self.v[i]), ptr(self.scores_dec[i]),
-                      ptr(self.ml_dec[i])]
-        self._pd_layers = cp.asarray(np.array(words, np.uint64))
+        layers = b''.join(launch_args.pack(launch_args.DECODE_LAYER, {
+            'attn_norm': ptr(layer.attn_norm), 'wqkv': ptr(layer.wqkv), 'bqkv': ptr(layer.bqkv),
+            'wo': ptr(layer.wo), 'mlp_norm': ptr(layer.mlp_norm),
+            'wgate_up': ptr(layer.wgate_up), 'wdown': ptr(layer.wdown), 'k': ptr(self.k[i]),
+            'v': ptr(self.v[i]), 'scores': ptr(self.scores_dec[i]), 'ml': ptr(self.ml_dec[i])})
+            for i, layer in enumerate(self.layers))
+        self._pd_layers = cp.asarray(np.frombuffer(layers, np.uint8))
         self._pd_bar = cp.zeros(2, np.uint32)   # grid_sync: arrivals, blocks out
         n_splits = -(-cap // PD_KEYS)
         assert self.part_ml.size >= cfg.num_heads * n_splits * 2
         assert self.part_o.size >= cfg.num_heads * n_splits * cfg.head_dim
-        packed = struct.pack(
-            '<16Q9i2f', ptr(self._pd_layers), ptr(self.embed), ptr(self.final_norm),
-            ptr(self.lm_head), ptr(self.cos), ptr(self.sin), ptr(self.x), ptr(self.q),
-            ptr(self.attn_out), ptr(self.act), ptr(self.part_ml), ptr(self.part_o),
-            ptr(self.logits_buf), ptr(self.mass), ptr(self.counters), ptr(self._pd_bar),
-            cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-            cfg.head_dim, cap, cfg.vocab_size, cfg.num_layers, n_splits,
-            cfg.rms_norm_eps, 1.0 / np.sqrt(cfg.head_dim))
+        packed = launch_args.pack(launch_args.DECODE_ARGS, {
+            'layers': ptr(self._pd_layers), 'embed': ptr(self.embed),
+            'final_norm': ptr(self.final_norm), 'lm_head': ptr(self.lm_head),
+            'cos_t': ptr(self.cos), 'sin_t': ptr(self.sin), 'x': ptr(self.x), 'q': ptr(self.q),
+            'attn_out': ptr(self.attn_out), 'act': ptr(self.act), 'part_ml': ptr(self.part_ml),
+            'part_o': ptr(self.part_o), 'logits': ptr(self.logits_buf), 'mass': ptr(self.mass),
+            'counters': ptr(self.counters), 'bar': ptr(self._pd_bar),
+            'hidden': cfg.hidden_size, 'inter': cfg.intermediate_size,
+            'n_heads': cfg.num_heads, 'n_kv': cfg.num_kv_heads, 'head_dim': cfg.head_dim,
+            'cap': cap, 'vocab': cfg.vocab_size, 'n_layers': cfg.num_layers,
+            'n_splits': n_splits, 'eps': cfg.rms_norm_eps, 'scale': 1.0 / np.sqrt(cfg.head_dim)})
         self._pd_args = cp.asarray(np.frombuffer(packed, np.uint8))
         self._cooperative = CooperativeLauncher()
 
