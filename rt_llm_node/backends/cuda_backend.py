@@ -872,6 +872,17 @@ class CudaBackend:
         else:
             function(grid, block, args, shared_mem=shared, stream=self._queue)
 
+    def _enqueue_one_launch(self, lane):
+        """Enqueue a decode step as one cooperative launch (decode_dataflow or _persistent)."""
+        if self._df_args is not None:
+            self._cooperative(self.kernels.functions['decode_dataflow'], (self._df_lists,),
+                              (PD_THREADS,), (lane.state, self._pd_args, self._df_args),
+                              self._pd_shared(), self.stream)
+        else:
+            self._cooperative(self.kernels.functions['decode_persistent'], (self.n_sm,),
+                              (PD_THREADS,), (lane.state, self._pd_args), self._pd_shared(),
+                              self.stream)
+
     def _enqueue_forward(self, n_max, verify=False, lane=None, row=0, fused=False,
                          at_attention=None):
         """Every kernel of one forward over up to n_max tokens (lane.state says how many).
@@ -888,6 +899,8 @@ class CudaBackend:
         cfg, cap = self.config, self.capacity
         lane = lane or self.lane
         decode = n_max == 1 and not verify
+        if decode and self.decode_step != 'kernels':
+            return self._enqueue_one_launch(lane)
         one = decode or verify            # the one-token kernels
         tiles = (n_max + T16_TOKENS - 1) // T16_TOKENS
         sfx = '_tv' if verify else '_t1' if decode else '_t16'
@@ -993,16 +1006,6 @@ class CudaBackend:
                 grid, split = mm(units, k, kind, norm=norm)
                 launch(kind + sfx, grid, tblock(k, grid), lane.state, *args, _i32(units), _i32(0),
                        split, shared=xshared(k, norm))
-        if decode and self._df_args is not None:
-            self._cooperative(self.kernels.functions['decode_dataflow'], (self._df_lists,),
-                              (PD_THREADS,), (lane.state, self._pd_args, self._df_args),
-                              self._pd_shared(), self.stream)
-            return
-        if decode and self._pd_args is not None:
-            self._cooperative(self.kernels.functions['decode_persistent'], (self.n_sm,),
-                              (PD_THREADS,), (lane.state, self._pd_args), self._pd_shared(),
-                              self.stream)
-            return
         if isinstance(self.embed, DeviceQuant):   # decode: the token from state, else ids
             self._launch(f'qembed_gather_{self.embed.suffix}', (n_max,), (256,), lane.state,
                          lane.ids, *self.embed.args(), _i32(hid), lane.x,
