@@ -51,39 +51,39 @@ decode_persistent(int* state, const DecodeArgs* args) {
     const QkvArgs qa = {L.bqkv, a.q, L.k, L.v, a.cos_t, a.sin_t, a.n_heads, a.n_kv, d, a.cap};
     // A: q, k, v (each phase: arrive, load the next weights, wait for every block)
     grid_arrive(a.bar);
-    pd_prefetch<EPI_QKV_ROPE>(w, L.wqkv, qkv_rows, hid, qkv_rows / 2, qa);
+    pd_prefetch<EPI_QKV_ROPE>(w, L.wqkv, qkv_rows, hid, GridUnits{qkv_rows / 2}, qa);
     grid_wait(a.bar, &target);
     pd_stage<PD_THREADS, PD_STAGE4, 0>(xs, a.x, hid, L.attn_norm, a.eps, scratch);
-    pd_matvec<EPI_QKV_ROPE>(w, L.wqkv, qkv_rows, hid, xs, qkv_rows / 2, nullptr, state, start, qa);
+    pd_matvec<EPI_QKV_ROPE>(w, L.wqkv, qkv_rows, hid, xs, GridUnits{qkv_rows / 2}, nullptr, state, start, qa);
     // B: attention
     grid_sync(a.bar, &target);
     pd_attention_any<PD_WARPS>(a, L, start, qw);
     // C: o projection into the residual
     grid_arrive(a.bar);
-    pd_prefetch<EPI_RESIDUAL>(w, L.wo, hid, q_size, hid_units, none);
+    pd_prefetch<EPI_RESIDUAL>(w, L.wo, hid, q_size, GridUnits{hid_units}, none);
     grid_wait(a.bar, &target);
     pd_stage<PD_THREADS, PD_STAGE4, 0>(xs, a.attn_out, q_size, nullptr, a.eps, scratch);
-    pd_matvec<EPI_RESIDUAL>(w, L.wo, hid, q_size, xs, hid_units, a.x, state, start, none);
+    pd_matvec<EPI_RESIDUAL>(w, L.wo, hid, q_size, xs, GridUnits{hid_units}, a.x, state, start, none);
     // D: gate, up
     grid_arrive(a.bar);
-    pd_prefetch<EPI_SWIGLU>(w, L.wgate_up, 2 * a.inter, hid, a.inter, none);
+    pd_prefetch<EPI_SWIGLU>(w, L.wgate_up, 2 * a.inter, hid, GridUnits{a.inter}, none);
     grid_wait(a.bar, &target);
     pd_stage<PD_THREADS, PD_STAGE4, 0>(xs, a.x, hid, L.mlp_norm, a.eps, scratch);
-    pd_matvec<EPI_SWIGLU>(w, L.wgate_up, 2 * a.inter, hid, xs, a.inter, a.act, state, start, none);
+    pd_matvec<EPI_SWIGLU>(w, L.wgate_up, 2 * a.inter, hid, xs, GridUnits{a.inter}, a.act, state, start, none);
     // E: down into the residual
     grid_arrive(a.bar);
-    pd_prefetch<EPI_RESIDUAL>(w, L.wdown, hid, a.inter, hid_units, none);
+    pd_prefetch<EPI_RESIDUAL>(w, L.wdown, hid, a.inter, GridUnits{hid_units}, none);
     grid_wait(a.bar, &target);
     pd_stage<PD_THREADS, PD_STAGE4, 0>(xs, a.act, a.inter, nullptr, a.eps, scratch);
-    pd_matvec<EPI_RESIDUAL>(w, L.wdown, hid, a.inter, xs, hid_units, a.x, state, start, none);
+    pd_matvec<EPI_RESIDUAL>(w, L.wdown, hid, a.inter, xs, GridUnits{hid_units}, a.x, state, start, none);
   }
   // LM head and the attention mass
   const int vocab_units = (a.vocab + 1) / 2;
   grid_arrive(a.bar);
-  pd_prefetch<EPI_STORE>(w, a.lm_head, a.vocab, hid, vocab_units, none);
+  pd_prefetch<EPI_STORE>(w, a.lm_head, a.vocab, hid, GridUnits{vocab_units}, none);
   grid_wait(a.bar, &target);
   pd_stage<PD_THREADS, PD_STAGE4, 0>(xs, a.x, hid, a.final_norm, a.eps, scratch);
-  pd_matvec<EPI_STORE>(w, a.lm_head, a.vocab, hid, xs, vocab_units, a.logits, state, start, none);
-  pd_mass<PD_WARPS>(a, start);
+  pd_matvec<EPI_STORE>(w, a.lm_head, a.vocab, hid, xs, GridUnits{vocab_units}, a.logits, state, start, none);
+  pd_mass(a, start, blockIdx.x * PD_WARPS + threadIdx.x / WARP, gridDim.x * PD_WARPS);
   grid_sync_reset(a.bar, &target);
 }

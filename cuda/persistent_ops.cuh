@@ -5,15 +5,16 @@
 // DecodeArgs / DecodeLayer: the step's pointers and sizes (the backend packs them,
 // CudaBackend._prepare_persistent). pd_stage: a block stages its input vector in shared
 // memory (RMSNorm or a copy); pd_matvec: a warp per unit (row pair) in a fixed order of
-// sums, the next batch of weights loaded while it sums the current one; pd_attention: a warp
-// per (head, PD_KEYS keys) with the head's merge by its last warp; pd_mass: the attention
-// mass of each key. Every output element has one writer and a fixed order of sums.
+// sums over a sequence of units (GridUnits: strided over the grid), the next batch of weights
+// loaded while it sums the current one; pd_attend: one (head, PD_KEYS keys) item, and
+// pd_merge_head a head's splits in order (pd_attention: both over the grid); pd_mass: the
+// attention mass of each key. Every output element has one writer and a fixed order of sums.
 // Dtypes: weights wt; activations, cache, scores, partials, logits, mass fp32.
 #pragma once
 #include "common.cuh"
 #include "matvec.cuh"
 
-// ---- shared by the one-launch decode steps --------------------------------------------------------------------
+// ---- shared by the one-launch decode steps --------------------------------------------
 #define PD_WARPS (PD_THREADS / WARP)
 #if defined(RT_WEIGHT_F32)  // chunks of 8 weights per lane and row in one batch of loads
 #define PD_PB 2              // (64 bytes a lane and row either way)
@@ -51,14 +52,24 @@ __device__ __forceinline__ void pd_load(PdBatch& w, const wt* W, int r0, int r1,
   }
 }
 
-// This warp's first unit of a phase, its rows and its first batch of weights (issued now).
-template <int EPI>
-__device__ __forceinline__ void pd_prefetch(PdBatch& w, const wt* W, int rows, int K, int units,
-                                            const QkvArgs& qa) {
-  const int u = blockIdx.x * PD_WARPS + threadIdx.x / WARP;
-  if (u >= units) return;
+// The units a warp sums, in order: j = first(), first() + step(), ... < count, each mapped to
+// matvec.cuh's unit numbering by unit(j). A phase of decode_persistent strides its units over
+// every warp of the grid; a task of decode_dataflow has its own sequence (TaskUnits).
+struct GridUnits {
+  int count;
+  __device__ __forceinline__ int first() const { return blockIdx.x * PD_WARPS + threadIdx.x / WARP; }
+  __device__ __forceinline__ int step() const { return gridDim.x * PD_WARPS; }
+  __device__ __forceinline__ int unit(int j) const { return j; }
+};
+
+// This warp's first unit, its rows and its first batch of weights (issued now).
+template <int EPI, class Units>
+__device__ __forceinline__ void pd_prefetch(PdBatch& w, const wt* W, int rows, int K,
+                                            const Units& us, const QkvArgs& qa) {
+  const int j = us.first();
+  if (j >= us.count) return;
   int r0, r1, kind;
-  unit_rows<EPI>(u, rows, qa, &r0, &r1, &kind);
+  unit_rows<EPI>(us.unit(j), rows, qa, &r0, &r1, &kind);
   pd_load(w, W, r0, r1, K, 0);
 }
 
@@ -118,16 +129,16 @@ __device__ __forceinline__ void pd_stage(float* xs, const float* x, int K, const
   stage_sync<NT, BAR>();
 }
 
-// y = W xs for every unit of this phase (strided over the grid's warps); EPI_RESIDUAL adds
-// to out through L2, the others use matmul.cu's epilogue. w: the first batch, loaded.
-template <int EPI>
-__device__ void pd_matvec(PdBatch& w, const wt* W, int rows, int K, const float* xs, int units,
-                          float* out, int* state, int start, const QkvArgs& qa) {
-  const int lane = threadIdx.x % WARP, n_warps = gridDim.x * PD_WARPS;
+// y = W xs for this warp's units (``us``); EPI_RESIDUAL adds to out through L2, the others
+// use matmul.cu's epilogue. w: the first batch, loaded.
+template <int EPI, class Units>
+__device__ void pd_matvec(PdBatch& w, const wt* W, int rows, int K, const float* xs,
+                          const Units& us, float* out, int* state, int start, const QkvArgs& qa) {
+  const int lane = threadIdx.x % WARP;
   const int nc = K >> 3, n_batches = (nc + PD_PB * WARP - 1) / (PD_PB * WARP);
-  int u = blockIdx.x * PD_WARPS + threadIdx.x / WARP, batch = 0;
-  if (u >= units) return;
-  int r0, r1, kind;
+  int j = us.first(), batch = 0;
+  if (j >= us.count) return;
+  int u = us.unit(j), r0, r1, kind;
   unit_rows<EPI>(u, rows, qa, &r0, &r1, &kind);
   float a0 = 0.f, a1 = 0.f, res0 = 0.f, res1 = 0.f;   // res: residual, or cos and sin
   PdBatch next;
@@ -143,10 +154,11 @@ __device__ void pd_matvec(PdBatch& w, const wt* W, int rows, int K, const float*
         res1 = __ldg(qa.sin_t + (long long)(qa.cap + start) * half + i);
       }
     }
-    int nu = u, nb = batch + 1, n0 = 0, n1 = 0, nkind = 0;
-    if (nb == n_batches) { nu = u + n_warps; nb = 0; }
-    const bool more = nu < units;
+    int nj = j, nu = u, nb = batch + 1, n0 = 0, n1 = 0, nkind = 0;
+    if (nb == n_batches) { nj = j + us.step(); nb = 0; }
+    const bool more = nj < us.count;
     if (more) {
+      nu = us.unit(nj);
       unit_rows<EPI>(nu, rows, qa, &n0, &n1, &nkind);
       pd_load(next, W, n0, n1, K, nb);
     }
@@ -171,110 +183,129 @@ __device__ void pd_matvec(PdBatch& w, const wt* W, int rows, int K, const float*
     }
     if (!more) break;
     w = next;
-    u = nu; batch = nb; r0 = n0; r1 = n1; kind = nkind;
+    j = nj; u = nu; batch = nb; r0 = n0; r1 = n1; kind = nkind;
   }
 }
 
-// Phase B: a warp per (head, split of PD_KEYS keys), lane j on key k0 + j for the scores
-// and on dims lane + 32 t (t < DL = head_dim / 32) for the values; every load of a batch
-// issued before its first use. The head's last warp merges its splits in split order.
-template <int DL, int NW>   // NW: the warps of a block that take work items
-__device__ void pd_attention(const DecodeArgs& a, const DecodeLayer& L, int start, float* qw) {
+// One attention item, by one warp: head h over split s of PD_KEYS keys (< visible), lane j
+// on key k0 + j for the scores and on dims lane + 32 t (t < DL = head_dim / 32) for the
+// values; every load of a batch issued before its first use. Writes the raw scores (the mass
+// normalizes them) and the split's partial softmax (max, sum) and weighted values.
+template <int DL>
+__device__ __forceinline__ void pd_attend(const DecodeArgs& a, const DecodeLayer& L, int visible,
+                                          int h, int s, float* q_s) {
   constexpr int D = 32 * DL, KB = 32 / DL;   // KB: keys per batch of value loads
-  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-  const int visible = start + 1, used = (visible + PD_KEYS - 1) / PD_KEYS;
-  const int group = a.n_heads / a.n_kv, kv_size = a.n_kv * D;
-  float* q_s = qw + warp * D;
-  for (int item = blockIdx.x * NW + warp; item < a.n_heads * used; item += gridDim.x * NW) {
-    const int h = item / used, s = item % used, hk = h / group;
-    const int k0 = s * PD_KEYS, count = min(PD_KEYS, visible - k0);
+  const int lane = threadIdx.x % WARP;
+  const int kv_size = a.n_kv * D, hk = h / (a.n_heads / a.n_kv);
+  const int k0 = s * PD_KEYS, count = min(PD_KEYS, visible - k0);
 #pragma unroll
-    for (int t = 0; t < DL; ++t) q_s[lane + WARP * t] = __ldcg(a.q + h * D + lane + WARP * t);
-    __syncwarp();
-    float score = NEG_INF;
-    if (lane < count) {
-      const float4* kr = reinterpret_cast<const float4*>(L.k + (long long)(k0 + lane) * kv_size + hk * D);
-      float acc = 0.f;
+  for (int t = 0; t < DL; ++t) q_s[lane + WARP * t] = __ldcg(a.q + h * D + lane + WARP * t);
+  __syncwarp();
+  float score = NEG_INF;
+  if (lane < count) {
+    const float4* kr = reinterpret_cast<const float4*>(L.k + (long long)(k0 + lane) * kv_size + hk * D);
+    float acc = 0.f;
 #pragma unroll
-      for (int e0 = 0; e0 < D / 4; e0 += 16) {
-        float4 kv[16];
+    for (int e0 = 0; e0 < D / 4; e0 += 16) {
+      float4 kv[16];
 #pragma unroll
-        for (int e = 0; e < 16; ++e) if (e0 + e < D / 4) kv[e] = __ldcg(kr + e0 + e);
+      for (int e = 0; e < 16; ++e) if (e0 + e < D / 4) kv[e] = __ldcg(kr + e0 + e);
 #pragma unroll
-        for (int e = 0; e < 16; ++e) {
-          if (e0 + e < D / 4) {
-            const float* qe = q_s + 4 * (e0 + e);
-            acc = fmaf(kv[e].x, qe[0], acc);
-            acc = fmaf(kv[e].y, qe[1], acc);
-            acc = fmaf(kv[e].z, qe[2], acc);
-            acc = fmaf(kv[e].w, qe[3], acc);
-          }
+      for (int e = 0; e < 16; ++e) {
+        if (e0 + e < D / 4) {
+          const float* qe = q_s + 4 * (e0 + e);
+          acc = fmaf(kv[e].x, qe[0], acc);
+          acc = fmaf(kv[e].y, qe[1], acc);
+          acc = fmaf(kv[e].z, qe[2], acc);
+          acc = fmaf(kv[e].w, qe[3], acc);
         }
       }
-      score = acc * a.scale;
-      L.scores[(long long)h * a.cap + k0 + lane] = score;   // raw: the mass normalizes it
     }
-    const float m = warp_max(score);
-    const float p = lane < count ? expf(score - m) : 0.f;
-    const float l = warp_sum(p);
-    float o[DL];
+    score = acc * a.scale;
+    L.scores[(long long)h * a.cap + k0 + lane] = score;
+  }
+  const float m = warp_max(score);
+  const float p = lane < count ? expf(score - m) : 0.f;
+  const float l = warp_sum(p);
+  float o[DL];
 #pragma unroll
-    for (int t = 0; t < DL; ++t) o[t] = 0.f;
-    const float* vbase = L.v + (long long)k0 * kv_size + hk * D + lane;
+  for (int t = 0; t < DL; ++t) o[t] = 0.f;
+  const float* vbase = L.v + (long long)k0 * kv_size + hk * D + lane;
 #pragma unroll
-    for (int j0 = 0; j0 < PD_KEYS; j0 += KB) {
-      float vv[KB][DL];
+  for (int j0 = 0; j0 < PD_KEYS; j0 += KB) {
+    float vv[KB][DL];
 #pragma unroll
-      for (int j = 0; j < KB; ++j)
+    for (int j = 0; j < KB; ++j)
 #pragma unroll
-        for (int t = 0; t < DL; ++t)
-          if (j0 + j < count) vv[j][t] = __ldcg(vbase + (long long)(j0 + j) * kv_size + WARP * t);
+      for (int t = 0; t < DL; ++t)
+        if (j0 + j < count) vv[j][t] = __ldcg(vbase + (long long)(j0 + j) * kv_size + WARP * t);
 #pragma unroll
-      for (int j = 0; j < KB; ++j) {
-        const float pj = __shfl_sync(FULL_MASK, p, j0 + j);   // 0 past count
-        if (j0 + j < count)
+    for (int j = 0; j < KB; ++j) {
+      const float pj = __shfl_sync(FULL_MASK, p, j0 + j);   // 0 past count
+      if (j0 + j < count)
 #pragma unroll
-          for (int t = 0; t < DL; ++t) o[t] = fmaf(pj, vv[j][t], o[t]);
-      }
+        for (int t = 0; t < DL; ++t) o[t] = fmaf(pj, vv[j][t], o[t]);
     }
-    const long long slot = (long long)h * a.n_splits + s;
+  }
+  const long long slot = (long long)h * a.n_splits + s;
 #pragma unroll
-    for (int t = 0; t < DL; ++t) a.part_o[slot * D + lane + WARP * t] = o[t];
-    if (lane == 0) { a.part_ml[2 * slot] = m; a.part_ml[2 * slot + 1] = l; }
+  for (int t = 0; t < DL; ++t) a.part_o[slot * D + lane + WARP * t] = o[t];
+  if (lane == 0) { a.part_ml[2 * slot] = m; a.part_ml[2 * slot + 1] = l; }
+}
+
+// Head h's ``used`` splits merged in split order, by one warp: out[h * D + d] = the head's
+// attention output; with ml, its softmax max and sum (for the mass) into ml[2h], ml[2h + 1].
+template <int DL>
+__device__ __forceinline__ void pd_merge_head(const DecodeArgs& a, int h, int used, float* out,
+                                              float* ml_out) {
+  constexpr int D = 32 * DL;
+  const int lane = threadIdx.x % WARP;
+  const float* ml = a.part_ml + 2LL * h * a.n_splits;
+  float M = NEG_INF, Lsum = 0.f, o[DL];
+  for (int t = lane; t < used; t += WARP) M = fmaxf(M, __ldcg(ml + 2 * t));
+  M = warp_max(M);
+#pragma unroll
+  for (int t = 0; t < DL; ++t) o[t] = 0.f;
+  for (int t0 = 0; t0 < used; t0 += WARP) {   // lane t0 + i holds split t0 + i's weight
+    float wm = 0.f, wl = 0.f;
+    if (t0 + lane < used) {
+      wm = __ldcg(ml + 2 * (t0 + lane));
+      wl = __ldcg(ml + 2 * (t0 + lane) + 1);
+    }
+    const float e = t0 + lane < used ? expf(wm - M) : 0.f;
+    Lsum += warp_sum(wl * e);
+    const int n = min(WARP, used - t0);
+    const float* po = a.part_o + ((long long)h * a.n_splits + t0) * D + lane;
+#pragma unroll 8
+    for (int i = 0; i < n; ++i) {
+      const float ei = __shfl_sync(FULL_MASK, e, i);
+#pragma unroll
+      for (int t = 0; t < DL; ++t) o[t] = fmaf(__ldcg(po + (long long)i * D + WARP * t), ei, o[t]);
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < DL; ++t) out[h * D + lane + WARP * t] = o[t] / Lsum;
+  if (ml_out && lane == 0) { ml_out[2 * h] = M; ml_out[2 * h + 1] = Lsum; }
+}
+
+// Phase B: a warp per (head, split) item over the grid; the head's last warp to finish
+// (counter per head, reset by it) merges its splits into attn_out (as attn_decode).
+template <int DL, int NW>   // NW: the warps of a block that take work items
+__device__ void pd_attention(const DecodeArgs& a, const DecodeLayer& L, int start, float* qw) {
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+  const int visible = start + 1, used = (visible + PD_KEYS - 1) / PD_KEYS;
+  for (int item = blockIdx.x * NW + warp; item < a.n_heads * used; item += gridDim.x * NW) {
+    const int h = item / used;
+    pd_attend<DL>(a, L, visible, h, item % used, qw + warp * 32 * DL);
     __threadfence();
     __syncwarp();
     int last = 0;
     if (lane == 0) last = atomicAdd(a.counters + h, 1) == used - 1;
     last = __shfl_sync(FULL_MASK, last, 0);
-    if (last) {   // merge the head's splits in split order
+    if (last) {
       __threadfence();
       if (lane == 0) a.counters[h] = 0;
-      const float* ml = a.part_ml + 2LL * h * a.n_splits;
-      float M = NEG_INF, Lsum = 0.f;
-      for (int t = lane; t < used; t += WARP) M = fmaxf(M, __ldcg(ml + 2 * t));
-      M = warp_max(M);
-#pragma unroll
-      for (int t = 0; t < DL; ++t) o[t] = 0.f;
-      for (int t0 = 0; t0 < used; t0 += WARP) {   // lane t0 + i holds split t0 + i's weight
-        float wm = 0.f, wl = 0.f;
-        if (t0 + lane < used) {
-          wm = __ldcg(ml + 2 * (t0 + lane));
-          wl = __ldcg(ml + 2 * (t0 + lane) + 1);
-        }
-        const float e = t0 + lane < used ? expf(wm - M) : 0.f;
-        Lsum += warp_sum(wl * e);
-        const int n = min(WARP, used - t0);
-        const float* po = a.part_o + ((long long)h * a.n_splits + t0) * D + lane;
-#pragma unroll 8
-        for (int i = 0; i < n; ++i) {
-          const float ei = __shfl_sync(FULL_MASK, e, i);
-#pragma unroll
-          for (int t = 0; t < DL; ++t) o[t] = fmaf(__ldcg(po + (long long)i * D + WARP * t), ei, o[t]);
-        }
-      }
-#pragma unroll
-      for (int t = 0; t < DL; ++t) a.attn_out[h * D + lane + WARP * t] = o[t] / Lsum;
-      if (lane == 0) { L.ml[2 * h] = M; L.ml[2 * h + 1] = Lsum; }
+      pd_merge_head<DL>(a, h, used, a.attn_out, L.ml);
     }
     __syncwarp();
   }
@@ -291,12 +322,12 @@ __device__ __forceinline__ void pd_attention_any(const DecodeArgs& a, const Deco
 }
 
 // mass[t] = sum over layers and heads of the probability of key t (< start + 1): a warp per
-// key (NW warps a block take keys), its lanes over the (layer, head) rows, in a fixed order.
-template <int NW>
-__device__ __forceinline__ void pd_mass(const DecodeArgs& a, int start) {
+// key (this warp's keys: first, first + step, ...), its lanes over the (layer, head) rows, in
+// a fixed order.
+__device__ __forceinline__ void pd_mass(const DecodeArgs& a, int start, int first, int step) {
   const int visible = start + 1, n_rows = a.n_layers * a.n_heads;
   const int lane = threadIdx.x % WARP;
-  for (int t = blockIdx.x * NW + threadIdx.x / WARP; t < visible; t += gridDim.x * NW) {
+  for (int t = first; t < visible; t += step) {
     float sum = 0.f;
 #pragma unroll 4
     for (int r = lane; r < n_rows; r += WARP) {
