@@ -66,13 +66,15 @@ class Augment:
     hold_ticks: int = 30
     restart_s: float = 0.0
 
+    def __post_init__(self):
+        if not (all(0.0 <= x < 1e3 for x in self.noise) and 0.0 <= self.hold_rate <= 1.0
+                and self.hold_ticks >= 1 and 0.0 <= self.restart_s < 1e9):
+            raise ValueError(f'augmentation out of range: {self}')
+
     def check(self, grammar):
         if self.noise and len(self.noise) != len(grammar.fields):
             raise ValueError(f'history noise needs {len(grammar.fields)} standard deviations '
                              f'(one per action field), not {len(self.noise)}')
-        if not (all(0.0 <= x < 1e3 for x in self.noise) and 0.0 <= self.hold_rate <= 1.0
-                and self.hold_ticks >= 1 and 0.0 <= self.restart_s < 1e9):
-            raise ValueError(f'augmentation out of range: {self}')
 
 
 @dataclass
