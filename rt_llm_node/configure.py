@@ -167,12 +167,10 @@ def configure_engine(values, clock=None, log=print, cost_model=None, warn=None):
         f"({values['kv_dtype']}, {backend.kv_bytes_per_token()} bytes a token)")
     tuning = getattr(backend, 'decode_tuning', None)
     if tuning:   # the CUDA backend's decode step, chosen by its GPU time on this device
-        timed = ', '.join(f'{label} ' + ('n/a' if tuning[name] is None
-                                         else f'{tuning[name]:.0f} us')
-                          for name, label in (('kernels', 'a kernel a phase'),
-                                              ('persistent', 'one persistent launch'),
-                                              ('dataflow', 'one dataflow launch')))
-        log(f"decode step: {tuning['chosen']} ({timed})")
+        persistent = tuning['persistent']
+        log(f"decode step: {tuning['chosen']} (a kernel a phase {tuning['kernels']:.0f} us, "
+            + ('one persistent launch n/a)' if persistent is None else
+               f'one persistent launch {persistent:.0f} us)'))
     elif backend.name == 'cuda' and verify_limit(backend):
         log('decode step: kernels, unstaged (what a verify pass, of drafts or of the tokens '
             'the grammar forces, repeats bit for bit)')

@@ -41,10 +41,9 @@ PARAMETERS = (
     Param('kv_dtype', 'native', 'KV cache values: native (fp32) or int8 (a scale per token '
           'and kv head: about a quarter of the bytes)', choices=KV_DTYPES),
     Param('backend', 'auto', 'inference backend', choices=BACKENDS),
-    Param('cuda_decode_step', 'auto', "the CUDA backend's decode step: auto (the fastest "
-          'of a kernel a phase, one cooperative launch with grid barriers and one launch of '
-          'per-block task lists, timed at configure), kernels or persistent (one cooperative '
-          'launch); numpy ignores it', choices=DECODE_STEPS),
+    Param('cuda_decode_step', 'auto', "the CUDA backend's decode step: auto (the faster of "
+          'the two, timed at configure), kernels (a kernel a phase) or persistent (one '
+          'cooperative launch); numpy ignores it', choices=DECODE_STEPS),
     Param('rate_hz', 30.0, 'control rate (ticks per second)', 1.0, 200.0),
     Param('deadline_margin_ms', 3.0, 'safety margin kept before each tick deadline (ms)',
           0.0, 100.0),

@@ -87,7 +87,7 @@ TV_MAX_SHARED = 72 * 1024
 # the most tokens a verify pass takes (speculative_tokens' largest value and the token before)
 VERIFY_MAX = 17
 # decode_step='auto': decode-graph replays timed per candidate at configure, and the
-# margin by which a one-launch step (persistent or dataflow) must beat the kernel step
+# margin by which decode_persistent must beat the kernel step to be kept
 TUNE_REPEATS, TUNE_CONTEXT, TUNE_MARGIN = 30, 256, 0.03
 
 
@@ -97,9 +97,8 @@ class CudaOptions:
 
     ``decode_step``: 'kernels' (a kernel per phase: five a layer), 'persistent' (the whole
     step as one cooperative launch, ``decode_persistent``; an error where the model's shape
-    or the device cannot run it) or 'auto' (time the kernel step, the persistent step and
-    the dataflow step at construction, keep a one-launch step only where it is at least
-    TUNE_MARGIN faster). ``dependent_launch``: launch each
+    or the device cannot run it) or 'auto' (time both at construction, keep the persistent
+    step only where it is at least TUNE_MARGIN faster). ``dependent_launch``: launch each
     kernel with programmatic dependent launch so it loads its weights while the previous one
     finishes (None: where the device has it, compute capability 9.0 and later).
     ``staged_decode``: run a decode step's matmuls as the ``*_sp`` kernels, which copy their
@@ -114,8 +113,8 @@ class CudaOptions:
     staged_decode True are an error). ``dataflow_lists``: with decode_step 'persistent', run
     the step's phases as that many per-block task lists instead (``decode_dataflow``, the
     plan of dataflow_plan.py; no grid-wide barrier; the same sums bit for bit); fewer lists
-    than multiprocessors give a small device's latency structure on a large one. 0: off
-    ('auto' tries a list a multiprocessor).
+    than multiprocessors give a small device's latency structure on a large one. 0: off.
+    Tests and benchmarks set it; the node's decode steps do not include it.
     """
 
     decode_step: str = 'auto'
@@ -444,34 +443,22 @@ class CudaBackend:
                                   if options.decode_step == 'auto' and not verify else None)
 
     def _tune_decode(self):
-        """Time the decode steps the model can run and keep the fastest.
+        """Time both decode steps and keep the faster.
 
         decode_step 'auto': the decode graph's GPU time (median us of TUNE_REPEATS replays at
-        TUNE_CONTEXT cached slots, CUDA events) as a kernel a phase, as decode_persistent and
-        as decode_dataflow with a task list a multiprocessor, where they can run; a one-launch
-        step is kept only where it beats the kernel step by TUNE_MARGIN. Returns {'kernels':
-        us, 'persistent': us or None, 'dataflow': us or None, 'chosen': name}.
+        TUNE_CONTEXT cached slots, CUDA events) as a kernel a phase and as decode_persistent, where
+        it can run; keeps the faster, decode_persistent only by TUNE_MARGIN. Returns {'kernels':
+        us, 'persistent': us or None, 'chosen': name}.
         """
-        times = {'kernels': self._time_decode_graph(), 'persistent': None, 'dataflow': None}
+        times = {'kernels': self._time_decode_graph(), 'persistent': None}
         if self.persistent_decode_problem() is None:
             self._prepare_persistent()
             self._recapture_decode()
             times['persistent'] = self._time_decode_graph()
-            try:
-                self._prepare_dataflow(self.n_sm)
-            except BackendError:
-                pass                # more lists than can be resident: the step stays as is
-            else:
+            if times['persistent'] > (1 - TUNE_MARGIN) * times['kernels']:
+                self.stream.synchronize()
+                self._pd_args = None
                 self._recapture_decode()
-                times['dataflow'] = self._time_decode_graph()
-            best = min(('persistent', 'dataflow'),
-                       key=lambda name: times[name] if times[name] is not None else np.inf)
-            self.stream.synchronize()
-            if times[best] > (1 - TUNE_MARGIN) * times['kernels']:
-                self._pd_args = self._df_args = None
-            elif best == 'persistent':
-                self._df_args = None
-            self._recapture_decode()
         times['chosen'] = self.decode_step
         return times
 

@@ -219,22 +219,20 @@ def test_staged_decode_needs_dependent_launch(shape_dirs):
 
 
 def test_auto_decode_keeps_the_faster_step(shape_dirs, tiny_checkpoint):
-    """The auto decode step keeps the fastest of the three.
+    """The auto decode step keeps the faster of the two.
 
-    make_backend's CUDA backend (decode_step 'auto') times the kernel step, decode_persistent
-    and decode_dataflow at configure and keeps a one-launch step only where it was 3% faster;
-    it is left with an empty cache and gives the numpy backend's logits. Where the one-launch
-    steps cannot run (tiny: head_dim 16) the kernel step stays.
+    make_backend's CUDA backend (decode_step 'auto') times both decode steps at configure and keeps
+    decode_persistent only where it was 3% faster; it is left with an empty cache and gives the
+    numpy backend's logits. Where decode_persistent cannot run (tiny: head_dim 16) the kernel step
+    stays.
     """
     from rt_llm_node.backends import make_backend
     checkpoint = load_checkpoint(shape_dirs['llama-3.2-1b'])
     backend = make_backend('cuda', checkpoint, 256)
     tuning = backend.decode_tuning
     assert tuning['kernels'] > 0 and tuning['persistent'] > 0, tuning
-    assert tuning['dataflow'] > 0, tuning
-    best = min(('persistent', 'dataflow'), key=tuning.get)
-    faster = tuning[best] <= 0.97 * tuning['kernels']
-    assert backend.decode_step == (best if faster else 'kernels')
+    faster = tuning['persistent'] <= 0.97 * tuning['kernels']
+    assert backend.decode_step == ('persistent' if faster else 'kernels')
     assert tuning['chosen'] == backend.decode_step
     assert backend.length == 0
     prompt = np.random.default_rng(4).integers(0, checkpoint.config.vocab_size, 60)
@@ -245,7 +243,6 @@ def test_auto_decode_keeps_the_faster_step(shape_dirs, tiny_checkpoint):
     assert ours[1] == ref[1]
     tiny = make_backend('cuda', load_checkpoint(tiny_checkpoint), 32)
     assert tiny.decode_tuning['persistent'] is None and tiny.decode_step == 'kernels'
-    assert tiny.decode_tuning['dataflow'] is None
     # the node's cuda_decode_step pins either step, untimed
     for step in ('kernels', 'persistent'):
         pinned = make_backend('cuda', checkpoint, 64, step)
