@@ -47,6 +47,7 @@ def run(step, prompt, steps):
         masses.append(step.attention_mass())
         tokens.append(step.argmax())
         step.decode(tokens[-1])
+    step.stream.synchronize()   # the last step's cache append, read outside the stream
     length = step.length
     return tokens, logits, masses, (step.k[:, :length].get(), step.v[:, :length].get())
 
