@@ -17,7 +17,9 @@ or its worker died) is retried once, then reported; the others' results are kept
 OUT/report.json (each bag: ticks, actions, refusals by reason, late, the first difference
 against its golden; totals), OUT/report.md with refusal rate and differences per bag (PNG plots
 with matplotlib). Exit status: 0 every bag as its golden (or goldens written), 1 a difference
-or a failed bag, 2 an error of the run itself.
+or a failed bag, 2 an error of the run itself. A bag's replay output is rt-llm-replay's but for
+timeline.png, drawn only with ``--timelines``: its matplotlib process would run beside every
+task on a CPU Ray does not count.
 """
 
 import argparse
@@ -111,7 +113,7 @@ def task_backend(backend, gpus_per_bag):
     return backend
 
 
-def replay_one(name, bag, values, cost_model_json, out, golden, tolerance):
+def replay_one(name, bag, values, cost_model_json, out, golden, tolerance, timeline=False):
     """Replay one bag (a Ray task); returns its result record.
 
     Raises on a failed replay: the driver tries it once more, then reports the error.
@@ -124,7 +126,7 @@ def replay_one(name, bag, values, cost_model_json, out, golden, tolerance):
     elif cost_model_json:
         cost_model = CostModel.from_json(cost_model_json)
     summary = replay(bag, values, out, 'model', cost_model, log=lambda text: None,
-                     warn=warnings.append, force=False)
+                     warn=warnings.append, force=False, timeline=timeline)
     record = {'bag': name, 'path': bag, 'status': 'written', 'ticks': summary['ticks'],
               'actions': summary['actions'], 'refusals': summary['refusals'],
               'refusals_by_reason': summary['refusals_by_reason'], 'late': summary['late'],
@@ -303,6 +305,10 @@ def build_parser():
                         help='CPUs of the local cluster (bags replayed at once)')
     parser.add_argument('--gpus-per-bag', type=float, default=0.0,
                         help="GPUs a bag's task asks Ray for (the CUDA backend: e.g. 0.25)")
+    parser.add_argument('--timelines', action='store_true',
+                        help="draw each bag's timeline.png too (a matplotlib process beside "
+                        'each task, on a CPU Ray does not count: slower where the workers '
+                        'fill the machine)')
     parser.add_argument('--resume', action='store_true',
                         help='keep the results an interrupted run left in --out')
     parser.add_argument('--force', action='store_true',
@@ -363,7 +369,8 @@ def main(argv=None):
                 bag_out = (Path(args.write_golden) / name if golden is None
                            else out / 'bags' / name)
                 ref = task.remote(name, bag, values, cost_model_json, str(bag_out),
-                                  str(golden / name) if golden else None, args.tolerance)
+                                  str(golden / name) if golden else None, args.tolerance,
+                                  args.timelines)
                 refs[ref] = (name, bag, attempt)
                 return ref
             refs = {}

@@ -138,11 +138,13 @@ def decision_line(result, stamp_ns):
 
 
 def replay(bag, values, out, clock_mode='model', cost_model=None, start_s=0.0, end_s=None,
-           remaps=None, log=print, warn=None, force=False):
+           remaps=None, log=print, warn=None, force=False, timeline=True):
     """Replay ``bag`` through a freshly configured engine; write ``out``; return the summary.
 
     ``out`` is replaced only when it holds nothing but an earlier replay's output
-    (``files.OutputFolder``); ``force`` writes beside anything else there.
+    (``files.OutputFolder``); ``force`` writes beside anything else there. ``timeline``:
+    draw timeline.png (a matplotlib process beside the replay; a fleet that fills every
+    core leaves it out).
     """
     from rosbags.typesys import get_typestore
     from rosbags.typesys import Stores
@@ -161,7 +163,8 @@ def replay(bag, values, out, clock_mode='model', cost_model=None, start_s=0.0, e
         # a replay that fails leaves an earlier output as it was, never a mix of the two
         folder.staging.mkdir()
         summary = _run(reader, connections, engine, clock, clock_mode, values, store,
-                       folder.staging, start_s, end_s, log, warn, shown=out)
+                       folder.staging, start_s, end_s, log, warn, shown=out,
+                       timeline=timeline)
         folder.commit()
         return summary
     finally:
@@ -171,7 +174,7 @@ def replay(bag, values, out, clock_mode='model', cost_model=None, start_s=0.0, e
 
 
 def _run(reader, connections, engine, clock, clock_mode, values, store, out, start_s, end_s,
-         log, warn, shown=None):
+         log, warn, shown=None, timeline=True):
     from rosbags.rosbag2 import StoragePlugin
     from rosbags.rosbag2 import Writer
     period = 1.0 / values['rate_hz']
@@ -214,7 +217,7 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
     wall_started = time.perf_counter()
     # model clock: the plotter imports matplotlib on another core while the engine ticks; a
     # wall-clock replay's latencies are the point, so there it starts after the last tick
-    plotter = TimelinePlotter() if clock_mode == 'model' else None
+    plotter = TimelinePlotter() if timeline and clock_mode == 'model' else None
     try:
         try:
             for tick_ns, snapshot in ticks:
@@ -251,8 +254,9 @@ def _run(reader, connections, engine, clock, clock_mode, values, store, out, sta
         (out / 'actions.jsonl').write_text('\n'.join(lines) + '\n', encoding='utf-8')
         model = engine.admission.model
         (out / 'cost_model.json').write_text(model.to_json(), encoding='utf-8')
-        plotter = plotter or TimelinePlotter()
-        plotter.draw(records, period * 1e3, margin * 1e3, out / 'timeline.png', warn)
+        if timeline:
+            plotter = plotter or TimelinePlotter()
+            plotter.draw(records, period * 1e3, margin * 1e3, out / 'timeline.png', warn)
     finally:
         if plotter is not None:
             plotter.close()

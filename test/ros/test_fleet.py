@@ -78,11 +78,15 @@ def test_a_fleet_is_reported_the_same_whatever_the_workers(fleet_dir):
     runs = {}
     for workers in (1, 2):
         out = fleet_dir / f'check{workers}'
+        timelines = ['--timelines'] if workers == 2 else []
         done = run(fleet_dir / 'bags', '--params', PARAMS, '--golden', golden, '--out', out,
-                   '--workers', workers)
+                   '--workers', workers, *timelines)
         assert done.returncode == 1, done.stderr[-2000:]
         runs[workers] = report(out)
         assert (out / 'report.md').exists()
+        # a bag's timeline.png only when asked for: the same decisions either way
+        drawn = sorted(p.parent.name for p in (out / 'bags').glob('*/timeline.png'))
+        assert drawn == (['robot0', 'robot1', 'robot2'] if timelines else []), drawn
     bags, totals = runs[1]
     assert totals['by_status'] == {'same': 2, 'different': 1, 'error': 1}
     assert bags['robot0']['status'] == bags['robot2']['status'] == 'same'
