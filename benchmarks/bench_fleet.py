@@ -27,6 +27,7 @@ from report import print_table  # noqa: E402
 from report import write_section  # noqa: E402
 
 PARAMS = str(ROOT / 'config' / 'demo.yaml')
+HEADER = ['workers', 'wall s', 'speed-up', 'ticks/s', 'task s', 'bags', 'same report']
 
 
 def fleet(*args, env=None):
@@ -45,6 +46,12 @@ def failed(out):
     if errors:
         shown = '\n'.join(f'  {name}: {error}' for name, error in list(errors.items())[:5])
         sys.exit(f'{len(errors)} of {len(data["bags"])} bags failed in {out}:\n{shown}')
+
+
+def task_seconds(out):
+    """Mean seconds a bag's task took (grows with the workers where they contend for cores)."""
+    data = json.loads((Path(out) / 'report.json').read_text())
+    return sum(b['seconds'] for b in data['bags']) / len(data['bags'])
 
 
 def decisions(out):
@@ -104,23 +111,23 @@ def main():
             reference = reference or found
             base = base or seconds
             rows.append([workers, f'{seconds:.1f}', f'{base / seconds:.2f}',
-                         f"{totals['ticks'] / seconds:,.0f}",
+                         f"{totals['ticks'] / seconds:,.0f}", f'{task_seconds(out):.2f}',
                          str(totals['by_status']), 'yes' if found == reference else 'NO'])
-            print_table(['workers', 'wall s', 'speed-up', 'ticks/s', 'bags', 'same report'],
-                        rows[-1:])
+            print_table(HEADER, rows[-1:])
         if args.cluster:
             seconds, (found, totals) = cluster_run(root, golden, max(counts))
             rows.append([f'{max(counts)} (head + 1 node, --address)', f'{seconds:.1f}',
                          f'{base / seconds:.2f}', f"{totals['ticks'] / seconds:,.0f}",
+                         f"{task_seconds(root / 'cluster'):.2f}",
                          str(totals['by_status']), 'yes' if found == reference else 'NO'])
-    header = ['workers', 'wall s', 'speed-up', 'ticks/s', 'bags', 'same report']
-    print_table(header, rows)
+    print_table(HEADER, rows)
     if args.write:
         body = (f'{args.bags} demo bags of {args.seconds:g} s (demo profile, shipped policy, '
                 'numpy backend, model clock) against goldens written once; wall time of '
-                "`rt-llm-replay-fleet --golden` including Ray's start; same report: every "
+                "`rt-llm-replay-fleet --golden` including Ray's start; task s: a bag's "
+                'replay, mean; same report: every '
                 "bag's decisions and counts as with the first row.\n\n"
-                + markdown_table(header, rows))
+                + markdown_table(HEADER, rows))
         write_section('fleet', 'Fleet regression on Ray', body)
 
 
