@@ -1,7 +1,8 @@
 """Fine-tune a LoRA adapter for a base model from recorded rosbags.
 
     python training/finetune.py --params config/demo_smollm2.yaml --base MODEL \
-        --bags BAG [BAG ...] --out ADAPTER [--steps 1500] [--device cuda]
+        --bags BAG [BAG ...] --out ADAPTER [--steps 1500] [--device cuda] \
+        [--holdout BAG ...] [--max-minutes M]
 
 The bags hold the robot's inputs and the commands it was driven by (``rt-llm-demo-record
 --commands`` for the demo's expert). Each recorded tick becomes a sample exactly as the node
@@ -12,6 +13,14 @@ given the context, at the positions the cache's slots hold. The adapter is writt
 saves it (``adapter_config.json``, ``adapter_model.safetensors``), with ``training.json``
 (command, base and its sha256, bags, samples, steps, losses), and loads with
 ``adapter_path`` / ``--adapter``.
+
+The learning rate warms up over the first 5% of the run and then falls on a cosine to 1e-4 of
+its peak, the run's progress being its steps or, with ``--max-minutes``, its share of the time
+left for training, whichever is further: a run cut by the clock still ends annealed.
+``--holdout``: bags never trained on, their samples built as the node would feed the model
+(no augmentation); the share of their actions the adapter gets exactly right (teacher-forced
+greedy tokens, no grammar: what the node decodes when every token is right) is printed every
+``--eval-every`` steps and at the end, and kept in training.json.
 
 Offline tooling (torch, transformers, peft), best on a GPU; nothing here runs on the robot.
 """
@@ -95,6 +104,43 @@ def collate(chunk, torch, device):
             torch.from_numpy(mask).to(device))
 
 
+def lr_factor(progress, warmup=0.05, start=1 / 25, end=1e-4):
+    """The learning rate's share of its peak at ``progress`` in [0, 1] of the run."""
+    progress = min(max(progress, 0.0), 1.0)
+    if progress < warmup:
+        return start + (1.0 - start) * progress / warmup
+    return end + (1.0 - end) * 0.5 * (1.0 + np.cos(np.pi * (progress - warmup) / (1 - warmup)))
+
+
+def evenly(samples, n):
+    """Up to ``n`` of ``samples``, spread evenly over them (the first always in)."""
+    if len(samples) <= n:
+        return list(samples)
+    return [samples[i] for i in np.linspace(0, len(samples) - 1, n).round().astype(int)]
+
+
+def holdout_accuracy(model, samples, torch, device, batch=32):
+    """Return (share of actions exactly right, share of action tokens right), teacher-forced."""
+    exact = right = tokens = 0
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for at in range(0, len(samples), batch):
+            chunk = samples[at:at + batch]
+            ids, labels, mask = collate(chunk, torch, device)
+            positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
+            with torch.autocast('cuda', torch.bfloat16, enabled=device.startswith('cuda')):
+                logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+            chosen, wanted = logits[:, :-1].argmax(-1), labels[:, 1:]
+            scored = wanted != -100
+            hit = (chosen == wanted) & scored
+            right += int(hit.sum())
+            tokens += int(scored.sum())
+            exact += int((hit.sum(1) == scored.sum(1)).sum())
+    model.train(was_training)
+    return exact / len(samples), right / max(tokens, 1)
+
+
 def action_loss(model, ids, labels, mask):
     """Mean cross-entropy of the action tokens (positions 0..n-1: the cache's slots)."""
     import torch
@@ -131,6 +177,12 @@ def main(argv=None):
                         help='whose attention the eviction policy reads while the samples are '
                         "built: the base model's (run on the node's backend) or none (every "
                         'mass 0: exact for recency and sink_window)')
+    parser.add_argument('--holdout', nargs='*', default=[], metavar='BAG',
+                        help='bags never trained on: exact-action share of their samples')
+    parser.add_argument('--eval-every', type=int, default=0, metavar='STEPS',
+                        help='also score --holdout every STEPS steps (0: at the end only)')
+    parser.add_argument('--eval-samples', type=int, default=256,
+                        help='holdout samples scored, spread evenly over them')
     parser.add_argument('--history-noise', default='', metavar='STD[,STD...]',
                         help='Gaussian noise (one standard deviation per action field, in its '
                         'units) on the actions the context shows of earlier ticks, labels '
@@ -157,20 +209,29 @@ def main(argv=None):
     base = args.base or values['model_path']
     if not base:
         parser.error('no base model: --base or model_path in the parameters')
-    samples, per_bag = [], {}
+    samples, per_bag, held = [], {}, []
     # each worker process runs the base on its own backend (CUDA: its own context, started
-    # fresh, never forked from a parent that touched the GPU)
-    jobs = [(bag, args.params, base, args.attention, augment, args.seed)
-            for bag in args.bags]
+    # fresh, never forked from a parent that touched the GPU); held-out bags as the node
+    # would see them, never augmented
+    jobs = ([(bag, args.params, base, args.attention, augment, args.seed) for bag in args.bags]
+            + [(bag, args.params, base, args.attention, Augment(), args.seed)
+               for bag in args.holdout])
     with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context('spawn')
                              ) as pool:
-        for bag, found in zip(args.bags, pool.map(_bag_job, jobs)):
-            per_bag[Path(bag).name] = len(found)
-            samples += found
+        for i, found in enumerate(pool.map(_bag_job, jobs)):
+            bag = jobs[i][0]
+            if i < len(args.bags):
+                per_bag[Path(bag).name] = len(found)
+                samples += found
+            else:
+                held += found
             print(f'{bag}: {len(found)} samples ({time.monotonic() - started:.0f} s)',
                   flush=True)
     if not samples:
         sys.exit('finetune: no samples (no tick with a recorded command)')
+    if args.holdout and not held:
+        sys.exit('finetune: the --holdout bags hold no tick with a recorded command')
+    held = evenly(held, args.eval_samples)
     torch.manual_seed(args.seed)
     model = hf_model(base, torch).to(args.device)
     config = peft.LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=0.0,
@@ -178,27 +239,42 @@ def main(argv=None):
     model = peft.get_peft_model(model, config)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=args.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=args.steps,
-                                                   pct_start=0.05)
     rng = np.random.default_rng(args.seed)
     losses, feed = [], batches(samples, min(args.batch, len(samples)), rng)
+    curve = []
+
+    def score(step):
+        exact, token = holdout_accuracy(model, held, torch, args.device)
+        curve.append([step, round(exact, 4), round(token, 4)])
+        print(f'step {step}: holdout {exact:.3f} of actions exact, {token:.3f} of tokens '
+              f'({len(held)} samples)', flush=True)
     model.train()
     steps = 0
+    training_started = time.monotonic()
+    budget = args.max_minutes * 60 - (training_started - started) if args.max_minutes else 0
     for step in range(args.steps):
-        if args.max_minutes and time.monotonic() - started > args.max_minutes * 60:
-            print(f'stopped at step {step}: --max-minutes {args.max_minutes}')
-            break
+        progress = step / args.steps
+        if args.max_minutes:
+            progress = max(progress, (time.monotonic() - training_started) / max(budget, 1e-9))
+            if progress >= 1.0:
+                print(f'stopped at step {step}: --max-minutes {args.max_minutes}')
+                break
+        for group in optimizer.param_groups:
+            group['lr'] = args.lr * lr_factor(progress)
         with torch.autocast('cuda', torch.bfloat16, enabled=args.device.startswith('cuda')):
             loss = action_loss(model, *collate(next(feed), torch, args.device))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        schedule.step()
         losses.append(float(loss.detach()))
         steps = step + 1
         if step % 100 == 0 or step == args.steps - 1:
-            print(f'step {step}: loss {np.mean(losses[-100:]):.4f} '
+            print(f'step {step}: loss {np.mean(losses[-100:]):.4f} lr {group["lr"]:.2e} '
                   f'({time.monotonic() - started:.0f} s)', flush=True)
+        if held and args.eval_every and steps % args.eval_every == 0 and steps < args.steps:
+            score(steps)
+    if held:
+        score(steps)
     out = Path(args.out)
     if args.dtype == 'bfloat16':   # half the bytes; merged on load in float32 all the same
         model = model.to(torch.bfloat16)
@@ -215,6 +291,9 @@ def main(argv=None):
               'history_hold': augment.hold_rate, 'restart_every': augment.restart_s,
               'loss_first_100': float(np.mean(losses[:100])),
               'loss_last_100': float(np.mean(losses[-100:])),
+              'holdout': ({'bags': [Path(b).name for b in args.holdout], 'samples': len(held),
+                           'exact': curve[-1][1], 'token_accuracy': curve[-1][2],
+                           'curve': curve} if held else None),
               'seconds': round(time.monotonic() - started, 1)}
     write_atomic(out / 'training.json', json.dumps(record, indent=2) + '\n', 'training record')
     print(f'wrote {out} ({record["seconds"]} s)')

@@ -244,3 +244,44 @@ def test_the_teacher_backend_keeps_slots_like_a_backend():
         backend.teach([5])
         backend.prefill([1])
         backend.argmax(np.array([1, 2]))
+
+
+def test_the_fine_tuning_command_trains_scores_and_writes_an_adapter(expert_bag, tmp_path):
+    """finetune.py end to end on the CPU: the shipped demo model, an expert bag, a held-out one.
+
+    The adapter it writes loads into the node's model (merged, as adapter_path does), the
+    held-out score is kept for every --eval-every and at the end, and the learning rate's
+    schedule warms up and ends annealed.
+    """
+    pytest.importorskip('peft', reason='peft trains the adapter')
+    pytest.importorskip('torch', reason='torch trains the adapter')
+    import json
+
+    import finetune
+    from rt_llm_node.demo.recorder import record_demo_bag
+    from rt_llm_node.model import load_model
+    from rt_llm_node.model.embedded import default_model_path
+    values = demo_values(model_path=str(default_model_path()))
+    params = tmp_path / 'params.yaml'
+    params.write_text(json.dumps({'rt_llm_node': {'ros__parameters': values}}))
+    held = record_demo_bag(tmp_path / 'held', seconds=4.0, seed=1_000_004, commands=True)
+    out = tmp_path / 'adapter'
+    finetune.main(['--params', str(params), '--bags', str(expert_bag), '--holdout', str(held),
+                   '--out', str(out), '--steps', '4', '--batch', '4', '--rank', '2',
+                   '--device', 'cpu', '--dtype', 'float32', '--attention', 'none',
+                   '--eval-every', '2', '--eval-samples', '16', '--history-noise', '0.2,0.6'])
+    record = json.loads((out / 'training.json').read_text())
+    assert record['steps'] == 4 and record['history_noise'] == [0.2, 0.6]
+    holdout = record['holdout']
+    assert holdout['bags'] == ['held'] and holdout['samples'] == 16
+    assert [step for step, _, _ in holdout['curve']] == [2, 4]
+    assert 0.0 <= holdout['exact'] <= holdout['token_accuracy'] <= 1.0
+    base = load_model(str(default_model_path()))
+    merged = load_model(str(default_model_path()), adapter=str(out))
+    assert any(not np.array_equal(merged.float32(name), base.float32(name))
+               for name in base.tensors), 'the adapter changes the model'
+    # warm-up from 1/25 of the peak, the peak at 5% of the run, 1e-4 of it at the end
+    assert finetune.lr_factor(0.0) == pytest.approx(0.04)
+    assert finetune.lr_factor(0.05) == pytest.approx(1.0)
+    assert finetune.lr_factor(1.0) == pytest.approx(1e-4)
+    assert finetune.lr_factor(0.5) < finetune.lr_factor(0.3)
