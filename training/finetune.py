@@ -105,7 +105,7 @@ def collate(chunk, torch, device):
 
 
 def lr_factor(progress, warmup=0.05, start=1 / 25, end=1e-4):
-    """The learning rate's share of its peak at ``progress`` in [0, 1] of the run."""
+    """Return the learning rate's share of its peak at ``progress`` in [0, 1] of the run."""
     progress = min(max(progress, 0.0), 1.0)
     if progress < warmup:
         return start + (1.0 - start) * progress / warmup
