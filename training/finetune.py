@@ -252,6 +252,9 @@ def main(argv=None):
     steps = 0
     training_started = time.monotonic()
     budget = args.max_minutes * 60 - (training_started - started) if args.max_minutes else 0
+    if args.max_minutes and budget <= 0:
+        sys.exit(f'finetune: --max-minutes {args.max_minutes} was spent before the first step '
+                 f'(samples and the base took {training_started - started:.0f} s)')
     for step in range(args.steps):
         progress = step / args.steps
         if args.max_minutes:
