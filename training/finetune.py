@@ -128,9 +128,8 @@ def holdout_accuracy(model, samples, torch, device, batch=32):
         for at in range(0, len(samples), batch):
             chunk = samples[at:at + batch]
             ids, labels, mask = collate(chunk, torch, device)
-            positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
             with torch.autocast('cuda', torch.bfloat16, enabled=device.startswith('cuda')):
-                logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+                logits = slot_logits(model, ids, mask)
             chosen, wanted = logits[:, :-1].argmax(-1), labels[:, 1:]
             scored = wanted != -100
             hit = (chosen == wanted) & scored
@@ -141,11 +140,17 @@ def holdout_accuracy(model, samples, torch, device, batch=32):
     return exact / len(samples), right / max(tokens, 1)
 
 
+def slot_logits(model, ids, mask):
+    """Return the logits at positions 0..n-1 (the cache's slots), as the node runs the model."""
+    import torch
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+
+
 def action_loss(model, ids, labels, mask):
     """Mean cross-entropy of the action tokens (positions 0..n-1: the cache's slots)."""
     import torch
-    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    logits = slot_logits(model, ids, mask)
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                              labels[:, 1:].reshape(-1), ignore_index=-100)
 
@@ -258,7 +263,7 @@ def main(argv=None):
     for step in range(args.steps):
         progress = step / args.steps
         if args.max_minutes:
-            progress = max(progress, (time.monotonic() - training_started) / max(budget, 1e-9))
+            progress = max(progress, (time.monotonic() - training_started) / budget)
             if progress >= 1.0:
                 print(f'stopped at step {step}: --max-minutes {args.max_minutes}')
                 break
