@@ -3,15 +3,17 @@
     python benchmarks/bench_fleet.py [--bags 64] [--seconds 20] [--workers 1,4,8,16]
         [--cluster] [--write]
 
-Records ``--bags`` demo bags of ``--seconds`` (seeds from 1000000, one world after another),
+Records ``--bags`` demo bags of ``--seconds`` (seeds from 1000000, on every core at once),
 writes their goldens once (one cost model), then replays the fleet against them with each
 worker count on a local Ray cluster of that many CPUs: wall time (Ray's start included),
 speed-up over one worker, and whether every report is the same (it must be: the model clock).
 ``--cluster``: the same run through ``--address`` on a cluster started here with ``ray start
---head`` and one more node process (half the CPUs each).
+--head`` and one more node process (half the CPUs each). The results file keeps one section
+per CPU count of the machine (a laptop's figures and a 16-core host's side by side).
 """
 
 import argparse
+from concurrent.futures import ProcessPoolExecutor
 import json
 import os
 from pathlib import Path
@@ -94,8 +96,10 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         started = time.monotonic()
-        for i in range(args.bags):
-            record_demo_bag(root / 'bags' / f'bag{i:03d}', args.seconds, seed=1_000_000 + 7 * i)
+        paths = [root / 'bags' / f'bag{i:03d}' for i in range(args.bags)]
+        with ProcessPoolExecutor() as pool:
+            list(pool.map(record_demo_bag, paths, [args.seconds] * args.bags,
+                          [1_000_000 + 7 * i for i in range(args.bags)]))
         print(f'{args.bags} bags of {args.seconds:g} s recorded in '
               f'{time.monotonic() - started:.0f} s', flush=True)
         golden = root / 'golden'
@@ -128,7 +132,9 @@ def main():
                 'replay, mean; same report: every '
                 "bag's decisions and counts as with the first row.\n\n"
                 + markdown_table(HEADER, rows))
-        write_section('fleet', 'Fleet regression on Ray', body)
+        cpus = os.cpu_count()
+        write_section('fleet' if cpus <= 2 else f'fleet-{cpus}',
+                      'Fleet regression on Ray' + ('' if cpus <= 2 else f', {cpus} CPUs'), body)
 
 
 if __name__ == '__main__':

@@ -50,7 +50,7 @@ wait
 echo "bags: ${SECONDS} s"
 python3 -u "$here/finetune.py" --params "$(dirname "$here")/config/demo_smollm2.yaml" \
     --base "$base" --bags "$bags"/b* --out "$out" --workers "$workers" --attention none \
-    --steps 1200 --batch 32 --lr 1e-3 --rank 8 --alpha 16 --history-noise 0.2,0.6 \
+    --steps 1600 --batch 32 --lr 1e-3 --rank 8 --alpha 16 --history-noise 0.2,0.6 \
     --history-hold 0.03 --restart-every 10 --holdout "$bags/holdout" --eval-every 200 \
     ${MAX_MINUTES:+--max-minutes "$MAX_MINUTES"}
 echo "recipe: ${SECONDS} s"
