@@ -286,6 +286,8 @@ def main(argv=None):
     out = Path(args.out)
     if args.dtype == 'bfloat16':   # half the bytes; merged on load in float32 all the same
         model = model.to(torch.bfloat16)
+    for config in model.peft_config.values():   # PEFT records where it loaded the base from
+        config.base_model_name_or_path = Path(base).name
     model.save_pretrained(str(out))
     (out / 'README.md').unlink(missing_ok=True)   # PEFT's model card template
     record = {'command': 'python training/finetune.py ' + ' '.join(argv or sys.argv[1:]),

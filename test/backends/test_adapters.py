@@ -200,3 +200,25 @@ def test_a_random_adapter_on_the_real_smollm2_gives_the_tokens_of_peft(
     prompt = tokenizer.encode('go to the red box and stop in front of it').ids
     want = reference_tokens(merged, prompt, 8)
     assert ours_tokens(base, tmp_path / 'adapter', prompt, 8) == want
+
+
+def test_the_shipped_smollm2_adapter_merges_as_peft_does_on_its_base(smollm2):
+    """The demo's SmolLM2 adapter, as PEFT loads and merges it into the GGUF it was trained on.
+
+    Its record names that base by checksum, so the adapter cannot silently drift from the
+    file ``rt-llm-demo --model smollm2`` checks.
+    """
+    import copy
+    from rt_llm_node.model.embedded import SMOLLM2_ADAPTER_DIR
+    from rt_llm_node.model.embedded import SMOLLM2_SHA256
+    record = json.loads((SMOLLM2_ADAPTER_DIR / 'training.json').read_text())
+    assert record['base_sha256'] == SMOLLM2_SHA256
+    gguf_path, gguf_model, _ = smollm2
+    merged = peft.PeftModel.from_pretrained(copy.deepcopy(gguf_model),
+                                            str(SMOLLM2_ADAPTER_DIR)).merge_and_unload()
+    tokenizer = load_model(gguf_path).tokenizer
+    prompt = tokenizer.encode('go to the red box and stop in front of it').ids
+    want = reference_tokens(merged, prompt, 8)
+    assert ours_tokens(gguf_path, SMOLLM2_ADAPTER_DIR, prompt, 8) == want
+    assert want != reference_tokens(copy.deepcopy(gguf_model), prompt, 8), \
+        'the adapter changes what the base says'
