@@ -64,7 +64,7 @@ def decisions(out):
 
 
 def cluster_run(root, golden, cpus):
-    """Run the fleet through --address on a head and one more node started here."""
+    """Return the wall time of the fleet through --address on a head and one more node here."""
     # a cluster on this host for the run alone: no token authentication (Ray's default for
     # clusters started by ray start; a cluster that has it needs RAY_AUTH_TOKEN here)
     env = dict(os.environ, RAY_ADDRESS='', RAY_AUTH_MODE='disabled')
@@ -76,11 +76,29 @@ def cluster_run(root, golden, cpus):
         subprocess.run(['ray', 'start', f'--address=127.0.0.1:{port}',
                         f'--num-cpus={max(1, cpus - head)}'], check=True,
                        capture_output=True, env=env)
-        seconds = fleet(root / 'bags', '--params', PARAMS, '--golden', golden, '--out',
-                        root / 'cluster', '--address', f'127.0.0.1:{port}', env=env)
-        return seconds, decisions(root / 'cluster')
+        return fleet(root / 'bags', '--params', PARAMS, '--golden', golden, '--out',
+                     root / 'cluster', '--force', '--address', f'127.0.0.1:{port}', env=env)
     finally:
         subprocess.run(['ray', 'stop', '--force'], capture_output=True, env=env)
+
+
+def measure(root, key, run):
+    """Return row ``key``'s measurement, kept in ROOT/measured.json across invocations."""
+    path = root / 'measured.json'
+    measured = json.loads(path.read_text()) if path.exists() else {}
+    if key not in measured:
+        seconds, out = run()
+        found, totals = decisions(out)
+        measured[key] = {'seconds': seconds, 'found': found, 'totals': totals,
+                         'task_s': task_seconds(out)}
+        path.write_text(json.dumps(measured))
+    return measured[key]
+
+
+def row(label, m, base, reference):
+    return [label, f"{m['seconds']:.1f}", f"{base / m['seconds']:.2f}",
+            f"{m['totals']['ticks'] / m['seconds']:,.0f}", f"{m['task_s']:.2f}",
+            str(m['totals']['by_status']), 'yes' if m['found'] == reference else 'NO']
 
 
 def main():
@@ -89,49 +107,56 @@ def main():
     parser.add_argument('--seconds', type=float, default=20.0)
     parser.add_argument('--workers', default='1,4,8,16')
     parser.add_argument('--cluster', action='store_true')
+    parser.add_argument('--work', help='keep the bags, goldens and measured rows here: a '
+                        'later invocation with the same --work measures only the rows not yet '
+                        'there (a long baseline and the rest in separate runs)')
     parser.add_argument('--write', action='store_true')
     args = parser.parse_args()
     from rt_llm_node.demo.recorder import record_demo_bag
     counts = [int(w) for w in args.workers.split(',')]
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
+        root = Path(args.work or tmp)
         started = time.monotonic()
         paths = [root / 'bags' / f'bag{i:03d}' for i in range(args.bags)]
+        todo = [i for i, path in enumerate(paths) if not (path / 'metadata.yaml').exists()]
         with ProcessPoolExecutor() as pool:
-            list(pool.map(record_demo_bag, paths, [args.seconds] * args.bags,
-                          [1_000_000 + 7 * i for i in range(args.bags)]))
-        print(f'{args.bags} bags of {args.seconds:g} s recorded in '
+            list(pool.map(record_demo_bag, [paths[i] for i in todo], [args.seconds] * len(todo),
+                          [1_000_000 + 7 * i for i in todo]))
+        print(f'{len(todo)} bags of {args.seconds:g} s recorded in '
               f'{time.monotonic() - started:.0f} s', flush=True)
         golden = root / 'golden'
-        fleet(root / 'bags', '--params', PARAMS, '--write-golden', golden,
-              '--workers', max(counts))
+        if not (golden / 'report.json').exists():
+            fleet(root / 'bags', '--params', PARAMS, '--write-golden', golden,
+                  '--workers', max(counts))
         failed(golden)
-        rows, reference, base = [], None, None
+        found = {}
         for workers in counts:
             out = root / f'w{workers}'
-            seconds = fleet(root / 'bags', '--params', PARAMS, '--golden', golden, '--out',
-                            out, '--workers', workers)
-            found, totals = decisions(out)
-            reference = reference or found
-            base = base or seconds
-            rows.append([workers, f'{seconds:.1f}', f'{base / seconds:.2f}',
-                         f"{totals['ticks'] / seconds:,.0f}", f'{task_seconds(out):.2f}',
-                         str(totals['by_status']), 'yes' if found == reference else 'NO'])
-            print_table(HEADER, rows[-1:])
+            found[str(workers)] = measure(root, str(workers), lambda: (fleet(
+                root / 'bags', '--params', PARAMS, '--golden', golden, '--out', out, '--force',
+                '--workers', workers), out))
+            print(f"{workers} workers: {found[str(workers)]['seconds']:.1f} s", flush=True)
         if args.cluster:
-            seconds, (found, totals) = cluster_run(root, golden, max(counts))
-            rows.append([f'{max(counts)} (head + 1 node, --address)', f'{seconds:.1f}',
-                         f'{base / seconds:.2f}', f"{totals['ticks'] / seconds:,.0f}",
-                         f"{task_seconds(root / 'cluster'):.2f}",
-                         str(totals['by_status']), 'yes' if found == reference else 'NO'])
+            found['cluster'] = measure(root, 'cluster', lambda: (
+                cluster_run(root, golden, max(counts)), root / 'cluster'))
+        measured = json.loads((root / 'measured.json').read_text())
+        if '1' not in measured:
+            sys.exit('no one-worker row yet: the speed-up needs it (--workers 1)')
+        base, reference = measured['1']['seconds'], measured['1']['found']
+        rows = [row(w, m, base, reference) for w, m in sorted(
+            ((int(k), m) for k, m in measured.items() if k != 'cluster'))]
+        if 'cluster' in measured:
+            rows.append(row(f'{max(counts)} (head + 1 node, --address)', measured['cluster'],
+                            base, reference))
     print_table(HEADER, rows)
     if args.write:
         body = (f'{args.bags} demo bags of {args.seconds:g} s (demo profile, shipped policy, '
                 'numpy backend, model clock) against goldens written once; wall time of '
                 "`rt-llm-replay-fleet --golden` including Ray's start; task s: a bag's "
                 'replay, mean; same report: every '
-                "bag's decisions and counts as with the first row.\n\n"
-                + markdown_table(HEADER, rows))
+                "bag's decisions and counts as with the one-worker row"
+                + (', rows measured by invocations with the same --work on this machine'
+                   if args.work else '') + '.\n\n' + markdown_table(HEADER, rows))
         cpus = os.cpu_count()
         write_section('fleet' if cpus <= 2 else f'fleet-{cpus}',
                       'Fleet regression on Ray' + ('' if cpus <= 2 else f', {cpus} CPUs'), body)
