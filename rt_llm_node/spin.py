@@ -21,7 +21,8 @@ def spin_until_shutdown(program, ros_args, make_node, start=None, finish=None):
     ``finish(node)`` runs before the node is destroyed, however the spin ended, and while the
     ROS context is still valid: rclpy's own signal handlers would shut the context down first,
     so a node could no longer publish on its way out (a robot's stop command, say). The
-    script's handlers only ask the spin to end.
+    script's handlers only ask the spin to end; once it has, SIGTERM is the process's own
+    again, so a teardown that hangs (in DDS, say) still ends when launch escalates to it.
     """
     try:
         try:
@@ -56,6 +57,10 @@ def spin_until_shutdown(program, ros_args, make_node, start=None, finish=None):
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
+        # the spin has ended: from here a SIGTERM ends the process at once (launch sends one
+        # when a SIGINT did not end it in time, and a teardown stuck in the middleware must not
+        # outlive it), where the first one only asked the spin to end
+        signal.signal(signal.SIGTERM, previous[signal.SIGTERM])
         if executor is not None:
             executor.shutdown()
         if node is not None:

@@ -77,6 +77,44 @@ def test_a_signal_while_active_publishes_a_stop_before_the_node_exits(tmp_path, 
     assert 'Traceback' not in log and 'RCLError' not in log, log
 
 
+def test_a_sigterm_ends_a_teardown_that_hangs(tmp_path):
+    """SIGINT, then SIGTERM as launch escalates: the second ends a stuck teardown at once.
+
+    The first signal only asks the spin to end, so that the node can still publish on its way
+    out; a teardown that never returns (here ``finish`` sleeps) would otherwise outlive every
+    signal but SIGKILL.
+    """
+    pytest.importorskip('rclpy', reason='rclpy (the ros extra) is not installed')
+    flag = tmp_path / 'finishing'
+    code = ('import sys, time, rclpy\n'
+            'from pathlib import Path\n'
+            'from rt_llm_node.spin import spin_until_shutdown\n'
+            'def finish(node):\n'
+            f'    Path({str(flag)!r}).touch()\n'
+            '    time.sleep(60)\n'
+            "sys.exit(spin_until_shutdown('stuck', [], lambda: rclpy.create_node('stuck'), "
+            'finish=finish))\n')
+    proc = subprocess.Popen([sys.executable, '-c', code], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(3.0)
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 20
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert flag.exists(), 'the spin did not end on SIGINT'
+        proc.send_signal(signal.SIGINT)   # a second Ctrl-C does not cut the teardown short
+        time.sleep(0.5)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        log, _ = proc.communicate(timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, log)
+
+
 def test_demo_world_console_script_runs_and_records_on_sigint(tmp_path):
     pytest.importorskip('rclpy', reason='rclpy (the ros extra) is not installed')
     record = tmp_path / 'world.json'
