@@ -37,7 +37,7 @@ demo-smollm2: $(STAMP)
 		--adapter smollm2 --seconds $(or $(SECONDS),60) --out out/demo_smollm2.png
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra test training
+	$(PY) -m pytest -q -ra --durations=15 test training
 
 lint: $(STAMP)
 	$(PY) -m flake8 rt_llm_node test launch setup.py benchmarks training dev

@@ -52,6 +52,7 @@ TOOL = 'rt-llm-replay-fleet'
 INSTALL = "pip install 'rt_llm_node[fleet]' (Ray)"
 MAX_RECORD = 4 * MB
 ATTEMPTS = 2           # a bag that fails is tried once more, then reported
+LABELLED = 40          # bags on the report's plots; a larger fleet shows its worst
 
 
 class FleetError(RuntimeError):
@@ -255,7 +256,20 @@ def write_report(out, records, run, warn):
     return report
 
 
+def plotted(bars):
+    """Return the (bag, value) bars a report plot shows, and its title.
+
+    Every bag in order up to ``LABELLED``; a larger fleet's worst (report.json has them all):
+    a bar a bag of hundreds is neither readable nor cheap to draw.
+    """
+    if len(bars) <= LABELLED:
+        return bars, f'{len(bars)} bags'
+    worst = sorted(bars, key=lambda bar: -bar[1])[:LABELLED]
+    return worst, f'the {LABELLED} worst of {len(bars)} bags'
+
+
 def _plots(out, records, warn):
+    """Draw refusals.png and differences.png: a bar a bag (a large fleet: its worst)."""
     try:
         import matplotlib
         matplotlib.use('Agg')
@@ -264,18 +278,21 @@ def _plots(out, records, warn):
         warn('matplotlib is not installed: the report has no plots')
         return []
     ran = [r for r in records if r['status'] != 'error']
-    names = [r['bag'] for r in ran]
     made = []
     for name, values, label in (
             ('refusals.png', [100.0 * r['refusals'] / max(1, r['ticks']) for r in ran],
              'refused ticks (%)'),
             ('differences.png', [r.get('differences', 0) for r in ran],
              'decisions unlike the golden')):
-        fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * len(names) + 2), 3))
-        ax.bar(range(len(names)), values, color='tab:red' if 'diff' in name else 'tab:blue')
-        ax.set_xticks(range(len(names)))
-        ax.set_xticklabels(names, rotation=60, ha='right', fontsize=7)
-        ax.set_ylabel(label)
+        bars, title = plotted([(r['bag'], v) for r, v in zip(ran, values)])
+        fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * len(bars) + 2), 3.2))
+        ax.bar(range(len(bars)), [v for _, v in bars],
+               color='tab:red' if 'diff' in name else 'tab:blue')
+        ax.set_xticks(range(len(bars)))
+        ax.set_xticklabels([n for n, _ in bars], rotation=60, ha='right', fontsize=7)
+        ax.set_ylabel(label, fontsize=8)
+        ax.set_title(title, fontsize=8)
+        ax.set_ylim(bottom=0)
         fig.tight_layout()
         fig.savefig(out / name, dpi=90)
         plt.close(fig)

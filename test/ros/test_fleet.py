@@ -131,3 +131,19 @@ def test_without_ray_it_says_how_to_install_it(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, 'ray', None)
     assert fleet.main(['bag', '--golden', 'g']) == 2
     assert "pip install 'rt_llm_node[fleet]'" in capsys.readouterr().err
+
+
+def test_a_large_fleets_plots_show_its_worst_bags(tmp_path):
+    """Up to LABELLED bags a bar each in order; beyond, the worst ones, and both PNGs drawn."""
+    pytest.importorskip('matplotlib', reason='matplotlib draws the report')
+    few = [(f'b{i}', float(i % 3)) for i in range(5)]
+    assert fleet.plotted(few) == (few, '5 bags')
+    many = [(f'b{i:03d}', float((i * 37) % 101)) for i in range(101)]
+    shown, title = fleet.plotted(many)
+    assert title == f'the {fleet.LABELLED} worst of 101 bags' and len(shown) == fleet.LABELLED
+    assert [v for _, v in shown] == list(range(100, 100 - fleet.LABELLED, -1))
+    records = [{'bag': name, 'status': 'same', 'refusals': int(v), 'ticks': 600,
+                'differences': 0} for name, v in many]
+    made = fleet._plots(tmp_path, records + [{'bag': 'bad', 'status': 'error'}], print)
+    assert made == ['refusals.png', 'differences.png']
+    assert all((tmp_path / name).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' for name in made)
