@@ -10,6 +10,7 @@ robot N ticks after the observation it answers (the live loop's actuation latenc
 0 or 1 tick with ``rt-llm-demo-world``, by the phase of the two timers).
 
     rt-llm-eval --episodes 200 --json eval.json --plot eviction.png
+    rt-llm-eval --merge a.json b.json --json all.json   # runs over other seeds, one table
 
 (``benchmarks/bench_demo.py`` runs it and records the table in the results file.)
 """
@@ -253,11 +254,93 @@ def print_table(header, rows):
         print('  '.join(str(c).rjust(w) for c, w in zip(row, widths)))
 
 
-def _write_json(path, table, complete, backend='numpy'):
-    """Return the table, whether every episode of the run is in it, and the policy's backend."""
+def _write_json(path, table, complete, backend='numpy', settings=None):
+    """Write the table and whether every episode of the run is in it.
+
+    Beside them the policy's backend and what else decides an episode (model, adapter,
+    parameter file, delay, formats): runs over other seeds with the same settings can be
+    merged (``--merge``).
+    """
     full = {p: table.get(f'{p}@full', {}).get('success') for p in POLICIES}
     write_atomic(path, json.dumps({'table': table, 'full': full, 'complete': complete,
-                                   'backend': backend}, indent=2), 'evaluation table')
+                                   'backend': backend, 'settings': settings or {}}, indent=2),
+                 'evaluation table')
+
+
+def merge_tables(runs):
+    """Return one table from evaluation JSONs over disjoint seeds of the same settings.
+
+    ``runs``: [(path, parsed JSON)]. A row's success and agreement are recomputed from its
+    goals reached and agreeing ticks; seeds stay paired across rows. ValueError naming the
+    file where settings differ, a seed is in two runs, or a file is not an evaluation.
+    """
+    first_path, first = runs[0]
+    merged = {}
+    for path, run in runs:
+        if not (isinstance(run, dict) and isinstance(run.get('table'), dict)
+                and 'expert' in run['table']):
+            raise ValueError(f'{path}: not an rt-llm-eval --json table')
+        for key in ('settings', 'backend'):
+            if run.get(key) != first.get(key):
+                raise ValueError(f'{path}: {key} {run.get(key)} differ from those of '
+                                 f'{first_path}: {first.get(key)}')
+        for row, summary in run['table'].items():
+            into = merged.setdefault(row, {'seeds': {}, 'ticks': 0, 'agree': 0,
+                                           'refusals': 0, 'goals': 0, 'agreement': False})
+            overlap = set(into['seeds']) & set(summary['seeds'])
+            if overlap:
+                raise ValueError(f'{path}: {row} seed {min(overlap)} is in another run too')
+            into['seeds'].update(zip(summary['seeds'], summary['reached']))
+            into['ticks'] += summary['ticks']
+            into['goals'] += summary['goals']
+            if 'agreement' in summary:
+                into['agreement'] = True
+                into['agree'] += round(summary['agreement'] * summary['ticks'])
+                into['refusals'] += summary['refusals']
+    table = {}
+    for row, into in merged.items():
+        seeds = sorted(into['seeds'])
+        reached = [into['seeds'][s] for s in seeds]
+        table[row] = {'episodes': len(seeds), 'goals': into['goals'],
+                      'success': sum(reached) / max(1, into['goals']), 'ticks': into['ticks'],
+                      'seeds': seeds, 'reached': reached}
+        if into['agreement']:
+            table[row].update(agreement=into['agree'] / max(1, into['ticks']),
+                              refusals=into['refusals'])
+    return table
+
+
+def _merge_main(args):
+    """--merge: print (and with --json write) the table of several runs' JSONs."""
+    import sys
+    from rt_llm_node.files import FileError
+    from rt_llm_node.files import read_json
+    try:
+        runs = [(path, read_json(path, 'evaluation table')) for path in args.merge]
+        table = merge_tables(runs)
+    except (FileError, ValueError) as exc:
+        print(f'rt-llm-eval: error: {exc}', file=sys.stderr)
+        return 2
+    incomplete = [path for path, run in runs if not run.get('complete')]
+    if incomplete:
+        print(f'rt-llm-eval: warning: {", ".join(incomplete)} did not finish: its rows may '
+              'hold different seeds', file=sys.stderr)
+    rows = [r.split('@') for r in table if r != 'expert']
+    policies = list(dict.fromkeys(p for p, _ in rows))
+    budgets = list(dict.fromkeys(b if b == 'full' else int(b) for _, b in rows))
+    if any(f'{p}@{b}' not in table for p in policies for b in budgets):
+        print('rt-llm-eval: error: the runs do not hold every policy at every budget',
+              file=sys.stderr)
+        return 2
+    header, lines = table_rows(table, budgets, policies)
+    print_table(header, lines)
+    episodes = sorted({t['episodes'] for t in table.values()})
+    print(f'{"/".join(map(str, episodes))} held-out episodes per row from {len(runs)} runs, '
+          f'{runs[0][1].get("backend")} backend')
+    if args.json:
+        _write_json(args.json, table, complete=not incomplete,
+                    backend=runs[0][1].get('backend'), settings=runs[0][1].get('settings'))
+    return 0
 
 
 def plot(table, path):
@@ -313,7 +396,12 @@ def main(argv=None):
                         help='the KV cache: native (fp32) or int8')
     parser.add_argument('--json', default=None, help='write the full table as JSON here')
     parser.add_argument('--plot', default=None, help='write the PNG here')
+    parser.add_argument('--merge', nargs='+', metavar='JSON',
+                        help='instead of running: the table of earlier runs over other seeds '
+                             '(their --json files, the same settings), with --json written')
     args = parser.parse_args(argv)
+    if args.merge:
+        return _merge_main(args)
     if args.action_delay < 0:
         parser.error('--action-delay must be >= 0')
     if args.first_seed < HELD_OUT_SEED0:
@@ -339,6 +427,10 @@ def main(argv=None):
             owner = 'expert' if policy == 'expert' else f'{policy}@{budget}'
             jobs[(model, policy, budget, seed, args.action_delay, args.backend,
                   args.weight_format, args.kv_dtype, args.adapter, args.params)] = owner
+    settings = {'model': Path(model).name, 'adapter': Path(args.adapter).name if args.adapter
+                else '', 'params': Path(args.params).name if args.params else '',
+                'action_delay': args.action_delay, 'weight_format': args.weight_format,
+                'kv_dtype': args.kv_dtype}
     started = time.time()
     gathered = {}
     # CUDA cannot be used in a child forked after the parent touched it (the check above)
@@ -354,7 +446,7 @@ def main(argv=None):
                   f"{len(episode['results'])} goals, {time.time() - started:.0f} s", flush=True)
             if args.json and done < len(jobs):
                 _write_json(args.json, summarize_rows(gathered), complete=False,
-                            backend=args.backend)
+                            backend=args.backend, settings=settings)
     table = summarize_rows(gathered)
     elapsed = time.time() - started
     header, rows = table_rows(table, budgets, policies)
@@ -363,7 +455,7 @@ def main(argv=None):
           f'ticks, {args.backend} backend, weights {args.weight_format}, KV cache '
           f'{args.kv_dtype}, {elapsed:.0f} s')
     if args.json:
-        _write_json(args.json, table, complete=True, backend=args.backend)
+        _write_json(args.json, table, complete=True, backend=args.backend, settings=settings)
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(table, args.plot)

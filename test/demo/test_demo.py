@@ -1,5 +1,7 @@
 """The demo task: a deterministic world, an expert that reaches goals, the policy's tokenizer."""
 
+import pytest
+
 from rt_llm_node.codec import ObservationCodec
 from rt_llm_node.codec import scan_sectors
 from rt_llm_node.demo.episodes import SCAN_SECTORS
@@ -179,6 +181,54 @@ def test_eval_reports_each_episode_as_it_finishes_and_writes_the_table(tmp_path,
         with pytest.raises(SystemExit):
             main(['--episodes', '1', '--backend', 'cuda'])
         assert 'needs CuPy and a CUDA device' in capsys.readouterr().err
+
+
+def test_runs_over_other_seeds_merge_into_the_table_of_one_run(tmp_path, capsys):
+    """--merge: the table of two runs over disjoint seeds is that of one run over them all.
+
+    Real episodes (the shipped policy, 40 ticks each) summarized once whole and once as two
+    runs; a merge of runs that differ in what decides an episode, or share a seed, or of a
+    file that is no evaluation, is one error line.
+    """
+    import json
+    from rt_llm_node.demo.evaluate import _write_json
+    from rt_llm_node.demo.evaluate import HELD_OUT_SEED0
+    from rt_llm_node.demo.evaluate import main
+    from rt_llm_node.demo.evaluate import run_expert_episode
+    from rt_llm_node.demo.evaluate import run_model_episode
+    from rt_llm_node.demo.evaluate import summarize_rows
+    checkpoint = load_checkpoint(default_model_path())
+    seeds = [HELD_OUT_SEED0 + i for i in range(4)]
+    gathered = {'expert': {s: run_expert_episode(s) for s in seeds}}
+    for policy in ('meaning', 'recency'):
+        gathered[f'{policy}@128'] = {s: run_model_episode(checkpoint, s, policy, 128,
+                                                          max_ticks=40) for s in seeds}
+    whole = summarize_rows(gathered)
+    settings = {'model': 'demo', 'adapter': ''}
+    paths = []
+    for part in (seeds[:1], seeds[1:]):
+        paths.append(tmp_path / f'part{len(paths)}.json')
+        _write_json(paths[-1], summarize_rows({row: {s: eps[s] for s in part}
+                                               for row, eps in gathered.items()}),
+                    complete=True, settings=settings)
+    out = tmp_path / 'merged.json'
+    assert main(['--merge', *map(str, paths), '--json', str(out)]) == 0
+    merged = json.loads(out.read_text())['table']
+    assert merged.keys() == whole.keys()
+    for row in whole:
+        for key, value in whole[row].items():
+            assert merged[row][key] == pytest.approx(value), (row, key)
+    assert 'meaning' in capsys.readouterr().out
+    other = tmp_path / 'other.json'
+    _write_json(other, summarize_rows({row: {s: eps[s] for s in seeds[:1]}
+                                       for row, eps in gathered.items()}),
+                complete=True, settings=dict(settings, adapter='A'))
+    for files, message in (([paths[0], paths[0]], 'is in another run too'),
+                           ([paths[1], other], 'settings'),
+                           ([paths[0], tmp_path / 'missing.json'], 'missing.json'),
+                           ([paths[0], ROOT / 'config' / 'demo.yaml'], 'not valid JSON')):
+        assert main(['--merge', *map(str, files)]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_eval_under_a_parameter_file_decodes_its_grammar_on_its_inputs():
