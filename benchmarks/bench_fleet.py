@@ -1,7 +1,7 @@
 """Fleet regression on Ray: wall time of a fleet of demo bags against the workers.
 
     python benchmarks/bench_fleet.py [--bags 64] [--seconds 20] [--workers 1,4,8,16]
-        [--cluster] [--write]
+        [--cluster] [--work DIR] [--write]
 
 Records ``--bags`` demo bags of ``--seconds`` (seeds from 1000000, on every core at once),
 writes their goldens once (one cost model), then replays the fleet against them with each
@@ -129,16 +129,15 @@ def main():
             fleet(root / 'bags', '--params', PARAMS, '--write-golden', golden,
                   '--workers', max(counts))
         failed(golden)
-        found = {}
         for workers in counts:
             out = root / f'w{workers}'
-            found[str(workers)] = measure(root, str(workers), lambda: (fleet(
+            seconds = measure(root, str(workers), lambda: (fleet(
                 root / 'bags', '--params', PARAMS, '--golden', golden, '--out', out, '--force',
-                '--workers', workers), out))
-            print(f"{workers} workers: {found[str(workers)]['seconds']:.1f} s", flush=True)
+                '--workers', workers), out))['seconds']
+            print(f'{workers} workers: {seconds:.1f} s', flush=True)
         if args.cluster:
-            found['cluster'] = measure(root, 'cluster', lambda: (
-                cluster_run(root, golden, max(counts)), root / 'cluster'))
+            measure(root, 'cluster', lambda: (cluster_run(root, golden, max(counts)),
+                                              root / 'cluster'))
         measured = json.loads((root / 'measured.json').read_text())
         if '1' not in measured:
             sys.exit('no one-worker row yet: the speed-up needs it (--workers 1)')

@@ -38,12 +38,18 @@ POOLED = ['speculation', 'wall-clock ticks', 'admitted', 'admitted but late', 'p
 
 def tick_records(out):
     """Return the replay's per-tick records (its /rt_llm_node/tick_record messages)."""
-    from rosbags.highlevel import AnyReader
+    from rosbags.typesys import get_typestore
+    from rosbags.typesys import Stores
+    from rt_llm_node.bags import open_bag
     from rt_llm_node.replay import RECORD_TOPIC
-    with AnyReader([Path(out) / 'replay']) as reader:
+    store = get_typestore(Stores.LATEST)
+    reader = open_bag(Path(out) / 'replay')
+    try:
         connections = [c for c in reader.connections if c.topic == RECORD_TOPIC]
-        return [json.loads(reader.deserialize(raw, c.msgtype).data)
+        return [json.loads(store.deserialize_cdr(raw, c.msgtype).data)
                 for c, _, raw in reader.messages(connections=connections)]
+    finally:
+        reader.close()
 
 
 def percentiles(latencies, top=False):

@@ -270,12 +270,13 @@ def _write_json(path, table, complete, backend='numpy', settings=None):
 def merge_tables(runs):
     """Return one table from evaluation JSONs over disjoint seeds of the same settings.
 
-    ``runs``: [(path, parsed JSON)]. A row's success and agreement are recomputed from its
-    goals reached and agreeing ticks; seeds stay paired across rows. ValueError naming the
-    file where settings differ, a seed is in two runs, or a file is not an evaluation.
+    ``runs``: [(path, parsed JSON)]. Each run's row counts as one episode-like part (its goals
+    reached, ticks, agreeing ticks, refusals) that ``summarize`` adds up; seeds stay paired
+    across rows. ValueError naming the file where settings differ, a seed is in two runs, or
+    a file is not an evaluation.
     """
     first_path, first = runs[0]
-    merged = {}
+    rows = {}   # row -> ({seed: goals reached}, [the part of each run])
     for path, run in runs:
         if not (isinstance(run, dict) and isinstance(run.get('table'), dict)
                 and 'expert' in run['table']):
@@ -285,29 +286,21 @@ def merge_tables(runs):
                 raise ValueError(f'{path}: {key} {run.get(key)} differ from those of '
                                  f'{first_path}: {first.get(key)}')
         for row, summary in run['table'].items():
-            into = merged.setdefault(row, {'seeds': {}, 'ticks': 0, 'agree': 0,
-                                           'refusals': 0, 'goals': 0, 'agreement': False})
-            overlap = set(into['seeds']) & set(summary['seeds'])
+            seeds, parts = rows.setdefault(row, ({}, []))
+            overlap = set(seeds) & set(summary['seeds'])
             if overlap:
                 raise ValueError(f'{path}: {row} seed {min(overlap)} is in another run too')
-            into['seeds'].update(zip(summary['seeds'], summary['reached']))
-            into['ticks'] += summary['ticks']
-            into['goals'] += summary['goals']
+            seeds.update(zip(summary['seeds'], summary['reached']))
+            won = sum(summary['reached'])
+            part = {'results': ['reached'] * won + ['missed'] * (summary['goals'] - won),
+                    'ticks': summary['ticks']}
             if 'agreement' in summary:
-                into['agreement'] = True
-                into['agree'] += round(summary['agreement'] * summary['ticks'])
-                into['refusals'] += summary['refusals']
-    table = {}
-    for row, into in merged.items():
-        seeds = sorted(into['seeds'])
-        reached = [into['seeds'][s] for s in seeds]
-        table[row] = {'episodes': len(seeds), 'goals': into['goals'],
-                      'success': sum(reached) / max(1, into['goals']), 'ticks': into['ticks'],
-                      'seeds': seeds, 'reached': reached}
-        if into['agreement']:
-            table[row].update(agreement=into['agree'] / max(1, into['ticks']),
-                              refusals=into['refusals'])
-    return table
+                part.update(agree=round(summary['agreement'] * summary['ticks']),
+                            refusals=summary['refusals'])
+            parts.append(part)
+    return {row: dict(summarize(parts), episodes=len(seeds), seeds=sorted(seeds),
+                      reached=[seeds[s] for s in sorted(seeds)])
+            for row, (seeds, parts) in rows.items()}
 
 
 def _merge_main(args):
