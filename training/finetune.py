@@ -56,17 +56,22 @@ _WORKER = {}
 
 
 def _bag_job(job):
-    """Return the samples of one bag in a worker: (bag, params, base, attention, Augment, seed)."""
-    bag, params, base, attention, augment, seed = job
+    """Return the samples of one bag in a worker.
+
+    job: (bag, params, base, attention, Augment, seed, cache capacity or None: the params').
+    """
+    bag, params, base, attention, augment, seed, capacity = job
     values = load_params(params)
-    if 'checkpoint' not in _WORKER:   # one model and backend a worker, for all its bags
+    if capacity:
+        values['kv_capacity_tokens'] = capacity
+    if 'checkpoint' not in _WORKER:   # one model a worker, for all its bags
         _WORKER['checkpoint'] = load_model(base)
+    capacity = values['kv_capacity_tokens']
+    if attention == 'base' and capacity not in _WORKER:   # and a backend a capacity
         grammar = action_grammar(values, _WORKER['checkpoint'].tokenizer)
-        _WORKER['scorer'] = (make_backend(values['backend'], _WORKER['checkpoint'],
-                                          values['kv_capacity_tokens'],
-                                          verify_tokens=verify_tokens(0, grammar))
-                             if attention == 'base' else None)
-    return bag_samples(bag, values, _WORKER['checkpoint'].tokenizer, _WORKER['scorer'],
+        _WORKER[capacity] = make_backend(values['backend'], _WORKER['checkpoint'], capacity,
+                                         verify_tokens=verify_tokens(0, grammar))
+    return bag_samples(bag, values, _WORKER['checkpoint'].tokenizer, _WORKER.get(capacity),
                        log=lambda text: print(f'  {bag}: {text}', flush=True),
                        augment=augment, seed=seed)
 
@@ -196,6 +201,11 @@ def main(argv=None):
     parser.add_argument('--history-hold', type=float, default=0.0, metavar='RATE',
                         help='the chance a tick starts showing a random action in the history '
                         'instead, held for 1-30 ticks (labels clean)')
+    parser.add_argument('--capacities', default='', metavar='TOKENS[,TOKENS...]',
+                        help='KV cache budgets the samples are built at, each bag at each '
+                        "(default: the params' kv_capacity_tokens): what the context holds "
+                        'beside the newest tick depends on the budget, and an adapter shown '
+                        'one budget meets other contexts at another')
     parser.add_argument('--restart-every', type=float, default=0.0, metavar='SECONDS',
                         help='mean seconds between simulated node restarts (the cache emptied): '
                         'decisions with no history, which a long bag holds once')
@@ -207,6 +217,12 @@ def main(argv=None):
     except ValueError as exc:
         parser.error(f'--history-noise, --history-hold, --restart-every: {exc} (noise >= 0, '
                      'a hold rate in [0, 1], seconds >= 0)')
+    try:
+        capacities = [int(c) for c in args.capacities.split(',') if c] or [None]
+    except ValueError:
+        capacities = [0]
+    if any(c is not None and c < 64 for c in capacities):
+        parser.error(f'--capacities: whole numbers of tokens >= 64, got {args.capacities!r}')
     import peft
     import torch
     started = time.monotonic()
@@ -218,15 +234,19 @@ def main(argv=None):
     # each worker process runs the base on its own backend (CUDA: its own context, started
     # fresh, never forked from a parent that touched the GPU); held-out bags as the node
     # would see them, never augmented
-    jobs = ([(bag, args.params, base, args.attention, augment, args.seed) for bag in args.bags]
-            + [(bag, args.params, base, args.attention, Augment(), args.seed)
+    # (the held-out bags at the params' budget, the one the node runs with)
+    jobs = ([(bag, args.params, base, args.attention, augment, args.seed, capacity)
+             for capacity in capacities for bag in args.bags]
+            + [(bag, args.params, base, args.attention, Augment(), args.seed, None)
                for bag in args.holdout])
+    trained = len(jobs) - len(args.holdout)
     with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context('spawn')
                              ) as pool:
         for i, found in enumerate(pool.map(_bag_job, jobs)):
-            bag = jobs[i][0]
-            if i < len(args.bags):
-                per_bag[Path(bag).name] = len(found)
+            bag, capacity = jobs[i][0], jobs[i][-1]
+            if i < trained:
+                name = Path(bag).name + (f'@{capacity}' if capacity else '')
+                per_bag[name] = len(found)
                 samples += found
             else:
                 held += found
@@ -295,6 +315,7 @@ def main(argv=None):
               'base_sha256': (file_sha256(base, 'base model', 1 << 36)
                               if Path(base).is_file() else None),
               'params': Path(args.params).name, 'bags': per_bag,
+              'capacities': [c or values['kv_capacity_tokens'] for c in capacities],
               'samples': len(samples), 'steps': steps, 'batch': args.batch,
               'lr': args.lr, 'rank': args.rank, 'alpha': args.alpha, 'seed': args.seed,
               'attention': args.attention, 'history_noise': list(augment.noise),

@@ -269,9 +269,22 @@ def test_the_fine_tuning_command_trains_scores_and_writes_an_adapter(expert_bag,
     finetune.main(['--params', str(params), '--bags', str(expert_bag), '--holdout', str(held),
                    '--out', str(out), '--steps', '4', '--batch', '4', '--rank', '2',
                    '--device', 'cpu', '--dtype', 'float32', '--attention', 'none',
-                   '--eval-every', '2', '--eval-samples', '16', '--history-noise', '0.2,0.6'])
+                   '--eval-every', '2', '--eval-samples', '16', '--history-noise', '0.2,0.6',
+                   '--capacities', '160,320'])
     record = json.loads((out / 'training.json').read_text())
     assert record['steps'] == 4 and record['history_noise'] == [0.2, 0.6]
+    # every bag at each budget: the same ticks, and more history in the larger cache
+    assert record['capacities'] == [160, 320]
+    assert sorted(record['bags']) == ['expert@160', 'expert@320']
+    assert record['bags']['expert@160'] == record['bags']['expert@320'] > 500
+    assert record['samples'] == 2 * record['bags']['expert@160']
+    small, large = (bag_samples(expert_bag, demo_values(kv_capacity_tokens=capacity),
+                                load_model(str(default_model_path())).tokenizer, log=print)
+                    for capacity in (160, 320))
+    assert max(len(s.context) for s in small) <= 160 < max(len(s.context) for s in large)
+    with pytest.raises(SystemExit):
+        finetune.main(['--params', str(params), '--bags', str(expert_bag), '--out', str(out),
+                       '--capacities', '160,x'])
     holdout = record['holdout']
     assert holdout['bags'] == ['held'] and holdout['samples'] == 16
     assert [step for step, _, _ in holdout['curve']] == [2, 4]
