@@ -181,7 +181,7 @@ def run_expert_episode(seed, action_delay=0):
 _BACKENDS = {}
 
 
-def _job(job):
+def episode_job(job):
     """One episode in a worker process.
 
     (model, policy, budget, seed, action delay, backend, weight format, kv dtype, adapter,
@@ -429,7 +429,7 @@ def main(argv=None):
     # CUDA cannot be used in a child forked after the parent touched it (the check above)
     context = multiprocessing.get_context('spawn' if args.backend == 'cuda' else None)
     with ProcessPoolExecutor(args.workers, mp_context=context) as pool:
-        futures = {pool.submit(_job, job): job for job in jobs}
+        futures = {pool.submit(episode_job, job): job for job in jobs}
         for done, future in enumerate(as_completed(futures), 1):
             job = futures[future]
             episode = future.result()

@@ -60,7 +60,7 @@ def offered_qos(topic):
 
 
 def record_demo_bag(path, seconds=10.0, seed=1_000_000, storage='mcap', force=False,
-                    commands=False, noise=(0.0, 0.0)):
+                    commands=False, noise=(0.0, 0.0), executed=None):
     """Write a bag of ``seconds`` of the expert driving the world; returns its path.
 
     ``commands``: the expert's commands too (geometry_msgs/Twist on /cmd_vel, quantized to
@@ -68,7 +68,11 @@ def record_demo_bag(path, seconds=10.0, seed=1_000_000, storage='mcap', force=Fa
     standard deviations of (v, w) added to what the robot executes, never to what is recorded
     (the expert's command is the label of the states its own drive would not reach: the
     recovery data imitation needs).
-    When an episode ends (three goals) the world of the next seed continues the stream. An
+    When an episode ends (three goals) the world of the next seed continues the stream.
+    ``executed``: instead, the (v, w) the robot executed each tick of one episode of ``seed``
+    (rt-llm-eval's ``executed``, another driver's): the bag holds that episode's
+    ``len(executed)`` ticks, and the expert answers each state given the turn rate executed
+    last, as in rt-llm-eval (the DAgger data of training/rollout_bags.py). An
     existing ``path`` is replaced only when it is an earlier bag of this tool
     (``files.OutputFolder``; ``force``: written beside what else is there).
     """
@@ -95,7 +99,12 @@ def record_demo_bag(path, seconds=10.0, seed=1_000_000, storage='mcap', force=Fa
                 offered_qos_profiles=offered_qos(COMMAND_TOPIC))
         fv, fw = (numeric_field(f) for f in TWIST_FIELDS)
         instruction, w = '', 0.0   # w: the turn rate last commanded
-        for tick in range(int(round(seconds / world.config.dt))):
+        ticks = (len(executed) if executed is not None
+                 else int(round(seconds / world.config.dt)))
+        for tick in range(ticks):
+            if world.done and executed is not None:
+                raise ValueError(f'seed {seed} ended after {tick} of the {ticks} executed '
+                                 'commands: not an episode of this seed')
             if world.done:  # episode over (3 goals): the next seed takes over, same timeline
                 seed += 1
                 world = DemoWorld(seed, messages=MessageFactory(ros=False))
@@ -123,15 +132,20 @@ def record_demo_bag(path, seconds=10.0, seed=1_000_000, storage='mcap', force=Fa
                     angular=store.types['geometry_msgs/msg/Vector3'](x=0.0, y=0.0, z=w))
                 writer.write(connections[COMMAND_TOPIC], stamp_ns + COMMAND_DELAY_NS,
                              store.serialize_cdr(twist, 'geometry_msgs/msg/Twist'))
-            if any(noise):
+            if executed is not None:
+                v, w = (float(x) for x in executed[tick])
+                world.step(v, w)
+            elif any(noise):
                 world.step(v + rng.normal(0.0, noise[0]), w + rng.normal(0.0, noise[1]))
             else:
                 world.step(v, w)
     except BaseException:
-        folder.discard()   # a failed recording leaves what was there as it was
+        try:
+            writer.close()
+        finally:
+            folder.discard()   # a failed recording leaves what was there as it was
         raise
-    finally:
-        writer.close()
+    writer.close()
     folder.commit()
     return path
 

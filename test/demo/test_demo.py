@@ -235,13 +235,13 @@ def test_eval_under_a_parameter_file_decodes_its_grammar_on_its_inputs():
     """--params: the policy reads the file's inputs and answers in its (compact) grammar."""
     from rt_llm_node.configure import action_grammar
     from rt_llm_node.configure import input_specs
-    from rt_llm_node.demo.evaluate import _job
+    from rt_llm_node.demo.evaluate import episode_job
     from rt_llm_node.demo.evaluate import HELD_OUT_SEED0
     from rt_llm_node.replay import load_params
     params = str(ROOT / 'config' / 'demo_smollm2.yaml')
     model = str(default_model_path())
-    episode = _job((model, 'meaning', 256, HELD_OUT_SEED0, 0, 'numpy', 'native', 'native', '',
-                    params))
+    episode = episode_job((model, 'meaning', 256, HELD_OUT_SEED0, 0, 'numpy', 'native',
+                           'native', '', params))
     values = load_params(params)
     from rt_llm_node.model import load_model
     grammar = action_grammar(values, load_model(model).tokenizer)

@@ -1,0 +1,90 @@
+"""DAgger data: bags of the states a model drives the demo world into, labelled by the expert.
+
+    python training/rollout_bags.py --model BASE.gguf --adapter ADAPTER --out DIR
+        [--params config/demo_smollm2.yaml] [--seeds 20000:20032] [--budgets 256,512]
+        [--policy meaning] [--backend cuda] [--workers 16]
+
+Each episode runs the model in closed loop exactly as rt-llm-eval does (the node's engine on
+the model clock, ``evaluate.episode_job``), then is recorded again as a bag
+(``record_demo_bag`` with the commands the robot executed): the robot's inputs at every state
+the model reached, and on /cmd_vel the expert's command there. finetune.py trains on these
+beside the expert's own bags. A learner trained only where the expert drives meets, in closed
+loop, states its own mistakes lead to and nobody showed it the way back from; labelling those
+states (Ross et al., "A Reduction of Imitation Learning and Structured Prediction to No-Regret
+Online Learning", 2011) is what closes that gap. Seeds are training seeds: below rt-llm-eval's
+held-out 1,000,000.
+
+One bag an episode and cache budget, named ``{policy}{budget}_{seed}``; a line each with its
+goals reached, the share of ticks the model agreed with the expert, and the bag's ticks.
+Offline tooling; with ``--backend cuda`` on the GPU machine.
+"""
+
+import argparse
+from concurrent.futures import as_completed
+from concurrent.futures import ProcessPoolExecutor
+import multiprocessing
+import os
+from pathlib import Path
+import sys
+import time
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from rt_llm_node.demo.evaluate import episode_job  # noqa: E402
+from rt_llm_node.demo.evaluate import HELD_OUT_SEED0  # noqa: E402
+from rt_llm_node.demo.recorder import record_demo_bag  # noqa: E402
+
+
+def seed_range(text):
+    """'A:B' -> range(A, B) of training seeds (0 <= A < B <= 1,000,000)."""
+    try:
+        first, stop = (int(x) for x in text.split(':'))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'seeds are FIRST:STOP, not {text!r}') from None
+    if not 0 <= first < stop <= HELD_OUT_SEED0:
+        raise argparse.ArgumentTypeError(
+            f'seeds {text}: training seeds from 0 up to {HELD_OUT_SEED0} (held out above)')
+    return range(first, stop)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--model', required=True, help='the base model (GGUF or folder)')
+    parser.add_argument('--adapter', default='', help='the LoRA adapter that drives')
+    parser.add_argument('--params', default=str(ROOT / 'config' / 'demo_smollm2.yaml'))
+    parser.add_argument('--out', required=True, help='folder of the bags (created)')
+    parser.add_argument('--seeds', type=seed_range, default=seed_range('20000:20032'))
+    parser.add_argument('--budgets', default='256')
+    parser.add_argument('--policy', default='meaning')
+    parser.add_argument('--backend', default='cuda', choices=('numpy', 'cuda'))
+    parser.add_argument('--workers', type=int, default=os.cpu_count())
+    args = parser.parse_args(argv)
+    try:
+        budgets = [int(b) for b in args.budgets.split(',')]
+    except ValueError:
+        parser.error(f'--budgets: token counts, not {args.budgets!r}')
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = [(args.model, args.policy, budget, seed, 0, args.backend, 'native', 'native',
+             args.adapter, args.params) for seed in args.seeds for budget in budgets]
+    started = time.monotonic()
+    # CUDA cannot be used in a child forked after the parent touched it
+    context = multiprocessing.get_context('spawn' if args.backend == 'cuda' else None)
+    with ProcessPoolExecutor(args.workers, mp_context=context) as pool:
+        futures = {pool.submit(episode_job, job): job for job in jobs}
+        for future in as_completed(futures):
+            _, policy, budget, seed = futures[future][:4]
+            episode = future.result()
+            name = f'{policy}{budget}_{seed}'
+            record_demo_bag(out / name, seed=seed, commands=True,
+                            executed=episode['executed'])
+            reached = sum(r == 'reached' for r in episode['results'])
+            print(f'{name}: {reached} of {len(episode["results"])} goals, agreed '
+                  f"{episode['agree'] / max(1, episode['ticks']):.2f}, "
+                  f"{len(episode['executed'])} ticks ({time.monotonic() - started:.0f} s)",
+                  flush=True)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
