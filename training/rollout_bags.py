@@ -12,7 +12,8 @@ beside the expert's own bags. A learner trained only where the expert drives mee
 loop, states its own mistakes lead to and nobody showed it the way back from; labelling those
 states (Ross et al., "A Reduction of Imitation Learning and Structured Prediction to No-Regret
 Online Learning", 2011) is what closes that gap. Seeds are training seeds: below rt-llm-eval's
-held-out 1,000,000.
+held-out 1,000,000. The samples' contexts show the bag's commands as the earlier actions (the
+expert's, with finetune.py's history noise), not the model's own.
 
 One bag an episode and cache budget, named ``{policy}{budget}_{seed}``; a line each with its
 goals reached, the share of ticks the model agreed with the expert, and the bag's ticks.
