@@ -55,17 +55,48 @@ def test_kernels_compile_without_warnings(programs, arch, dtype, kv_int8):
         assert name.encode() in cubin, name
 
 
+def front_end_errors(path, arch, dtype, kv_int8, folder=None):
+    """Run NVRTC's front end alone on one .cu (no code generated); return its log, '' if clean."""
+    from rt_llm_node.backends.cuda_kernels import compile_options
+    from rt_llm_node.backends.cuda_kernels import headers
+    included = headers(folder)
+    program = nvrtc.createProgram(program_source([path]), 'one_file.cu',
+                                  [text.encode() for text in included.values()],
+                                  [name.encode() for name in included])
+    try:
+        try:
+            nvrtc.compileProgram(program, [*compile_options(arch, dtype, kv_int8),
+                                           '--fdevice-syntax-only'])
+        except nvrtc.NVRTCError:
+            return nvrtc.getProgramLog(program) or 'NVRTC failed without a log'
+        return nvrtc.getProgramLog(program).strip()
+    finally:
+        nvrtc.destroyProgram(program)
+
+
 @pytest.mark.parametrize('name', sorted(KERNELS))
 def test_every_file_compiles_on_its_own(name):
-    """Each .cu includes the headers it uses.
+    """Each .cu includes the headers it uses, for every arch, weight dtype and cache.
 
     The one translation unit is an optimisation, and no file depends on the order in which the
-    loader joins them.
+    loader joins them. The front end alone decides this (what it declares and includes); the
+    programs above run the whole compile.
     """
-    cubin, log = compile_cubin(90, 'BF16', files=[source_dir() / name])
-    assert log == ''
-    for kernel in KERNELS[name]:
-        assert kernel.encode() in cubin, kernel
+    for arch in ARCHS:
+        for dtype in WEIGHT_DTYPES:
+            for kv_int8 in (False, True):
+                log = front_end_errors(source_dir() / name, arch, dtype, kv_int8)
+                assert log == '', (arch, dtype, kv_int8, log)
+
+
+def test_the_file_check_sees_a_missing_include(tmp_path):
+    import shutil
+    for path in source_dir().iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    bare = tmp_path / 'argmax.cu'   # it includes common.cuh alone
+    bare.write_text(bare.read_text().replace('#include "common.cuh"\n', ''))
+    assert '#include' not in bare.read_text()
+    assert 'error' in front_end_errors(bare, 90, 'BF16', False, folder=tmp_path)
 
 
 def test_the_kernel_table_lists_every_file_and_wrapper():
