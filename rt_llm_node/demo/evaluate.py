@@ -19,10 +19,12 @@ import argparse
 from collections import deque
 from concurrent.futures import as_completed
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 import json
 import multiprocessing
 import os
 from pathlib import Path
+import threading
 import time
 
 from rt_llm_node.admission import Admission
@@ -69,10 +71,14 @@ class Actuation:
         return self.queue.popleft()
 
 
+_LOADING = threading.Lock()
+
+
 def _checkpoint(path, weight_format='native', adapter=''):
-    if (path, weight_format, adapter) not in _CACHE:
-        _CACHE[path, weight_format, adapter] = load_model(path, adapter, weight_format)
-    return _CACHE[path, weight_format, adapter]
+    with _LOADING:   # once a process, whichever of its threads asks first
+        if (path, weight_format, adapter) not in _CACHE:
+            _CACHE[path, weight_format, adapter] = load_model(path, adapter, weight_format)
+        return _CACHE[path, weight_format, adapter]
 
 
 def run_model_episode(checkpoint, seed, policy, capacity, backend=None, max_ticks=None,
@@ -178,7 +184,36 @@ def run_expert_episode(seed, action_delay=0):
     return {'results': world.results, 'ticks': world.tick}
 
 
-_BACKENDS = {}
+_THREAD = threading.local()   # each thread's backends, one a cache budget (its own stream)
+_THREADS = {}
+
+
+def episode_batch(jobs):
+    """Several episodes in one worker process at once, a thread each; their results in order.
+
+    Each thread keeps its own backends (``episode_job``), so on the GPU each episode has its
+    own CUDA stream in the process's one context: one episode's kernels run beside another's,
+    where the contexts of separate processes only take turns on the GPU.
+    """
+    if len(jobs) == 1:
+        return [episode_job(jobs[0])]
+    if len(jobs) not in _THREADS:   # the same threads for every batch: their backends stay
+        _THREADS[len(jobs)] = ThreadPoolExecutor(len(jobs))
+    return list(_THREADS[len(jobs)].map(episode_job, jobs))
+
+
+def batches(jobs, threads):
+    """Split {job: row} (seed-major) into the lists ``episode_batch`` runs.
+
+    Up to ``threads`` episodes of one row a batch (alike in length), the rows' batches in turn,
+    so that the seeds stay in step across the rows.
+    """
+    rows = {}
+    for job, row in jobs.items():
+        rows.setdefault(row, []).append(job)
+    longest = max(map(len, rows.values()), default=0)
+    return [row[at:at + threads] for at in range(0, longest, threads) for row in rows.values()
+            if row[at:at + threads]]
 
 
 def episode_job(job):
@@ -204,10 +239,11 @@ def episode_job(job):
                                                               model_aim(model))
         system_prompt = SYSTEM_PROMPT
     key = (model, capacity, weight_format, kv_dtype, adapter)
-    if key not in _BACKENDS:   # reused by this worker's later episodes (rolled back to 0)
-        _BACKENDS[key] = make_backend(backend, checkpoint, capacity, kv_dtype=kv_dtype,
-                                      verify_tokens=verify_tokens(0, grammar))
-    return run_model_episode(checkpoint, seed, policy, capacity, _BACKENDS[key],
+    backends = _THREAD.__dict__.setdefault('backends', {})
+    if key not in backends:   # reused by this thread's later episodes (rolled back to 0)
+        backends[key] = make_backend(backend, checkpoint, capacity, kv_dtype=kv_dtype,
+                                     verify_tokens=verify_tokens(0, grammar))
+    return run_model_episode(checkpoint, seed, policy, capacity, backends[key],
                              action_delay=delay, inputs=inputs, grammar=grammar,
                              system_prompt=system_prompt)
 
@@ -367,6 +403,11 @@ def main(argv=None):
     parser.add_argument('--policies', default=','.join(POLICIES))
     parser.add_argument('--budgets', default=','.join(str(b) for b in BUDGETS))
     parser.add_argument('--workers', type=int, default=os.cpu_count())
+    parser.add_argument('--threads', type=int, default=1,
+                        help='episodes each worker runs at once, a thread and a backend each '
+                             '(default 1). On the GPU each has its own CUDA stream in the '
+                             "worker's context, so their kernels overlap; workers' contexts "
+                             'only take turns')
     parser.add_argument('--action-delay', type=int, default=0, metavar='TICKS',
                         help='ticks from an observation to its command reaching the robot '
                              '(0: the next step, as in training)')
@@ -397,6 +438,8 @@ def main(argv=None):
         return _merge_main(args)
     if args.action_delay < 0:
         parser.error('--action-delay must be >= 0')
+    if args.threads < 1 or args.workers < 1:
+        parser.error('--workers and --threads must be at least 1')
     if args.first_seed < HELD_OUT_SEED0:
         parser.error(f'--first-seed must be >= {HELD_OUT_SEED0}: lower seeds are training '
                      'seeds')
@@ -428,15 +471,18 @@ def main(argv=None):
     gathered = {}
     # CUDA cannot be used in a child forked after the parent touched it (the check above)
     context = multiprocessing.get_context('spawn' if args.backend == 'cuda' else None)
+    done = 0
     with ProcessPoolExecutor(args.workers, mp_context=context) as pool:
-        futures = {pool.submit(episode_job, job): job for job in jobs}
-        for done, future in enumerate(as_completed(futures), 1):
-            job = futures[future]
-            episode = future.result()
-            gathered.setdefault(jobs[job], {})[job[3]] = episode
-            reached = sum(r == 'reached' for r in episode['results'])
-            print(f'[{done}/{len(jobs)}] {jobs[job]} seed {job[3]}: {reached} of '
-                  f"{len(episode['results'])} goals, {time.time() - started:.0f} s", flush=True)
+        futures = {pool.submit(episode_batch, batch): batch
+                   for batch in batches(jobs, args.threads)}
+        for future in as_completed(futures):
+            for job, episode in zip(futures[future], future.result()):
+                done += 1
+                gathered.setdefault(jobs[job], {})[job[3]] = episode
+                reached = sum(r == 'reached' for r in episode['results'])
+                print(f'[{done}/{len(jobs)}] {jobs[job]} seed {job[3]}: {reached} of '
+                      f"{len(episode['results'])} goals, {time.time() - started:.0f} s",
+                      flush=True)
             if args.json and done < len(jobs):
                 _write_json(args.json, summarize_rows(gathered), complete=False,
                             backend=args.backend, settings=settings)

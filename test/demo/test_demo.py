@@ -231,6 +231,33 @@ def test_runs_over_other_seeds_merge_into_the_table_of_one_run(tmp_path, capsys)
         assert message in capsys.readouterr().err
 
 
+def test_episodes_in_threads_of_a_worker_give_the_table_of_one_at_a_time(tmp_path):
+    """--threads: a worker runs several episodes at once, a backend each; nothing changes.
+
+    Real closed-loop episodes of the shipped policy on one worker, one at a time and two at
+    once; the batches hold one row's episodes, the rows in turn, seed-major.
+    """
+    import json
+    from rt_llm_node.demo.evaluate import batches
+    from rt_llm_node.demo.evaluate import main
+    tables = []
+    for threads in (1, 2):
+        out = tmp_path / f'threads{threads}.json'
+        assert main(['--episodes', '2', '--policies', 'meaning', '--budgets', '128',
+                     '--workers', '1', '--threads', str(threads), '--json', str(out)]) == 0
+        tables.append(json.loads(out.read_text())['table'])
+    assert tables[0] == tables[1]
+    assert sorted(tables[0]) == ['expert', 'meaning@128']
+    assert all(row['episodes'] == 2 for row in tables[0].values())
+    jobs = {(row, seed): row for seed in range(5) for row in ('expert', 'meaning')}
+    assert batches(jobs, 2) == [[('expert', 0), ('expert', 1)], [('meaning', 0), ('meaning', 1)],
+                                [('expert', 2), ('expert', 3)], [('meaning', 2), ('meaning', 3)],
+                                [('expert', 4)], [('meaning', 4)]]
+    assert batches(jobs, 1) == [[job] for job in jobs]
+    with pytest.raises(SystemExit):
+        main(['--episodes', '1', '--threads', '0'])
+
+
 def test_eval_under_a_parameter_file_decodes_its_grammar_on_its_inputs():
     """--params: the policy reads the file's inputs and answers in its (compact) grammar."""
     from rt_llm_node.configure import action_grammar
