@@ -2,7 +2,7 @@
 
     python training/rollout_bags.py --model BASE.gguf --adapter ADAPTER --out DIR
         [--params config/demo_smollm2.yaml] [--seeds 20000:20032] [--budgets 256,512]
-        [--policy meaning] [--backend cuda] [--workers 16]
+        [--policy meaning] [--backend cuda] [--workers 16] [--threads 2]
 
 Each episode runs the model in closed loop exactly as rt-llm-eval does (the node's engine on
 the model clock, ``evaluate.episode_job``), then is recorded again as a bag
@@ -31,7 +31,8 @@ import time
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from rt_llm_node.demo.evaluate import episode_job  # noqa: E402
+from rt_llm_node.demo.evaluate import batches  # noqa: E402
+from rt_llm_node.demo.evaluate import episode_batch  # noqa: E402
 from rt_llm_node.demo.evaluate import HELD_OUT_SEED0  # noqa: E402
 from rt_llm_node.demo.recorder import record_demo_bag  # noqa: E402
 
@@ -59,31 +60,39 @@ def main(argv=None):
     parser.add_argument('--policy', default='meaning')
     parser.add_argument('--backend', default='cuda', choices=('numpy', 'cuda'))
     parser.add_argument('--workers', type=int, default=os.cpu_count())
+    parser.add_argument('--threads', type=int, default=1,
+                        help="episodes a worker runs at once (rt-llm-eval's --threads)")
     args = parser.parse_args(argv)
+    if args.workers < 1 or args.threads < 1:
+        parser.error('--workers and --threads must be at least 1')
     try:
         budgets = [int(b) for b in args.budgets.split(',')]
     except ValueError:
         parser.error(f'--budgets: token counts, not {args.budgets!r}')
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    jobs = [(args.model, args.policy, budget, seed, 0, args.backend, 'native', 'native',
-             args.adapter, args.params) for seed in args.seeds for budget in budgets]
+    jobs = {(args.model, args.policy, budget, seed, 0, args.backend, 'native', 'native',
+             args.adapter, args.params): budget for seed in args.seeds for budget in budgets}
     started = time.monotonic()
+    ticks = 0
     # CUDA cannot be used in a child forked after the parent touched it
     context = multiprocessing.get_context('spawn' if args.backend == 'cuda' else None)
     with ProcessPoolExecutor(args.workers, mp_context=context) as pool:
-        futures = {pool.submit(episode_job, job): job for job in jobs}
+        futures = {pool.submit(episode_batch, batch): batch
+                   for batch in batches(jobs, args.threads)}
         for future in as_completed(futures):
-            _, policy, budget, seed = futures[future][:4]
-            episode = future.result()
-            name = f'{policy}{budget}_{seed}'
-            record_demo_bag(out / name, seed=seed, commands=True,
-                            executed=episode['executed'])
-            reached = sum(r == 'reached' for r in episode['results'])
-            print(f'{name}: {reached} of {len(episode["results"])} goals, agreed '
-                  f"{episode['agree'] / max(1, episode['ticks']):.2f}, "
-                  f"{len(episode['executed'])} ticks ({time.monotonic() - started:.0f} s)",
-                  flush=True)
+            for job, episode in zip(futures[future], future.result()):
+                _, policy, budget, seed = job[:4]
+                name = f'{policy}{budget}_{seed}'
+                record_demo_bag(out / name, seed=seed, commands=True,
+                                executed=episode['executed'])
+                reached = sum(r == 'reached' for r in episode['results'])
+                ticks += len(episode['executed'])
+                elapsed = time.monotonic() - started
+                print(f'{name}: {reached} of {len(episode["results"])} goals, agreed '
+                      f"{episode['agree'] / max(1, episode['ticks']):.2f}, "
+                      f"{len(episode['executed'])} ticks ({elapsed:.0f} s, "
+                      f'{ticks / elapsed:.0f} ticks/s)', flush=True)
     return 0
 
 
