@@ -1,12 +1,16 @@
 """Fleet regression on Ray: wall time of a fleet of demo bags against the workers.
 
     python benchmarks/bench_fleet.py [--bags 64] [--seconds 20] [--workers 1,4,8,16]
-        [--cluster] [--work DIR] [--write]
+        [--running] [--cluster] [--work DIR] [--write]
 
 Records ``--bags`` demo bags of ``--seconds`` (seeds from 1000000, on every core at once),
 writes their goldens once (one cost model), then replays the fleet against them with each
 worker count on a local Ray cluster of that many CPUs: wall time (Ray's start included),
 speed-up over one worker, and whether every report is the same (it must be: the model clock).
+``--running``: each worker count also through ``--address`` on a Ray cluster of that many CPUs
+started before the timed command (``ray start --head``) and stopped after it, as a team's
+standing cluster is: the fleet's own scaling, without the ~5 s Ray takes to start and stop a
+local cluster in every run.
 ``--cluster``: the same run through ``--address`` on a cluster started here with ``ray start
 --head`` and one more node process (half the CPUs each). The results file keeps one section
 per CPU count of the machine (a laptop's figures and a 16-core host's side by side).
@@ -82,6 +86,20 @@ def cluster_run(root, golden, cpus):
         subprocess.run(['ray', 'stop', '--force'], capture_output=True, env=env)
 
 
+def running_run(root, golden, workers):
+    """Return (wall time, out) of the fleet through --address on a running N-CPU cluster."""
+    env = dict(os.environ, RAY_ADDRESS='', RAY_AUTH_MODE='disabled')
+    port = 6392
+    subprocess.run(['ray', 'start', '--head', f'--port={port}', f'--num-cpus={workers}',
+                    '--include-dashboard=false'], check=True, capture_output=True, env=env)
+    try:
+        out = root / f'running{workers}'
+        return fleet(root / 'bags', '--params', PARAMS, '--golden', golden, '--out', out,
+                     '--force', '--address', f'127.0.0.1:{port}', env=env), out
+    finally:
+        subprocess.run(['ray', 'stop', '--force'], capture_output=True, env=env)
+
+
 def measure(root, key, run):
     """Return row ``key``'s measurement, kept in ROOT/measured.json across invocations."""
     path = root / 'measured.json'
@@ -106,6 +124,8 @@ def main():
     parser.add_argument('--bags', type=int, default=64)
     parser.add_argument('--seconds', type=float, default=20.0)
     parser.add_argument('--workers', default='1,4,8,16')
+    parser.add_argument('--running', action='store_true',
+                        help='each worker count on a running cluster of that many CPUs too')
     parser.add_argument('--cluster', action='store_true')
     parser.add_argument('--work', help='keep the bags, goldens and measured rows here: a '
                         'later invocation with the same --work measures only the rows not yet '
@@ -135,6 +155,10 @@ def main():
                 root / 'bags', '--params', PARAMS, '--golden', golden, '--out', out, '--force',
                 '--workers', workers), out))['seconds']
             print(f'{workers} workers: {seconds:.1f} s', flush=True)
+            if args.running:
+                seconds = measure(root, f'running{workers}', lambda: running_run(
+                    root, golden, workers))['seconds']
+                print(f'{workers} CPUs of a running cluster: {seconds:.1f} s', flush=True)
         if args.cluster:
             measure(root, 'cluster', lambda: (cluster_run(root, golden, max(counts)),
                                               root / 'cluster'))
@@ -143,7 +167,11 @@ def main():
             sys.exit('no one-worker row yet: the speed-up needs it (--workers 1)')
         base, reference = measured['1']['seconds'], measured['1']['found']
         rows = [row(w, m, base, reference) for w, m in sorted(
-            ((int(k), m) for k, m in measured.items() if k != 'cluster'))]
+            ((int(k), m) for k, m in measured.items() if k.isdigit()))]
+        if 'running1' in measured:   # against the one-CPU running cluster
+            rows += [row(f'{w} (running cluster)', m, measured['running1']['seconds'],
+                         reference) for w, m in sorted(
+                (int(k[7:]), m) for k, m in measured.items() if k.startswith('running'))]
         if 'cluster' in measured:
             rows.append(row(f'{max(counts)} (head + 1 node, --address)', measured['cluster'],
                             base, reference))
@@ -151,7 +179,9 @@ def main():
     if args.write:
         body = (f'{args.bags} demo bags of {args.seconds:g} s (demo profile, shipped policy, '
                 'numpy backend, model clock) against goldens written once; wall time of '
-                "`rt-llm-replay-fleet --golden` including Ray's start; task s: a bag's "
+                "`rt-llm-replay-fleet --golden` including Ray's start (running cluster: "
+                'started before the command, its speed-up over one CPU of such a cluster); '
+                "task s: a bag's "
                 'replay, mean; same report: every '
                 "bag's decisions and counts as with the one-worker row"
                 + (', rows measured by invocations with the same --work on this machine'
