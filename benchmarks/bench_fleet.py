@@ -18,6 +18,7 @@ per CPU count of the machine (a laptop's figures and a 16-core host's side by si
 
 import argparse
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 import json
 import os
 from pathlib import Path
@@ -67,37 +68,33 @@ def decisions(out):
     return [{k: v for k, v in b.items() if k not in strip} for b in data['bags']], data['totals']
 
 
-def cluster_run(root, golden, cpus):
-    """Return the wall time of the fleet through --address on a head and one more node here."""
-    # a cluster on this host for the run alone: no token authentication (Ray's default for
-    # clusters started by ray start; a cluster that has it needs RAY_AUTH_TOKEN here)
+@contextmanager
+def ray_cluster(node_cpus, port):
+    """Yield (env, address) of a Ray cluster started here: a head and more nodes, their CPUs.
+
+    No token authentication (Ray's default for clusters started by ray start; a cluster that
+    has it needs RAY_AUTH_TOKEN here); stopped on the way out.
+    """
     env = dict(os.environ, RAY_ADDRESS='', RAY_AUTH_MODE='disabled')
-    port = 6391
-    head = cpus // 2 or 1
-    subprocess.run(['ray', 'start', '--head', f'--port={port}', f'--num-cpus={head}',
-                    '--include-dashboard=false'], check=True, capture_output=True, env=env)
     try:
-        subprocess.run(['ray', 'start', f'--address=127.0.0.1:{port}',
-                        f'--num-cpus={max(1, cpus - head)}'], check=True,
-                       capture_output=True, env=env)
-        return fleet(root / 'bags', '--params', PARAMS, '--golden', golden, '--out',
-                     root / 'cluster', '--force', '--address', f'127.0.0.1:{port}', env=env)
+        subprocess.run(['ray', 'start', '--head', f'--port={port}', f'--num-cpus={node_cpus[0]}',
+                        '--include-dashboard=false'], check=True, capture_output=True, env=env)
+        for cpus in node_cpus[1:]:
+            subprocess.run(['ray', 'start', f'--address=127.0.0.1:{port}', f'--num-cpus={cpus}'],
+                           check=True, capture_output=True, env=env)
+        yield env, f'127.0.0.1:{port}'
     finally:
         subprocess.run(['ray', 'stop', '--force'], capture_output=True, env=env)
 
 
-def running_run(root, golden, workers):
-    """Return (wall time, out) of the fleet through --address on a running N-CPU cluster."""
-    env = dict(os.environ, RAY_ADDRESS='', RAY_AUTH_MODE='disabled')
-    port = 6392
-    subprocess.run(['ray', 'start', '--head', f'--port={port}', f'--num-cpus={workers}',
-                    '--include-dashboard=false'], check=True, capture_output=True, env=env)
-    try:
-        out = root / f'running{workers}'
+def address_run(root, golden, node_cpus, out):
+    """Return (wall time, out) of the fleet through --address on a cluster of ``node_cpus``.
+
+    Only the fleet command is timed: the cluster stands before it, as a team's does.
+    """
+    with ray_cluster(node_cpus, 6391) as (env, address):
         return fleet(root / 'bags', '--params', PARAMS, '--golden', golden, '--out', out,
-                     '--force', '--address', f'127.0.0.1:{port}', env=env), out
-    finally:
-        subprocess.run(['ray', 'stop', '--force'], capture_output=True, env=env)
+                     '--force', '--address', address, env=env), out
 
 
 def measure(root, key, run):
@@ -156,12 +153,13 @@ def main():
                 '--workers', workers), out))['seconds']
             print(f'{workers} workers: {seconds:.1f} s', flush=True)
             if args.running:
-                seconds = measure(root, f'running{workers}', lambda: running_run(
-                    root, golden, workers))['seconds']
+                seconds = measure(root, f'running{workers}', lambda: address_run(
+                    root, golden, [workers], root / f'running{workers}'))['seconds']
                 print(f'{workers} CPUs of a running cluster: {seconds:.1f} s', flush=True)
         if args.cluster:
-            measure(root, 'cluster', lambda: (cluster_run(root, golden, max(counts)),
-                                              root / 'cluster'))
+            cpus = max(counts)   # a head and one more node, half the CPUs each
+            measure(root, 'cluster', lambda: address_run(
+                root, golden, [cpus // 2 or 1, max(1, cpus - cpus // 2)], root / 'cluster'))
         measured = json.loads((root / 'measured.json').read_text())
         if '1' not in measured:
             sys.exit('no one-worker row yet: the speed-up needs it (--workers 1)')

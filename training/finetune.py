@@ -66,12 +66,13 @@ def _bag_job(job):
         values['kv_capacity_tokens'] = capacity
     if 'checkpoint' not in _WORKER:   # one model a worker, for all its bags
         _WORKER['checkpoint'] = load_model(base)
+    scorers = _WORKER.setdefault('scorers', {})   # and a backend a cache capacity
     capacity = values['kv_capacity_tokens']
-    if attention == 'base' and capacity not in _WORKER:   # and a backend a capacity
+    if attention == 'base' and capacity not in scorers:
         grammar = action_grammar(values, _WORKER['checkpoint'].tokenizer)
-        _WORKER[capacity] = make_backend(values['backend'], _WORKER['checkpoint'], capacity,
+        scorers[capacity] = make_backend(values['backend'], _WORKER['checkpoint'], capacity,
                                          verify_tokens=verify_tokens(0, grammar))
-    return bag_samples(bag, values, _WORKER['checkpoint'].tokenizer, _WORKER.get(capacity),
+    return bag_samples(bag, values, _WORKER['checkpoint'].tokenizer, scorers.get(capacity),
                        log=lambda text: print(f'  {bag}: {text}', flush=True),
                        augment=augment, seed=seed)
 
@@ -219,9 +220,9 @@ def main(argv=None):
                      'a hold rate in [0, 1], seconds >= 0)')
     try:
         capacities = [int(c) for c in args.capacities.split(',') if c] or [None]
+        if any(c is not None and c < 64 for c in capacities):
+            raise ValueError
     except ValueError:
-        capacities = [0]
-    if any(c is not None and c < 64 for c in capacities):
         parser.error(f'--capacities: whole numbers of tokens >= 64, got {args.capacities!r}')
     import peft
     import torch

@@ -21,9 +21,6 @@ Offline tooling; with ``--backend cuda`` on the GPU machine.
 """
 
 import argparse
-from concurrent.futures import as_completed
-from concurrent.futures import ProcessPoolExecutor
-import multiprocessing
 import os
 from pathlib import Path
 import sys
@@ -31,9 +28,8 @@ import time
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from rt_llm_node.demo.evaluate import batches  # noqa: E402
-from rt_llm_node.demo.evaluate import episode_batch  # noqa: E402
 from rt_llm_node.demo.evaluate import HELD_OUT_SEED0  # noqa: E402
+from rt_llm_node.demo.evaluate import run_episodes  # noqa: E402
 from rt_llm_node.demo.recorder import record_demo_bag  # noqa: E402
 
 
@@ -75,24 +71,17 @@ def main(argv=None):
              args.adapter, args.params): budget for seed in args.seeds for budget in budgets}
     started = time.monotonic()
     ticks = 0
-    # CUDA cannot be used in a child forked after the parent touched it
-    context = multiprocessing.get_context('spawn' if args.backend == 'cuda' else None)
-    with ProcessPoolExecutor(args.workers, mp_context=context) as pool:
-        futures = {pool.submit(episode_batch, batch): batch
-                   for batch in batches(jobs, args.threads)}
-        for future in as_completed(futures):
-            for job, episode in zip(futures[future], future.result()):
-                _, policy, budget, seed = job[:4]
-                name = f'{policy}{budget}_{seed}'
-                record_demo_bag(out / name, seed=seed, commands=True,
-                                executed=episode['executed'])
-                reached = sum(r == 'reached' for r in episode['results'])
-                ticks += len(episode['executed'])
-                elapsed = time.monotonic() - started
-                print(f'{name}: {reached} of {len(episode["results"])} goals, agreed '
-                      f"{episode['agree'] / max(1, episode['ticks']):.2f}, "
-                      f"{len(episode['executed'])} ticks ({elapsed:.0f} s, "
-                      f'{ticks / elapsed:.0f} ticks/s)', flush=True)
+    for job, episode in run_episodes(jobs, args.workers, args.threads, args.backend):
+        _, policy, budget, seed = job[:4]
+        name = f'{policy}{budget}_{seed}'
+        record_demo_bag(out / name, seed=seed, commands=True, executed=episode['executed'])
+        reached = sum(r == 'reached' for r in episode['results'])
+        ticks += len(episode['executed'])
+        elapsed = time.monotonic() - started
+        print(f'{name}: {reached} of {len(episode["results"])} goals, agreed '
+              f"{episode['agree'] / max(1, episode['ticks']):.2f}, "
+              f"{len(episode['executed'])} ticks ({elapsed:.0f} s, "
+              f'{ticks / elapsed:.0f} ticks/s)', flush=True)
     return 0
 
 

@@ -185,21 +185,21 @@ def run_expert_episode(seed, action_delay=0):
 
 
 _THREAD = threading.local()   # each thread's backends, one a cache budget (its own stream)
-_THREADS = {}
+_POOL = []                    # a worker's threads, the same for every batch: backends stay
 
 
-def episode_batch(jobs):
-    """Several episodes in one worker process at once, a thread each; their results in order.
+def episode_batch(jobs, threads=1):
+    """Several episodes in one worker process, ``threads`` at once; their results in order.
 
     Each thread keeps its own backends (``episode_job``), so on the GPU each episode has its
     own CUDA stream in the process's one context: one episode's kernels run beside another's,
     where the contexts of separate processes only take turns on the GPU.
     """
-    if len(jobs) == 1:
-        return [episode_job(jobs[0])]
-    if len(jobs) not in _THREADS:   # the same threads for every batch: their backends stay
-        _THREADS[len(jobs)] = ThreadPoolExecutor(len(jobs))
-    return list(_THREADS[len(jobs)].map(episode_job, jobs))
+    if threads == 1:
+        return [episode_job(job) for job in jobs]
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(threads))
+    return list(_POOL[0].map(episode_job, jobs))
 
 
 def batches(jobs, threads):
@@ -214,6 +214,21 @@ def batches(jobs, threads):
     longest = max(map(len, rows.values()), default=0)
     return [row[at:at + threads] for at in range(0, longest, threads) for row in rows.values()
             if row[at:at + threads]]
+
+
+def run_episodes(jobs, workers, threads, backend):
+    """Yield (job, result) for the ``episode_job`` tuples ``jobs`` ({job: row}) as they finish.
+
+    ``workers`` processes, each running ``threads`` episodes at once (``episode_batch``); for
+    the CUDA backend the processes start fresh (spawn): CUDA cannot be used in a child forked
+    after its parent touched it.
+    """
+    context = multiprocessing.get_context('spawn' if backend == 'cuda' else None)
+    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        futures = {pool.submit(episode_batch, batch, threads): batch
+                   for batch in batches(jobs, threads)}
+        for future in as_completed(futures):
+            yield from zip(futures[future], future.result())
 
 
 def episode_job(job):
@@ -469,23 +484,15 @@ def main(argv=None):
                 'kv_dtype': args.kv_dtype}
     started = time.time()
     gathered = {}
-    # CUDA cannot be used in a child forked after the parent touched it (the check above)
-    context = multiprocessing.get_context('spawn' if args.backend == 'cuda' else None)
-    done = 0
-    with ProcessPoolExecutor(args.workers, mp_context=context) as pool:
-        futures = {pool.submit(episode_batch, batch): batch
-                   for batch in batches(jobs, args.threads)}
-        for future in as_completed(futures):
-            for job, episode in zip(futures[future], future.result()):
-                done += 1
-                gathered.setdefault(jobs[job], {})[job[3]] = episode
-                reached = sum(r == 'reached' for r in episode['results'])
-                print(f'[{done}/{len(jobs)}] {jobs[job]} seed {job[3]}: {reached} of '
-                      f"{len(episode['results'])} goals, {time.time() - started:.0f} s",
-                      flush=True)
-            if args.json and done < len(jobs):
-                _write_json(args.json, summarize_rows(gathered), complete=False,
-                            backend=args.backend, settings=settings)
+    for done, (job, episode) in enumerate(run_episodes(jobs, args.workers, args.threads,
+                                                       args.backend), 1):
+        gathered.setdefault(jobs[job], {})[job[3]] = episode
+        reached = sum(r == 'reached' for r in episode['results'])
+        print(f'[{done}/{len(jobs)}] {jobs[job]} seed {job[3]}: {reached} of '
+              f"{len(episode['results'])} goals, {time.time() - started:.0f} s", flush=True)
+        if args.json and done < len(jobs):
+            _write_json(args.json, summarize_rows(gathered), complete=False,
+                        backend=args.backend, settings=settings)
     table = summarize_rows(gathered)
     elapsed = time.time() - started
     header, rows = table_rows(table, budgets, policies)
