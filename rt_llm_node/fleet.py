@@ -15,18 +15,20 @@ as bags finish (a line each, and a progress line: bags done, ticks/s, ETA); each
 OUT/bags/NAME.json, so an interrupted run goes on with ``--resume``. A bag that fails (corrupt,
 or its worker died) is retried once, then reported; the others' results are kept. The report:
 OUT/report.json (each bag: ticks, actions, refusals by reason, late, the first difference
-against its golden; totals), OUT/report.md with refusal rate and differences per bag (PNG plots
-with matplotlib). Exit status: 0 every bag as its golden (or goldens written), 1 a difference
-or a failed bag, 2 an error of the run itself. A bag's replay output is rt-llm-replay's but for
-timeline.png, drawn only with ``--timelines``: its matplotlib process would run beside every
-task on a CPU Ray does not count.
+against its golden; totals), OUT/report.md with refusal rate and differences per bag (SVG bar
+charts drawn here, no plotting library). Exit status: 0 every bag as its golden (or goldens
+written), 1 a difference or a failed bag, 2 an error of the run itself. A bag's replay output
+is rt-llm-replay's but for timeline.png, drawn only with ``--timelines``: its matplotlib
+process would run beside every task on a CPU Ray does not count.
 """
 
 import argparse
 from collections import Counter
 import glob
 import hashlib
+from html import escape
 import json
+import math
 import os
 from pathlib import Path
 import platform
@@ -177,7 +179,7 @@ def open_output(out, force):
                             'another folder, or --force to write beside it')
     (out / 'bags').mkdir(parents=True, exist_ok=True)
     write_atomic(out / MARKER, json.dumps({'tool': TOOL, 'files': [
-        'bags', 'report.json', 'report.md', 'refusals.png', 'differences.png']}) + '\n',
+        'bags', 'report.json', 'report.md', 'refusals.svg', 'differences.svg']}) + '\n',
         f'{TOOL} marker')
     return out
 
@@ -228,13 +230,13 @@ def totals(records):
             'differences': sum(r.get('differences', 0) for r in ran)}
 
 
-def write_report(out, records, run, warn):
-    """Write report.json and report.md (with the PNGs where matplotlib is installed)."""
+def write_report(out, records, run):
+    """Write report.json, report.md and its two SVG plots."""
     records = sorted(records, key=lambda r: r['bag'])
     report = {'run': run, 'totals': totals(records), 'bags': records}
     write_atomic(out / 'report.json', json.dumps(report, indent=2, default=str) + '\n',
                  'fleet report')
-    plots = _plots(out, records, warn)
+    plots = _plots(out, records)
     t = report['totals']
     md = [f'# Fleet replay: {t["bags"]} bags', '',
           f"- command: `{run['command']}`", f"- machine: {run['machine']}",
@@ -268,36 +270,62 @@ def plotted(bars):
     return worst, f'the {LABELLED} worst of {len(bars)} bags'
 
 
-def _plots(out, records, warn):
-    """Draw refusals.png and differences.png: a bar a bag (a large fleet: its worst)."""
-    try:
-        import matplotlib
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError:
-        warn('matplotlib is not installed: the report has no plots')
-        return []
+def _plots(out, records):
+    """Write refusals.svg and differences.svg: a bar a bag (a large fleet: its worst)."""
     ran = [r for r in records if r['status'] != 'error']
     made = []
-    for name, values, label in (
-            ('refusals.png', [100.0 * r['refusals'] / max(1, r['ticks']) for r in ran],
-             'refused ticks (%)'),
-            ('differences.png', [r.get('differences', 0) for r in ran],
-             'decisions unlike the golden')):
+    for name, values, label, colour in (
+            ('refusals.svg', [100.0 * r['refusals'] / max(1, r['ticks']) for r in ran],
+             'refused ticks (%)', '#1f77b4'),
+            ('differences.svg', [r.get('differences', 0) for r in ran],
+             'decisions unlike the golden', '#d62728')):
         bars, title = plotted([(r['bag'], v) for r, v in zip(ran, values)])
-        fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * len(bars) + 2), 3.2))
-        ax.bar(range(len(bars)), [v for _, v in bars],
-               color='tab:red' if 'diff' in name else 'tab:blue')
-        ax.set_xticks(range(len(bars)))
-        ax.set_xticklabels([n for n, _ in bars], rotation=60, ha='right', fontsize=7)
-        ax.set_ylabel(label, fontsize=8)
-        ax.set_title(title, fontsize=8)
-        ax.set_ylim(bottom=0)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=90)
-        plt.close(fig)
+        write_atomic(out / name, bar_chart(bars, label, title, colour), 'fleet report plot')
         made.append(name)
     return made
+
+
+def axis_step(top):
+    """Return a step of 1, 2 or 5 times a power of ten that splits [0, top] in at most 5."""
+    if top <= 0:
+        return 1.0
+    power = 10.0 ** math.floor(math.log10(top / 5))
+    return next(power * m for m in (1, 2, 5, 10) if top / (power * m) <= 5)
+
+
+def bar_chart(bars, label, title, colour):
+    """Return an SVG bar chart of (name, value) bars (drawn here: no plotting library).
+
+    Each bar carries a <title> with its bag and value (shown on hover), names run below at
+    an angle, the y axis has gridlines at ``axis_step``.
+    """
+    height, left, top, bottom, pitch = 150, 56, 26, 100, 22
+    width = max(320, left + 16 + pitch * len(bars))
+    highest = max([v for _, v in bars] + [0.0])
+    step = axis_step(highest)
+    peak = step * max(1, math.ceil(highest / step))
+    lines = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" '
+             f'height="{top + height + bottom}" font-family="sans-serif" font-size="9">',
+             f'<rect width="{width}" height="{top + height + bottom}" fill="white"/>',
+             f'<text x="{width / 2:.0f}" y="14" text-anchor="middle">{escape(title)}</text>',
+             f'<text transform="translate(12 {top + height / 2:.0f}) rotate(-90)" '
+             f'text-anchor="middle">{escape(label)}</text>']
+    for k in range(round(peak / step) + 1):
+        y = top + height - height * k * step / peak
+        lines.append(f'<line x1="{left}" x2="{width - 8}" y1="{y:.1f}" y2="{y:.1f}" '
+                     f'stroke="#ddd"/><text x="{left - 4}" y="{y + 3:.1f}" '
+                     f'text-anchor="end">{k * step:g}</text>')
+    for i, (name, value) in enumerate(bars):
+        x, h = left + 4 + i * pitch, height * value / peak
+        lines.append(f'<rect class="bar" x="{x}" y="{top + height - h:.1f}" '
+                     f'width="{pitch - 6}" height="{h:.1f}" fill="{colour}"><title>'
+                     f'{escape(name)}: {value:g}</title></rect>')
+        lines.append(f'<text transform="translate({x + (pitch - 6) / 2:.0f} '
+                     f'{top + height + 8}) rotate(-60)" text-anchor="end">'
+                     f'{escape(name)}</text>')
+    lines.append(f'<line x1="{left}" x2="{left}" y1="{top}" y2="{top + height}" '
+                 'stroke="black"/></svg>')
+    return '\n'.join(lines) + '\n'
 
 
 def build_parser():
@@ -416,8 +444,7 @@ def main(argv=None):
                'machine': f'{platform.node()}, {os.cpu_count()} CPUs here, Ray '
                           f'{ray.__version__}',
                'date': time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}
-        report = write_report(out, records, run, lambda text: print(
-            f'{TOOL}: warning: {text}', file=sys.stderr))
+        report = write_report(out, records, run)
         t = report['totals']
         print(f"{t['bags']} bags: {t['by_status']}; {t['ticks']} ticks, {t['differences']} "
               f"differences -> {out / 'report.md'}")

@@ -134,16 +134,35 @@ def test_without_ray_it_says_how_to_install_it(monkeypatch, capsys):
 
 
 def test_a_large_fleets_plots_show_its_worst_bags(tmp_path):
-    """Up to LABELLED bags a bar each in order; beyond, the worst ones, and both PNGs drawn."""
-    pytest.importorskip('matplotlib', reason='matplotlib draws the report')
+    """Up to LABELLED bags a bar each in order; beyond, the worst ones, drawn to scale."""
+    from xml.etree import ElementTree
     few = [(f'b{i}', float(i % 3)) for i in range(5)]
     assert fleet.plotted(few) == (few, '5 bags')
     many = [(f'b{i:03d}', float((i * 37) % 101)) for i in range(101)]
     shown, title = fleet.plotted(many)
     assert title == f'the {fleet.LABELLED} worst of 101 bags' and len(shown) == fleet.LABELLED
     assert [v for _, v in shown] == list(range(100, 100 - fleet.LABELLED, -1))
-    records = [{'bag': name, 'status': 'same', 'refusals': int(v), 'ticks': 600,
-                'differences': 0} for name, v in many]
-    made = fleet._plots(tmp_path, records + [{'bag': 'bad', 'status': 'error'}], print)
-    assert made == ['refusals.png', 'differences.png']
-    assert all((tmp_path / name).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' for name in made)
+    records = [{'bag': name, 'status': 'same', 'refusals': 6 * int(v), 'ticks': 600,
+                'differences': int(v) % 7} for name, v in many]
+    made = fleet._plots(tmp_path, records + [{'bag': 'bad<&>', 'status': 'error'}])
+    assert made == ['refusals.svg', 'differences.svg']
+    svg = '{http://www.w3.org/2000/svg}'
+    for name, value in (('refusals.svg', lambda r: r['refusals'] / 6),
+                        ('differences.svg', lambda r: r['differences'])):
+        root = ElementTree.parse(tmp_path / name).getroot()   # well-formed XML
+        bars = root.findall(f'{svg}rect[@class="bar"]')
+        worst = sorted(records, key=lambda r: -value(r))[:fleet.LABELLED]
+        assert [b.find(f'{svg}title').text for b in bars] == [
+            f"{r['bag']}: {value(r):g}" for r in worst]
+        heights = [float(b.get('height')) for b in bars]
+        top = max(heights)   # to scale: each bar's height is its value's share of the tallest
+        assert top > 0 and all(abs(h / top - value(r) / value(worst[0])) < 0.01
+                               for h, r in zip(heights, worst))
+
+
+def test_the_plots_axis_steps_are_round_and_cover_the_highest_bar():
+    for top, step in ((0, 1.0), (3, 1.0), (7, 2.0), (100, 20.0), (0.4, 0.1), (12.5, 5.0)):
+        assert fleet.axis_step(top) == pytest.approx(step)
+        assert top / fleet.axis_step(top) <= 5
+    svg = fleet.bar_chart([('a', 0.0), ('b', 0.0)], 'refused ticks (%)', 'no refusals', 'red')
+    assert 'height="0.0"' in svg and 'nan' not in svg.lower()

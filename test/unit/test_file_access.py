@@ -34,8 +34,6 @@ ALLOWED = {
     ('demo/evaluate.py', 'fig.savefig(path'): 'the plot file the user named (--plot)',
     ('demo/run.py', 'fig.savefig(path'): 'the picture the user named (--out)',
     ('timeline.py', "fig.savefig(job['path']"): "timeline.png inside replay's staging",
-    ('fleet.py', 'fig.savefig(out / name'): "the report's plots in the fleet's own folder "
-                                            '(open_output checked it)',
 }
 
 
