@@ -42,6 +42,9 @@ class FileError(OSError):
     def __str__(self):
         return f'{self.what} {self.path}: {self.reason}'
 
+    def __reduce__(self):   # intact across processes (rt-llm-eval's workers, Ray tasks)
+        return type(self), (self.what, self.path, self.reason)
+
 
 def _kind(mode):
     for test, name in ((stat.S_ISDIR, 'a directory'), (stat.S_ISFIFO, 'a FIFO'),

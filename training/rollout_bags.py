@@ -28,6 +28,7 @@ import time
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from rt_llm_node.demo.evaluate import EPISODE_ERRORS  # noqa: E402
 from rt_llm_node.demo.evaluate import HELD_OUT_SEED0  # noqa: E402
 from rt_llm_node.demo.evaluate import run_episodes  # noqa: E402
 from rt_llm_node.demo.recorder import record_demo_bag  # noqa: E402
@@ -71,17 +72,21 @@ def main(argv=None):
              args.adapter, args.params): budget for seed in args.seeds for budget in budgets}
     started = time.monotonic()
     ticks = 0
-    for job, episode in run_episodes(jobs, args.workers, args.threads, args.backend):
-        _, policy, budget, seed = job[:4]
-        name = f'{policy}{budget}_{seed}'
-        record_demo_bag(out / name, seed=seed, commands=True, executed=episode['executed'])
-        reached = sum(r == 'reached' for r in episode['results'])
-        ticks += len(episode['executed'])
-        elapsed = time.monotonic() - started
-        print(f'{name}: {reached} of {len(episode["results"])} goals, agreed '
-              f"{episode['agree'] / max(1, episode['ticks']):.2f}, "
-              f"{len(episode['executed'])} ticks ({elapsed:.0f} s, "
-              f'{ticks / elapsed:.0f} ticks/s)', flush=True)
+    try:
+        for job, episode in run_episodes(jobs, args.workers, args.threads, args.backend):
+            _, policy, budget, seed = job[:4]
+            name = f'{policy}{budget}_{seed}'
+            record_demo_bag(out / name, seed=seed, commands=True, executed=episode['executed'])
+            reached = sum(r == 'reached' for r in episode['results'])
+            ticks += len(episode['executed'])
+            elapsed = time.monotonic() - started
+            print(f'{name}: {reached} of {len(episode["results"])} goals, agreed '
+                  f"{episode['agree'] / max(1, episode['ticks']):.2f}, "
+                  f"{len(episode['executed'])} ticks ({elapsed:.0f} s, "
+                  f'{ticks / elapsed:.0f} ticks/s)', flush=True)
+    except EPISODE_ERRORS as exc:
+        print(f'rollout_bags: error: {exc}', file=sys.stderr)
+        return 2
     return 0
 
 

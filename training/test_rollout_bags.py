@@ -74,3 +74,10 @@ def test_the_rollout_command_writes_a_bag_an_episode_and_budget(tmp_path, capsys
     with pytest.raises(SystemExit):   # held-out seeds are never trained on
         rollout_bags.main(['--model', str(default_model_path()), '--out', str(tmp_path),
                            '--seeds', '999999:1000001'])
+    capsys.readouterr()
+    # an adapter the workers cannot load: its error, one line, exit 2
+    assert rollout_bags.main(['--model', str(default_model_path()), '--params', '',
+                              '--adapter', str(tmp_path / 'none'), '--out', str(tmp_path),
+                              '--seeds', '20001:20002', '--backend', 'numpy',
+                              '--workers', '1']) == 2
+    assert capsys.readouterr().err.startswith('rollout_bags: error: ' + str(tmp_path))

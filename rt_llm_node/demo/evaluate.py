@@ -24,15 +24,19 @@ import json
 import multiprocessing
 import os
 from pathlib import Path
+import sys
 import threading
 import time
 
 from rt_llm_node.admission import Admission
 from rt_llm_node.admission import CostModel
+from rt_llm_node.backends import BackendError
 from rt_llm_node.backends import KV_DTYPES
 from rt_llm_node.backends import make_backend
 from rt_llm_node.backends.numpy_backend import NumpyBackend
 from rt_llm_node.codec import scan_sectors
+from rt_llm_node.codec.actions import GrammarError
+from rt_llm_node.configure import ConfigurationError
 from rt_llm_node.configure import verify_tokens
 from rt_llm_node.demo.episodes import SCAN_SECTORS
 from rt_llm_node.demo.expert import expert_command
@@ -45,15 +49,19 @@ from rt_llm_node.demo.task import SYSTEM_PROMPT
 from rt_llm_node.demo.world import DemoWorld
 from rt_llm_node.engine import ModelClock
 from rt_llm_node.engine import TickEngine
+from rt_llm_node.files import FileError
 from rt_llm_node.files import write_atomic
 from rt_llm_node.instruction_cache import InstructionCache
 from rt_llm_node.kvcache import POLICIES
+from rt_llm_node.model import CheckpointError
 from rt_llm_node.model import load_model
 from rt_llm_node.model.embedded import default_model_path
 from rt_llm_node.model.quant import WEIGHT_FORMATS
 
 HELD_OUT_SEED0 = 1_000_000      # training uses seeds below 100,000 x (training seed + 1)
 BUDGETS = (128, 256, 512, 'full')
+# what an episode raises for inputs it cannot use: one line and exit status 2, no traceback
+EPISODE_ERRORS = (CheckpointError, FileError, ConfigurationError, GrammarError, BackendError)
 _CACHE = {}
 
 
@@ -221,14 +229,18 @@ def run_episodes(jobs, workers, threads, backend):
 
     ``workers`` processes, each running ``threads`` episodes at once (``episode_batch``); for
     the CUDA backend the processes start fresh (spawn): CUDA cannot be used in a child forked
-    after its parent touched it.
+    after its parent touched it. An episode's error (a checkpoint, adapter or parameter file
+    it cannot use) is raised here as itself: the package's errors cross processes intact.
     """
     context = multiprocessing.get_context('spawn' if backend == 'cuda' else None)
-    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+    pool = ProcessPoolExecutor(workers, mp_context=context)
+    try:
         futures = {pool.submit(episode_batch, batch, threads): batch
                    for batch in batches(jobs, threads)}
         for future in as_completed(futures):
             yield from zip(futures[future], future.result())
+    finally:   # an episode's error ends the run: the episodes not yet started never start
+        pool.shutdown(cancel_futures=True)
 
 
 def episode_job(job):
@@ -356,8 +368,6 @@ def merge_tables(runs):
 
 def _merge_main(args):
     """--merge: print (and with --json write) the table of several runs' JSONs."""
-    import sys
-    from rt_llm_node.files import FileError
     from rt_llm_node.files import read_json
     try:
         runs = [(path, read_json(path, 'evaluation table')) for path in args.merge]
@@ -484,15 +494,20 @@ def main(argv=None):
                 'kv_dtype': args.kv_dtype}
     started = time.time()
     gathered = {}
-    for done, (job, episode) in enumerate(run_episodes(jobs, args.workers, args.threads,
-                                                       args.backend), 1):
-        gathered.setdefault(jobs[job], {})[job[3]] = episode
-        reached = sum(r == 'reached' for r in episode['results'])
-        print(f'[{done}/{len(jobs)}] {jobs[job]} seed {job[3]}: {reached} of '
-              f"{len(episode['results'])} goals, {time.time() - started:.0f} s", flush=True)
-        if args.json and done < len(jobs):
-            _write_json(args.json, summarize_rows(gathered), complete=False,
-                        backend=args.backend, settings=settings)
+    try:
+        for done, (job, episode) in enumerate(run_episodes(jobs, args.workers, args.threads,
+                                                           args.backend), 1):
+            gathered.setdefault(jobs[job], {})[job[3]] = episode
+            reached = sum(r == 'reached' for r in episode['results'])
+            print(f'[{done}/{len(jobs)}] {jobs[job]} seed {job[3]}: {reached} of '
+                  f"{len(episode['results'])} goals, {time.time() - started:.0f} s",
+                  flush=True)
+            if args.json and done < len(jobs):
+                _write_json(args.json, summarize_rows(gathered), complete=False,
+                            backend=args.backend, settings=settings)
+    except EPISODE_ERRORS as exc:
+        print(f'rt-llm-eval: error: {exc}', file=sys.stderr)
+        return 2
     table = summarize_rows(gathered)
     elapsed = time.time() - started
     header, rows = table_rows(table, budgets, policies)
@@ -509,4 +524,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(main())

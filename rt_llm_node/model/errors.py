@@ -19,3 +19,6 @@ class CheckpointError(ValueError):
             detail = detail[:self.MAX_DETAIL - 3] + '...'
         self.detail = detail
         super().__init__(f'{self.path}: {detail}')
+
+    def __reduce__(self):   # intact across processes (rt-llm-eval's workers, Ray tasks)
+        return type(self), (self.path, self.detail)

@@ -176,6 +176,13 @@ def test_eval_reports_each_episode_as_it_finishes_and_writes_the_table(tmp_path,
     assert table['backend'] == 'numpy'
     with pytest.raises(SystemExit):   # training seeds are not held out
         main(['--episodes', '1', '--first-seed', '5', '--policies', ''])
+    capsys.readouterr()
+    # a model or adapter the workers cannot load: its error, one line, exit 2 (no traceback)
+    for bad in (['--model', str(tmp_path / 'none.gguf')], ['--adapter', str(tmp_path)]):
+        assert main(['--episodes', '2', '--policies', 'meaning', '--budgets', '128',
+                     '--workers', '2', *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith('rt-llm-eval: error: ' + str(tmp_path)) and '\n' not in err
     from rt_llm_node.backends import cuda_available
     if not cuda_available():   # --backend cuda without a GPU: refused with a reason
         with pytest.raises(SystemExit):

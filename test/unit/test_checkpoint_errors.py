@@ -216,3 +216,15 @@ def test_weights_that_would_overflow_the_forward_name_the_file_and_tensor(ckpt):
     path.write_bytes(bytes(blob))
     with pytest.raises(CheckpointError, match=f"model.safetensors: tensor '{name}' holds "):
         load_checkpoint(ckpt)
+
+
+def test_errors_cross_process_boundaries_intact(ckpt):
+    """rt-llm-eval's worker processes and Ray's tasks pickle what an episode or a bag raised."""
+    import pickle
+    from rt_llm_node.files import FileError
+    (ckpt / 'config.json').write_text('{')
+    with pytest.raises(CheckpointError) as raised:
+        load_checkpoint(ckpt)
+    for exc in (raised.value, FileError('parameter file', ckpt / 'p.yaml', 'too large')):
+        back = pickle.loads(pickle.dumps(exc))
+        assert type(back) is type(exc) and str(back) == str(exc) and back.path == exc.path
