@@ -121,8 +121,13 @@ def main():
                 "(host included, ROS not); model: the cost model's time. Passes: prefill, "
                 'decode steps, verify passes.\n\n' + markdown_table(HEADER, rows)
                 + '\n\n' + markdown_table(POOLED, pooled_rows))
+        machine = None   # this CPU's description
+        if args.backend == 'cuda':
+            import platform
+            from bench_cuda import gpu_name
+            machine = f'{gpu_name()}, Python {platform.python_version()}'
         write_section('smollm2_replay', 'SmolLM2-135M-Instruct replayed at 30 Hz, '
-                      'speculation off and on', body)
+                      'speculation off and on', body, machine=machine)
 
 
 if __name__ == '__main__':
