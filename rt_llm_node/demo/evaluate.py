@@ -35,8 +35,6 @@ from rt_llm_node.backends import KV_DTYPES
 from rt_llm_node.backends import make_backend
 from rt_llm_node.backends.numpy_backend import NumpyBackend
 from rt_llm_node.codec import scan_sectors
-from rt_llm_node.codec.actions import GrammarError
-from rt_llm_node.configure import ConfigurationError
 from rt_llm_node.configure import verify_tokens
 from rt_llm_node.demo.episodes import SCAN_SECTORS
 from rt_llm_node.demo.expert import expert_command
@@ -53,15 +51,15 @@ from rt_llm_node.files import FileError
 from rt_llm_node.files import write_atomic
 from rt_llm_node.instruction_cache import InstructionCache
 from rt_llm_node.kvcache import POLICIES
-from rt_llm_node.model import CheckpointError
 from rt_llm_node.model import load_model
 from rt_llm_node.model.embedded import default_model_path
 from rt_llm_node.model.quant import WEIGHT_FORMATS
 
 HELD_OUT_SEED0 = 1_000_000      # training uses seeds below 100,000 x (training seed + 1)
 BUDGETS = (128, 256, 512, 'full')
-# what an episode raises for inputs it cannot use: one line and exit status 2, no traceback
-EPISODE_ERRORS = (CheckpointError, FileError, ConfigurationError, GrammarError, BackendError)
+# what an episode raises for inputs it cannot use (a checkpoint, adapter or parameter file; a
+# cache budget the model or the prompt cannot take): one line and exit status 2, no traceback
+EPISODE_ERRORS = (ValueError, FileError, BackendError)
 _CACHE = {}
 
 
@@ -473,10 +471,20 @@ def main(argv=None):
         from rt_llm_node.backends import cuda_backend_class
         if cuda_backend_class() is None or not cuda_available():
             parser.error('--backend cuda needs CuPy and a CUDA device; none was found')
+    if args.episodes < 1:
+        parser.error('--episodes must be at least 1')
+    try:
+        budgets = [b if b == 'full' else int(b) for b in args.budgets.split(',')]
+    except ValueError:
+        budgets = [0]
+    if not all(b == 'full' or b > 0 for b in budgets):
+        parser.error(f"--budgets: token counts or 'full', not {args.budgets!r}")
+    policies = [p for p in args.policies.split(',') if p]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        parser.error(f'--policies: {unknown[0]!r} is not one of {", ".join(POLICIES)}')
     model = str(args.model or default_model_path())
     seeds = list(range(args.first_seed, args.first_seed + args.episodes))
-    budgets = [b if b == 'full' else int(b) for b in args.budgets.split(',')]
-    policies = [p for p in args.policies.split(',') if p]
     configs = [('expert', None)] + [(p, b) for p in policies for b in budgets]
     # one job per episode, so the pool stays balanced whatever the mix of fast (expert,
     # small cache) and slow episodes; each result is printed (and the JSON rewritten) as

@@ -176,13 +176,21 @@ def test_eval_reports_each_episode_as_it_finishes_and_writes_the_table(tmp_path,
     assert table['backend'] == 'numpy'
     with pytest.raises(SystemExit):   # training seeds are not held out
         main(['--episodes', '1', '--first-seed', '5', '--policies', ''])
-    capsys.readouterr()
-    # a model or adapter the workers cannot load: its error, one line, exit 2 (no traceback)
-    for bad in (['--model', str(tmp_path / 'none.gguf')], ['--adapter', str(tmp_path)]):
+    for bad, says in ((['--budgets', 'abc'], '--budgets'), (['--budgets', '0'], '--budgets'),
+                      (['--policies', 'lru'], '--policies'), (['--episodes', '0'], '--episodes')):
+        with pytest.raises(SystemExit):
+            main(['--episodes', '1', *bad])
+        assert says in capsys.readouterr().err
+    # what the workers cannot use (a model, an adapter, a budget the model or the prompt
+    # cannot take): its error, one line, exit 2, no traceback
+    for bad, says in ((['--model', str(tmp_path / 'none.gguf')], str(tmp_path)),
+                      (['--adapter', str(tmp_path)], str(tmp_path)),
+                      (['--budgets', '5000'], 'kv capacity 5000'),
+                      (['--budgets', '3'], 'the system prompt')):
         assert main(['--episodes', '2', '--policies', 'meaning', '--budgets', '128',
                      '--workers', '2', *bad]) == 2
         err = capsys.readouterr().err.strip()
-        assert err.startswith('rt-llm-eval: error: ' + str(tmp_path)) and '\n' not in err
+        assert err.startswith('rt-llm-eval: error: ' + says) and '\n' not in err
     from rt_llm_node.backends import cuda_available
     if not cuda_available():   # --backend cuda without a GPU: refused with a reason
         with pytest.raises(SystemExit):
