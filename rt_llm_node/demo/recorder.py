@@ -38,6 +38,7 @@ FRAMES = {'/scan': 'base_scan', '/odom': 'odom'}
 SENSOR_DELAY_NS = 4_000_000   # messages are logged a little after the world tick
 COMMAND_DELAY_NS = 8_000_000  # and the expert's command after them
 COMMAND_TOPIC = '/cmd_vel'
+MAX_SECONDS = 24 * 3600.0   # a day of the demo at 30 Hz: ~2.6M ticks
 # the QoS rt-llm-demo-world offers (sensor data; the instruction reliable and transient
 # local, depth 10), recorded in the bag's metadata as ros2 bag record does
 SENSOR_QOS = ('best_effort', 'volatile', 5)
@@ -76,6 +77,10 @@ def record_demo_bag(path, seconds=10.0, seed=1_000_000, storage='mcap', force=Fa
     existing ``path`` is replaced only when it is an earlier bag of this tool
     (``files.OutputFolder``; ``force``: written beside what else is there).
     """
+    if not 0.0 < seconds <= MAX_SECONDS:   # NaN fails this too
+        raise ValueError(f'seconds must be in (0, {MAX_SECONDS:g}], not {seconds!r}')
+    if seed < 0:
+        raise ValueError(f'the seed must be >= 0, not {seed}')
     from rosbags.rosbag2 import StoragePlugin
     from rosbags.rosbag2 import Writer
     from rosbags.typesys import get_typestore
@@ -175,6 +180,8 @@ def main(argv=None):
     try:
         path = record_demo_bag(args.out, args.seconds, args.seed, args.storage, args.force,
                                args.commands, noise)
+    except ValueError as exc:
+        parser.error(str(exc))
     except FileError as exc:
         print(f'rt-llm-demo-record: error: {exc}', file=sys.stderr)
         return 2

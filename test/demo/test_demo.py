@@ -427,3 +427,14 @@ def test_an_aiming_policy_states_the_expert_aim_first_and_publishes_only_v_and_w
     assert model_object_tokens(tmp_path) is False
     (tmp_path / 'training.json').write_text(json.dumps({'object_tokens': True}))
     assert model_object_tokens(tmp_path) is True
+
+
+def test_the_recorder_refuses_a_length_or_seed_it_cannot_record(tmp_path, capsys):
+    from rt_llm_node.demo.recorder import main
+    for bad in (['--seconds', '0'], ['--seconds', 'nan'], ['--seconds', 'inf'],
+                ['--seconds', '1e9'], ['--seed', '-1']):
+        with pytest.raises(SystemExit) as stopped:
+            main([str(tmp_path / 'bag'), *bad])
+        assert stopped.value.code == 2
+        assert 'rt-llm-demo-record: error: ' in capsys.readouterr().err
+    assert not (tmp_path / 'bag').exists()
