@@ -42,6 +42,7 @@ from rt_llm_node.files import MARKER
 from rt_llm_node.files import MB
 from rt_llm_node.files import read_json
 from rt_llm_node.files import write_atomic
+from rt_llm_node.replay import check_tolerance
 from rt_llm_node.replay import differences
 from rt_llm_node.replay import EXIT_DIFFERENT
 from rt_llm_node.replay import EXIT_ERROR
@@ -371,8 +372,9 @@ def main(argv=None):
         return EXIT_ERROR
     ray_started = False
     try:
-        if args.workers < 1 or args.gpus_per_bag < 0:
+        if args.workers < 1 or not 0.0 <= args.gpus_per_bag < math.inf:
             raise FleetError('--workers must be at least 1 and --gpus-per-bag not negative')
+        check_tolerance(args.tolerance)
         bags = find_bags(args.bags)
         values = load_params(args.params)
         if args.model:

@@ -95,11 +95,25 @@ def parse_remaps(items):
     """['/scan:=/robot/scan', ...] -> {'/scan': '/robot/scan'} (node topic -> bag topic)."""
     remaps = {}
     for item in items or ():
-        if ':=' not in item:
+        node_topic, _, bag_topic = (part.strip() for part in item.partition(':='))
+        if not node_topic or not bag_topic or ':=' in bag_topic:
             raise ReplayError(f'--topics takes NODE_TOPIC:=BAG_TOPIC, got {item!r}')
-        node_topic, bag_topic = item.split(':=', 1)
-        remaps[node_topic.strip()] = bag_topic.strip()
+        remaps[node_topic] = bag_topic
     return remaps
+
+
+def check_span(start_s, end_s):
+    """Raise ReplayError unless --start and --end are seconds into a bag (finite, >= 0)."""
+    if not 0.0 <= start_s < math.inf or not (end_s is None or 0.0 <= end_s < math.inf):
+        raise ReplayError(f'--start and --end are seconds into the bag (finite, not negative), '
+                          f'not {start_s!r} and {end_s!r}')
+
+
+def check_tolerance(tolerance):
+    """Return ``tolerance`` where it is a finite number >= 0; ReplayError otherwise."""
+    if not 0.0 <= tolerance < math.inf:   # NaN fails this too
+        raise ReplayError(f'the tolerance must be a finite number >= 0, not {tolerance!r}')
+    return tolerance
 
 
 def action_namespace(action, action_type, period_s, stamp_ns=0, frame_id=''):
@@ -146,6 +160,7 @@ def replay(bag, values, out, clock_mode='model', cost_model=None, start_s=0.0, e
     draw timeline.png (a matplotlib process beside the replay; a fleet that fills every
     core leaves it out).
     """
+    check_span(start_s, end_s)
     from rosbags.typesys import get_typestore
     from rosbags.typesys import Stores
     from rt_llm_node.configure import configure_engine
@@ -395,6 +410,7 @@ def differences(out, golden, tolerance=1e-6):
     Kinds: 'action -> refusal' (and back), 'refusal reason', 'action values' (a field
     beyond ``tolerance``), 'action text', 'tick count' (with None for the lines).
     """
+    check_tolerance(tolerance)
     new, old = load_decisions(out), load_decisions(golden)
     found = []
     for a, b in zip(new, old):
@@ -515,9 +531,11 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         remaps = parse_remaps(args.topics)
+        check_tolerance(args.tolerance)
+        check_span(args.start, args.end)
         if args.live:
-            if args.rate <= 0 or args.delay < 0:
-                raise ReplayError('--rate must be positive and --delay not negative')
+            if not (0.0 < args.rate < math.inf and 0.0 <= args.delay < math.inf):
+                raise ReplayError('--rate must be positive and --delay not negative (finite)')
             live(args.bag, remaps, args.publish_clock, args.rate, args.delay)
             return 0
         OutputFolder(args.out, 'rt-llm-replay', args.force).discard()   # refused at once

@@ -213,6 +213,19 @@ def test_missing_bag_and_missing_topics_are_clear_errors(bags, tmp_path, capsys)
     assert code == 2 and '/front_scan (for input /scan) is not in the bag' in err
 
 
+@pytest.mark.parametrize('bad, says', [
+    (['--tolerance', 'nan'], 'the tolerance must be'), (['--tolerance', '-1'], 'the tolerance'),
+    (['--start', 'nan'], '--start and --end'), (['--end', 'inf'], '--start and --end'),
+    (['--start', '-2'], '--start and --end'), (['--live', '--rate', 'nan'], '--rate'),
+    (['--live', '--delay', 'inf'], '--delay'), (['--topics', '/scan:=/a:=/b'], '--topics'),
+    (['--topics', ':=/scan'], '--topics'), (['--topics', '/scan:='], '--topics')])
+def test_arguments_out_of_range_are_one_error_line(bags, tmp_path, capsys, bad, says):
+    out = tmp_path / 'o'
+    code, _, err = run([bags['mcap'], '--params', DEMO_PARAMS, '--out', out, *bad], capsys)
+    assert code == 2 and err.startswith('rt-llm-replay: error: ') and says in err, err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
 def write_bag_with_extra_topic(path, source, version, storage, custom_def, with_definition):
     """Copy ``source`` and add /note of a custom type that the default typestore lacks."""
     store = get_typestore(Stores.LATEST)
