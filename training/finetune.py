@@ -28,6 +28,7 @@ Offline tooling (torch, transformers, peft), best on a GPU; nothing here runs on
 import argparse
 from concurrent.futures import ProcessPoolExecutor
 import json
+import math
 import multiprocessing
 from pathlib import Path
 import sys
@@ -211,6 +212,16 @@ def main(argv=None):
                         help='mean seconds between simulated node restarts (the cache emptied): '
                         'decisions with no history, which a long bag holds once')
     args = parser.parse_args(argv)
+    if min(args.steps, args.batch, args.rank, args.workers, args.eval_samples) < 1 \
+            or args.eval_every < 0:
+        parser.error('--steps, --batch, --rank, --workers and --eval-samples must be at least '
+                     '1, --eval-every at least 0')
+    if not (0.0 < args.lr < math.inf and 0.0 < args.alpha < math.inf
+            and (args.max_minutes is None or 0.0 < args.max_minutes < math.inf)):
+        parser.error('--lr, --alpha and --max-minutes must be finite numbers above 0')
+    unknown = sorted(set(args.targets.split(',')) - set(TARGETS))
+    if unknown:
+        parser.error(f'--targets: {", ".join(unknown)} not among {", ".join(TARGETS)}')
     try:
         augment = Augment(tuple(float(x) for x in args.history_noise.split(','))
                           if args.history_noise else (), args.history_hold,

@@ -282,9 +282,11 @@ def test_the_fine_tuning_command_trains_scores_and_writes_an_adapter(expert_bag,
                                 load_model(str(default_model_path())).tokenizer, log=print)
                     for capacity in (160, 320))
     assert max(len(s.context) for s in small) <= 160 < max(len(s.context) for s in large)
-    with pytest.raises(SystemExit):
-        finetune.main(['--params', str(params), '--bags', str(expert_bag), '--out', str(out),
-                       '--capacities', '160,x'])
+    for bad in (['--capacities', '160,x'], ['--steps', '0'], ['--lr', 'nan'], ['--rank', '0'],
+                ['--alpha', 'inf'], ['--max-minutes', '-1'], ['--targets', 'q_proj,qkv']):
+        with pytest.raises(SystemExit):
+            finetune.main(['--params', str(params), '--bags', str(expert_bag), '--out',
+                           str(out), *bad])
     holdout = record['holdout']
     assert holdout['bags'] == ['held'] and holdout['samples'] == 16
     assert [step for step, _, _ in holdout['curve']] == [2, 4]
