@@ -103,14 +103,31 @@ def _check_files(path):
             raise BagError(str(exc)) from None
 
 
+def root_topic(topic, node_name='rt_llm_node'):
+    """Return ``topic`` as the node at the root namespace resolves it.
+
+    ``joint_states`` -> ``/joint_states``, ``~/x`` -> ``/rt_llm_node/x``: the names a bag
+    recorded there holds.
+    """
+    if topic.startswith('/'):
+        return topic
+    if topic.startswith('~'):
+        return f'/{node_name}/{topic[1:].lstrip("/")}'
+    return '/' + topic
+
+
 def input_connections(reader, values, remaps, store, warn):
-    """{node topic: connection} for the configured inputs; errors for missing required ones."""
+    """{node topic: connection} for the configured inputs; errors for missing required ones.
+
+    A relative input topic is looked for as the node at the root namespace would subscribe to
+    it; a remap may name the input either way.
+    """
     by_topic = {}
     for connection in reader.connections:
         by_topic.setdefault(connection.topic, connection)
     chosen, problems = {}, []
     for i, topic in enumerate(values['input_topics']):
-        bag_topic = remaps.get(topic, topic)
+        bag_topic = remaps.get(topic, remaps.get(root_topic(topic), root_topic(topic)))
         want = normalize_type(values['input_types'][i])
         connection = by_topic.get(bag_topic)
         if connection is None:

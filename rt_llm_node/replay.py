@@ -37,6 +37,7 @@ from rt_llm_node.bags import _stamp
 from rt_llm_node.bags import BagError
 from rt_llm_node.bags import input_connections
 from rt_llm_node.bags import open_bag
+from rt_llm_node.bags import root_topic
 from rt_llm_node.bags import to_store_message
 from rt_llm_node.codec import action_message
 from rt_llm_node.codec import refusal_values
@@ -125,8 +126,7 @@ def action_namespace(action, action_type, period_s, stamp_ns=0, frame_id=''):
 
 def action_topic(values):
     """Return the action topic's absolute name (a node at the root namespace)."""
-    action = values['action_topic']
-    return action if action.startswith('/') else '/' + action
+    return root_topic(values['action_topic'])
 
 
 def output_topics(values):

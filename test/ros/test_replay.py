@@ -558,3 +558,72 @@ def test_the_recorder_replaces_its_own_bag_and_refuses_a_foreign_folder(tmp_path
     (other / 'cat.jpg').write_bytes(b'\xff\xd8')
     assert record([str(other), '--seconds', '0.3']) == 2
     assert 'cat.jpg' in capsys.readouterr().err and (other / 'cat.jpg').exists()
+
+
+ARM_JOINTS = ['shoulder_pan_joint', 'shoulder_lift_joint', 'elbow_joint']
+ARM_PARAMS = """/**:
+  ros__parameters:
+    input_topics: ["/instruction", "joint_states"]
+    input_types: ["std_msgs/msg/String", "sensor_msgs/msg/JointState"]
+    input_kinds: ["instruction", "observation"]
+    input_max_age_s: [1000000000.0, 0.1]
+    input_prefixes: ["task", "joints"]
+    input_max_tokens: [16, 48]
+    action_topic: arm_controller/joint_trajectory
+    action_type: trajectory_msgs/msg/JointTrajectory
+    action_fields: [shoulder_pan_joint, shoulder_lift_joint, elbow_joint]
+    action_min: [-1.5, -2.0, -2.5]
+    action_max: [1.5, 0.0, 2.5]
+    action_step: [0.05, 0.05, 0.05]
+    joint_max_step: [0.03]
+"""
+
+
+def write_arm_bag(path, seconds, storage='mcap'):
+    """Write an arm recorded at the root namespace: an instruction, then its joints at 30 Hz."""
+    store = get_typestore(Stores.LATEST)
+    types = store.types
+    start = 1_700_000_000 * 10**9
+    plugin = {'mcap': StoragePlugin.MCAP, 'sqlite3': StoragePlugin.SQLITE3}[storage]
+    with Writer(path, version=9, storage_plugin=plugin) as writer:
+        task = writer.add_connection('/instruction', 'std_msgs/msg/String', typestore=store)
+        joints = writer.add_connection('/joint_states', 'sensor_msgs/msg/JointState',
+                                       typestore=store)
+        writer.write(task, start, store.serialize_cdr(types['std_msgs/msg/String'](
+            data='wave the arm'), 'std_msgs/msg/String'))
+        for k in range(int(seconds * 30)):
+            t = start + 5_000_000 + k * 33_333_333
+            stamp = types['builtin_interfaces/msg/Time'](sec=t // 10**9, nanosec=t % 10**9)
+            msg = types['sensor_msgs/msg/JointState'](
+                header=types['std_msgs/msg/Header'](stamp=stamp, frame_id=''),
+                name=list(ARM_JOINTS), position=np.array([0.5 * np.sin(k / 30), -1.0 + 0.3 *
+                                                          np.cos(k / 20), 0.8 * np.sin(k / 15)]),
+                velocity=np.zeros(0), effort=np.zeros(0))
+            writer.write(joints, t, store.serialize_cdr(msg, 'sensor_msgs/msg/JointState'))
+
+
+def test_an_arms_bag_replays_on_its_relative_topics_each_target_a_bounded_step(tmp_path, capsys):
+    """The README's arm profile (relative topics) on a bag recorded at the root namespace."""
+    bag, params, out = tmp_path / 'arm', tmp_path / 'arm.yaml', tmp_path / 'out'
+    write_arm_bag(bag, 2.0)
+    params.write_text(ARM_PARAMS)
+    code, _, err = run([bag, '--params', params, '--out', out], capsys)
+    assert code == 0, err
+    store = get_typestore(Stores.LATEST)
+    measured, sent = [], []   # (log time, joint positions); each trajectory's target
+    with Reader(out / 'replay') as reader:
+        for connection, t, raw in reader.messages():
+            msg = store.deserialize_cdr(raw, connection.msgtype)
+            if connection.topic == '/joint_states':
+                measured.append((t, np.asarray(msg.position)))
+            elif connection.topic == '/arm_controller/joint_trajectory' and msg.points:
+                assert list(msg.joint_names) == ARM_JOINTS
+                sent.append(np.asarray(msg.points[0].positions))
+    ticks = [json.loads(line) for line in (out / 'actions.jsonl').read_text().splitlines()]
+    acted = [tick for tick in ticks if tick['decision'] == 'action']
+    assert len(sent) == len(acted) >= 55
+    for tick, target in zip(acted, sent):
+        # at most joint_max_step from what the tick measured: the newest state at its start
+        state = [position for t, position in measured if t <= tick['stamp_ns']][-1]
+        assert np.abs(target - state).max() <= 0.03 + 1e-9, (tick, target, state)
+        assert np.allclose(target, [tick['values'][j] for j in ARM_JOINTS], atol=1e-6)
