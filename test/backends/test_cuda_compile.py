@@ -7,6 +7,8 @@ nvrtc = pytest.importorskip('cupy_backends.cuda.libs.nvrtc',
 
 import re  # noqa: E402,I100
 
+import nvrtc_programs  # noqa: E402
+
 from rt_llm_node.backends.cuda_kernels import compile_cubin  # noqa: E402,I100
 from rt_llm_node.backends.cuda_kernels import kernel_names  # noqa: E402
 from rt_llm_node.backends.cuda_kernels import KernelBuildError  # noqa: E402
@@ -16,29 +18,20 @@ from rt_llm_node.backends.cuda_kernels import runtime_sources  # noqa: E402
 from rt_llm_node.backends.cuda_kernels import source_dir  # noqa: E402
 from rt_llm_node.backends.cuda_kernels import WEIGHT_DTYPES  # noqa: E402
 
+from conftest import compiled_programs  # noqa: E402,I100
 
-ARCHS = (87, 90)
+
+ARCHS = nvrtc_programs.ARCHS
 
 
 @pytest.fixture(scope='module')
-def programs():
-    """Every (arch, weight dtype, int8 KV) program, compiled at once on all the cores.
+def programs(request):
+    """Return every (arch, weight dtype, int8 KV) program.
 
-    NVRTC releases the GIL while it compiles, so threads are enough: on 2 cores the twelve
-    programs take about half a minute each one after another, about 60% of that together.
+    From the compile the session started in the background (conftest.py), else compiled here
+    on all the cores.
     """
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-    cases = [(arch, dtype, kv) for arch in ARCHS for dtype in WEIGHT_DTYPES
-             for kv in (False, True)]
-
-    def build(case):
-        try:
-            return compile_cubin(case[0], case[1], kv_int8=case[2])
-        except KernelBuildError as exc:
-            return exc
-    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        return dict(zip(cases, pool.map(build, cases)))
+    return compiled_programs(request.config) or nvrtc_programs.compile_all()
 
 
 @pytest.mark.parametrize('kv_int8', [False, True], ids=['kv_fp32', 'kv_int8'])
