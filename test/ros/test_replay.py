@@ -579,6 +579,25 @@ ARM_PARAMS = """/**:
 """
 
 
+def arm_state(k):
+    """Return the (names, positions) an arm reports at its k-th state, damaged in places.
+
+    States 10-19: a NaN position; 30-34: one position short; 40-44: the joints in another
+    order (positions by name, as joint_state_broadcaster may send them); 50-54: infinity.
+    """
+    names = list(ARM_JOINTS)
+    positions = [0.5 * np.sin(k / 30), -1.0 + 0.3 * np.cos(k / 20), 0.8 * np.sin(k / 15)]
+    if 10 <= k < 20:
+        positions[1] = float('nan')
+    elif 30 <= k < 35:
+        positions = positions[:2]
+    elif 40 <= k < 45:
+        names, positions = [names[i] for i in (2, 0, 1)], [positions[i] for i in (2, 0, 1)]
+    elif 50 <= k < 55:
+        positions[0] = float('inf')
+    return names, positions
+
+
 def write_arm_bag(path, seconds, storage='mcap'):
     """Write an arm recorded at the root namespace: an instruction, then its joints at 30 Hz."""
     store = get_typestore(Stores.LATEST)
@@ -594,36 +613,47 @@ def write_arm_bag(path, seconds, storage='mcap'):
         for k in range(int(seconds * 30)):
             t = start + 5_000_000 + k * 33_333_333
             stamp = types['builtin_interfaces/msg/Time'](sec=t // 10**9, nanosec=t % 10**9)
+            names, positions = arm_state(k)
             msg = types['sensor_msgs/msg/JointState'](
-                header=types['std_msgs/msg/Header'](stamp=stamp, frame_id=''),
-                name=list(ARM_JOINTS), position=np.array([0.5 * np.sin(k / 30), -1.0 + 0.3 *
-                                                          np.cos(k / 20), 0.8 * np.sin(k / 15)]),
-                velocity=np.zeros(0), effort=np.zeros(0))
+                header=types['std_msgs/msg/Header'](stamp=stamp, frame_id=''), name=names,
+                position=np.array(positions), velocity=np.zeros(0), effort=np.zeros(0))
             writer.write(joints, t, store.serialize_cdr(msg, 'sensor_msgs/msg/JointState'))
 
 
 def test_an_arms_bag_replays_on_its_relative_topics_each_target_a_bounded_step(tmp_path, capsys):
-    """The README's arm profile (relative topics) on a bag recorded at the root namespace."""
+    """The README's arm profile (relative topics) on a bag recorded at the root namespace.
+
+    Every target is at most joint_max_step from the joint state its tick measured, matched by
+    joint name; a state with a NaN, an infinity or a missing position is an input error.
+    """
     bag, params, out = tmp_path / 'arm', tmp_path / 'arm.yaml', tmp_path / 'out'
     write_arm_bag(bag, 2.0)
     params.write_text(ARM_PARAMS)
     code, _, err = run([bag, '--params', params, '--out', out], capsys)
     assert code == 0, err
     store = get_typestore(Stores.LATEST)
-    measured, sent = [], []   # (log time, joint positions); each trajectory's target
+    measured, sent = [], []   # (log time, {joint: position}); each trajectory's target
     with Reader(out / 'replay') as reader:
         for connection, t, raw in reader.messages():
             msg = store.deserialize_cdr(raw, connection.msgtype)
             if connection.topic == '/joint_states':
-                measured.append((t, np.asarray(msg.position)))
+                measured.append((t, dict(zip(msg.name, msg.position)), len(msg.position)))
             elif connection.topic == '/arm_controller/joint_trajectory' and msg.points:
                 assert list(msg.joint_names) == ARM_JOINTS
                 sent.append(np.asarray(msg.points[0].positions))
     ticks = [json.loads(line) for line in (out / 'actions.jsonl').read_text().splitlines()]
     acted = [tick for tick in ticks if tick['decision'] == 'action']
-    assert len(sent) == len(acted) >= 55
-    for tick, target in zip(acted, sent):
-        # at most joint_max_step from what the tick measured: the newest state at its start
-        state = [position for t, position in measured if t <= tick['stamp_ns']][-1]
-        assert np.abs(target - state).max() <= 0.03 + 1e-9, (tick, target, state)
+    assert len(sent) == len(acted) >= 30
+    assert sum(tick.get('reason') == 'input_error' for tick in ticks) >= 20   # the damaged
+    targets = iter(sent)
+    for tick in ticks[1:]:   # tick 0 comes before the first joint state
+        # what the tick measured: the newest state at its start
+        _, state, count = [m for m in measured if m[0] <= tick['stamp_ns']][-1]
+        damaged = count < len(ARM_JOINTS) or not np.isfinite(list(state.values())).all()
+        if damaged:
+            assert tick['decision'] == 'refusal' and tick['reason'] == 'input_error', tick
+            continue
+        assert tick['decision'] == 'action', tick
+        target, reached = next(targets), np.array([state[j] for j in ARM_JOINTS])
+        assert np.abs(target - reached).max() <= 0.03 + 1e-9, (tick, target, state)
         assert np.allclose(target, [tick['values'][j] for j in ARM_JOINTS], atol=1e-6)
