@@ -199,17 +199,8 @@ def pytest_collection_modifyitems(config, items):
     import tempfile
     out = Path(tempfile.mkdtemp(prefix='rt_llm_nvrtc_')) / 'programs.pickle'
     process = subprocess.Popen([sys.executable, str(TEST_DIR / 'nvrtc_programs.py'), str(out)],
-                               preexec_fn=_idle, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     config.stash[COMPILING] = (process, out)
-
-
-def _idle():
-    """Run this process only on CPU time nothing else wants (SCHED_IDLE, else nice 19)."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        os.nice(19)
 
 
 @pytest.hookimpl(hookwrapper=True)
