@@ -1,7 +1,7 @@
 """Fleet regression on Ray: wall time of a fleet of demo bags against the workers.
 
     python benchmarks/bench_fleet.py [--bags 64] [--seconds 20] [--workers 1,4,8,16]
-        [--running] [--cluster] [--work DIR] [--write]
+        [--running | --only-running] [--cluster] [--work DIR] [--write]
 
 Records ``--bags`` demo bags of ``--seconds`` (seeds from 1000000, on every core at once),
 writes their goldens once (one cost model), then replays the fleet against them with each
@@ -10,7 +10,7 @@ speed-up over one worker, and whether every report is the same (it must be: the 
 ``--running``: each worker count also through ``--address`` on a Ray cluster of that many CPUs
 started before the timed command (``ray start --head``) and stopped after it, as a team's
 standing cluster is: the fleet's own scaling, without the ~5 s Ray takes to start and stop a
-local cluster in every run.
+local cluster in every run; ``--only-running``: those rows alone.
 ``--cluster``: the same run through ``--address`` on a cluster started here with ``ray start
 --head`` and one more node process (half the CPUs each). The results file keeps one section
 per CPU count of the machine (a laptop's figures and a 16-core host's side by side).
@@ -123,6 +123,8 @@ def main():
     parser.add_argument('--workers', default='1,4,8,16')
     parser.add_argument('--running', action='store_true',
                         help='each worker count on a running cluster of that many CPUs too')
+    parser.add_argument('--only-running', action='store_true',
+                        help='the running-cluster rows alone (no local ones): half the time')
     parser.add_argument('--cluster', action='store_true')
     parser.add_argument('--work', help='keep the bags, goldens and measured rows here: a '
                         'later invocation with the same --work measures only the rows not yet '
@@ -148,11 +150,12 @@ def main():
         failed(golden)
         for workers in counts:
             out = root / f'w{workers}'
-            seconds = measure(root, str(workers), lambda: (fleet(
-                root / 'bags', '--params', PARAMS, '--golden', golden, '--out', out, '--force',
-                '--workers', workers), out))['seconds']
-            print(f'{workers} workers: {seconds:.1f} s', flush=True)
-            if args.running:
+            if not args.only_running:
+                seconds = measure(root, str(workers), lambda: (fleet(
+                    root / 'bags', '--params', PARAMS, '--golden', golden, '--out', out,
+                    '--force', '--workers', workers), out))['seconds']
+                print(f'{workers} workers: {seconds:.1f} s', flush=True)
+            if args.running or args.only_running:
                 seconds = measure(root, f'running{workers}', lambda: address_run(
                     root, golden, [workers], root / f'running{workers}'))['seconds']
                 print(f'{workers} CPUs of a running cluster: {seconds:.1f} s', flush=True)
@@ -161,9 +164,10 @@ def main():
             measure(root, 'cluster', lambda: address_run(
                 root, golden, [cpus // 2 or 1, max(1, cpus - cpus // 2)], root / 'cluster'))
         measured = json.loads((root / 'measured.json').read_text())
-        if '1' not in measured:
+        first = '1' if '1' in measured else 'running1'
+        if first not in measured:
             sys.exit('no one-worker row yet: the speed-up needs it (--workers 1)')
-        base, reference = measured['1']['seconds'], measured['1']['found']
+        base, reference = measured[first]['seconds'], measured[first]['found']
         rows = [row(w, m, base, reference) for w, m in sorted(
             ((int(k), m) for k, m in measured.items() if k.isdigit()))]
         if 'running1' in measured:   # against the one-CPU running cluster
