@@ -407,6 +407,14 @@ def main(argv=None):
             else:
                 ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False)
             ray_started = True
+            gpus = ray.cluster_resources().get('GPU', 0.0)
+            if args.gpus_per_bag > gpus:   # the tasks would wait for ever
+                text = (f'each bag asks for {args.gpus_per_bag:g} GPU and the cluster has '
+                        f'{gpus:g}')
+                if not args.address:
+                    raise FleetError(f'{text}: --gpus-per-bag 0 replays on the CPUs')
+                print(f'{TOOL}: warning: {text} now: the bags wait until one joins',
+                      file=sys.stderr)
             # retried here, not by Ray: a failure (a corrupt bag, a worker that died) is tried
             # once more and then reported with its attempts; the other bags go on
             task = ray.remote(replay_one).options(num_cpus=1, num_gpus=args.gpus_per_bag,

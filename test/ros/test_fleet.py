@@ -116,6 +116,11 @@ def test_bad_runs_are_one_line_errors(fleet_dir, tmp_path):
                 '--out', tmp_path / 'foreign')
     assert taken.returncode == 2 and 'did not write' in taken.stderr
     assert (tmp_path / 'foreign' / 'notes.txt').read_text() == 'mine'
+    from rt_llm_node.backends import cuda_available
+    if not cuda_available():   # GPU shares on a cluster without a GPU: an error, not a hang
+        stuck = run(fleet_dir / 'bags' / 'robot0', '--params', PARAMS, '--golden', tmp_path,
+                    '--out', tmp_path / 'gpu', '--gpus-per-bag', '0.25', '--workers', 1)
+        assert stuck.returncode == 2 and 'the cluster has 0' in stuck.stderr, stuck.stderr
 
 
 def test_every_task_runs_the_backend_the_driver_chose():
