@@ -375,6 +375,8 @@ def main(argv=None):
         if args.workers < 1 or not 0.0 <= args.gpus_per_bag < math.inf:
             raise FleetError('--workers must be at least 1 and --gpus-per-bag not negative')
         check_tolerance(args.tolerance)
+        if args.address:
+            check_reachable(args.address)
         bags = find_bags(args.bags)
         values = load_params(args.params)
         if args.model:
@@ -402,10 +404,14 @@ def main(argv=None):
         if records:
             print(f'{TOOL}: {len(records)} bags kept from the interrupted run', file=sys.stderr)
         if pending:
-            if args.address:
-                ray.init(address=args.address, log_to_driver=False)
-            else:
-                ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False)
+            try:
+                if args.address:
+                    ray.init(address=args.address, log_to_driver=False)
+                else:
+                    ray.init(num_cpus=args.workers, include_dashboard=False,
+                             log_to_driver=False)
+            except (ConnectionError, RuntimeError) as exc:
+                raise FleetError(f'Ray did not start: {_cause(exc)}') from None
             ray_started = True
             gpus = ray.cluster_resources().get('GPU', 0.0)
             if args.gpus_per_bag > gpus:   # the tasks would wait for ever
@@ -470,6 +476,23 @@ def main(argv=None):
     finally:
         if ray_started:
             ray.shutdown()
+
+
+def check_reachable(address, timeout_s=5.0):
+    """Raise FleetError unless a HOST:PORT ``address`` accepts a connection within timeout_s.
+
+    Ray itself waits minutes for a head that is not there; ``auto`` and ``ray://`` addresses
+    are left to it.
+    """
+    host, _, port = address.rpartition(':')
+    if not host or not port.isdigit() or '://' in address:
+        return
+    import socket
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise FleetError(f'--address {address}: no Ray head answers there '
+                         f'({exc.strerror or exc}); start one with ray start --head') from None
 
 
 def _kept(out, name, key):

@@ -116,6 +116,12 @@ def test_bad_runs_are_one_line_errors(fleet_dir, tmp_path):
                 '--out', tmp_path / 'foreign')
     assert taken.returncode == 2 and 'did not write' in taken.stderr
     assert (tmp_path / 'foreign' / 'notes.txt').read_text() == 'mine'
+    with __import__('socket').socket() as free:   # a port nothing listens on
+        free.bind(('127.0.0.1', 0))
+        port = free.getsockname()[1]
+    nobody = run(fleet_dir / 'bags' / 'robot0', '--params', PARAMS, '--golden', tmp_path,
+                 '--out', tmp_path / 'far', '--address', f'127.0.0.1:{port}')
+    assert nobody.returncode == 2 and 'no Ray head answers there' in nobody.stderr
     from rt_llm_node.backends import cuda_available
     if not cuda_available():   # GPU shares on a cluster without a GPU: an error, not a hang
         stuck = run(fleet_dir / 'bags' / 'robot0', '--params', PARAMS, '--golden', tmp_path,
