@@ -231,10 +231,11 @@ def run_episodes(jobs, workers, threads, backend):
     it cannot use) is raised here as itself: the package's errors cross processes intact.
     """
     context = multiprocessing.get_context('spawn' if backend == 'cuda' else None)
-    pool = ProcessPoolExecutor(workers, mp_context=context)
+    todo = batches(jobs, threads)
+    # no more processes than batches: a worker count beyond the work starts nothing idle
+    pool = ProcessPoolExecutor(max(1, min(workers, len(todo))), mp_context=context)
     try:
-        futures = {pool.submit(episode_batch, batch, threads): batch
-                   for batch in batches(jobs, threads)}
+        futures = {pool.submit(episode_batch, batch, threads): batch for batch in todo}
         for future in as_completed(futures):
             yield from zip(futures[future], future.result())
     finally:   # an episode's error ends the run: the episodes not yet started never start
