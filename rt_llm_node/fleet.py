@@ -408,7 +408,7 @@ def main(argv=None):
                 if args.address:
                     ray.init(address=args.address, log_to_driver=False)
                 else:
-                    ray.init(num_cpus=args.workers, include_dashboard=False,
+                    ray.init(num_cpus=min(args.workers, len(pending)), include_dashboard=False,
                              log_to_driver=False)
             except (ConnectionError, RuntimeError) as exc:
                 raise FleetError(f'Ray did not start: {_cause(exc)}') from None
