@@ -22,9 +22,12 @@ from rclpy.node import Node
 from rclpy.parameter import Parameter
 from std_msgs.msg import String
 
+from rt_llm_node.files import FileError
 from rt_llm_node.files import read_json
 from rt_llm_node.files import read_yaml
+from rt_llm_node.files import write_atomic
 from rt_llm_node.node import RtLlmNode
+from rt_llm_node.params import node_sections
 from rt_llm_node.qos import INSTRUCTION_QOS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,8 +47,13 @@ def demo_parameters(path=None):
         pass
     for candidate in candidates:
         if candidate.exists():
-            return read_yaml(candidate, 'demo profile')['rt_llm_node']['ros__parameters']
-    raise FileNotFoundError('config/demo.yaml not found')
+            found, matched, looked_for = node_sections(read_yaml(candidate, 'demo profile'),
+                                                       '/rt_llm_node', any_namespace=True)
+            if not matched:
+                raise FileError('demo profile', candidate, 'no "<node>: ros__parameters:" '
+                                f'section for rt_llm_node (looked for {", ".join(looked_for)})')
+            return found
+    raise FileError('demo profile', path or 'config/demo.yaml', 'not found')
 
 
 def plot(layout, latencies, deadline_ms, path):
@@ -96,7 +104,13 @@ def main(argv=None):
                         help="override adapter_path; 'smollm2': the shipped demo adapter for it")
     parser.add_argument('--out', default='out/demo.png')
     args = parser.parse_args(argv)
-    params = demo_parameters(args.params)
+    if not 0.0 < args.seconds <= 24 * 3600.0:   # NaN fails this too
+        parser.error(f'--seconds must be in (0, 86400], not {args.seconds!r}')
+    try:
+        params = demo_parameters(args.params)
+    except FileError as exc:
+        print(f'rt-llm-demo: error: {exc}', file=sys.stderr)
+        return 2
     if args.backend:
         params['backend'] = args.backend
     if args.model:
@@ -119,7 +133,12 @@ def main(argv=None):
         params['adapter_path'] = str(SMOLLM2_ADAPTER_DIR if args.adapter == 'smollm2'
                                      else args.adapter)
     layout_file = Path(args.out).with_suffix('.world.json')
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    try:   # where the world's record and the picture go: writable, before anything starts
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(layout_file, '{}\n', 'world record')
+    except (OSError, FileError) as exc:
+        print(f'rt-llm-demo: error: --out {args.out}: {exc}', file=sys.stderr)
+        return 2
     world = subprocess.Popen([sys.executable, '-m', 'rt_llm_node.demo.world_node',
                               '--record', str(layout_file)])
     rclpy.init()

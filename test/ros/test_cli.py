@@ -190,3 +190,22 @@ def test_a_parameters_file_for_another_node_name_is_reported(tmp_path):
                          seconds=8)
     assert code == 0, log
     assert 'set no parameter of /rt_llm_node' in log, log
+
+
+def test_the_demo_refuses_what_it_cannot_run_before_starting_anything(tmp_path, capsys):
+    """rt-llm-demo: a length, a profile or an output it cannot use is one line and exit 2."""
+    pytest.importorskip('rclpy', reason='rclpy (the ros extra) is not installed')
+    from rt_llm_node.demo.run import main
+    for seconds in ('0', 'nan', '1e9'):
+        with pytest.raises(SystemExit) as stopped:
+            main(['--seconds', seconds])
+        assert stopped.value.code == 2 and '--seconds must be' in capsys.readouterr().err
+    (tmp_path / 'note.yaml').write_text('just: a note\n')
+    blocked = tmp_path / 'file'
+    blocked.write_text('')
+    for args, says in ((['--params', str(tmp_path / 'note.yaml')], 'no "<node>: ros__p'),
+                       (['--params', str(tmp_path / 'none.yaml')], 'not found'),
+                       (['--out', str(blocked / 'demo.png')], '--out')):
+        assert main(['--seconds', '1', *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith('rt-llm-demo: error: ') and says in err, err
