@@ -18,6 +18,7 @@ the node picks ('auto'), the persistent step, the streaming one-token kernels al
 import argparse
 import gc
 from pathlib import Path
+import platform
 import shlex
 import sys
 import tempfile
@@ -43,6 +44,11 @@ def gpu_name():
     props = cp.cuda.runtime.getDeviceProperties(0)
     name = props['name']
     return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def gpu_machine():
+    """Return the results file's machine line for a GPU run: the GPU and Python version."""
+    return f'{gpu_name()}, Python {platform.python_version()}'
 
 
 def read_bandwidth(kernels, gib=4, repeats=10):
@@ -400,8 +406,7 @@ def main(argv=None):
         print(line)
         body += '\n\n' + line
     if args.write:
-        import platform
-        machine = f'{gpu_name()}, Python {platform.python_version()}'
+        machine = gpu_machine()
         write_section('cuda', 'CUDA backend (decode, prefill, full tick) vs HF transformers',
                       body, machine=machine,
                       command=' '.join(['PYTHONPATH=. python3 benchmarks/bench_cuda.py']

@@ -18,7 +18,7 @@ import tempfile
 
 import numpy as np
 
-from bench_cuda import gpu_name
+from bench_cuda import gpu_machine
 from bench_cuda import SHAPES
 from bench_cuda import time_graph
 from report import markdown_table
@@ -91,9 +91,8 @@ def main(argv=None):
             'tokens plus that prefill (the column: plus the largest); the ratios divide each '
             'prefill by the step after it.\n\n' + markdown_table(header, rows))
     if args.write:
-        import platform
         write_section('cuda_prefill_sizes', "CUDA prefill at a tick's sizes against a decode step",
-                      body, machine=f'{gpu_name()}, Python {platform.python_version()}',
+                      body, machine=gpu_machine(),
                       command=' '.join(['PYTHONPATH=. python3 benchmarks/bench_cuda_prefill.py']
                                        + [shlex.quote(a) for a in sys.argv[1:]]))
     return 0

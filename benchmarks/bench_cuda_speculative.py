@@ -26,7 +26,7 @@ import numpy as np
 
 from bench_cuda import ACTION_TOKENS
 from bench_cuda import full_ticks
-from bench_cuda import gpu_name
+from bench_cuda import gpu_machine
 from bench_cuda import PREFILL
 from bench_cuda import SHAPES
 from bench_cuda import time_graph
@@ -138,8 +138,7 @@ def main(argv=None):
                 f'median, at {BASE} cached.\n\n'
                 + markdown_table(header, [row for row in rows if row[0] == shape]))
         if args.write:
-            import platform
-            machine = f'{gpu_name()}, Python {platform.python_version()}'
+            machine = gpu_machine()
             write_section(f'speculative_cuda_{shape}',
                           f'Speculative action decoding on the GPU: {shape} (full ticks)',
                           body, machine=machine,

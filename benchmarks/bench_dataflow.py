@@ -20,7 +20,7 @@ import tempfile
 
 import numpy as np
 
-from bench_cuda import gpu_name
+from bench_cuda import gpu_machine
 from bench_cuda import measure_ours
 from report import markdown_table
 from report import print_table
@@ -108,9 +108,8 @@ def main(argv=None):
             "Nano); same bits: its logits and attention mass equal the persistent step's "
             'over 8 steps.\n\n' + markdown_table(header, rows))
     if args.write:
-        import platform
         write_section('dataflow', 'Dataflow decode step (per-block task lists)', body,
-                      machine=f'{gpu_name()}, Python {platform.python_version()}',
+                      machine=gpu_machine(),
                       command=' '.join(['PYTHONPATH=. python3 benchmarks/bench_dataflow.py']
                                        + [shlex.quote(a) for a in sys.argv[1:]]))
     return 0

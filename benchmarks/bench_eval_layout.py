@@ -88,12 +88,11 @@ def main():
         print_table(HEADER, rows[-1:])
     print_table(HEADER, rows)
     if args.write:
-        import platform
         from report import machine_description
         machine = machine_description()
         if args.backend == 'cuda':
-            from bench_cuda import gpu_name
-            machine = f'{gpu_name()}, Python {platform.python_version()}'
+            from bench_cuda import gpu_machine
+            machine = gpu_machine()
         body = (f'{args.episodes} held-out episodes (seeds from {HELD_OUT_SEED0}) of '
                 f'{Path(args.model).name} with the adapter {Path(args.adapter).name or "none"}'
                 f', {args.policy} at {args.budget} tokens, {args.backend} backend, each '

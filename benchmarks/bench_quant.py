@@ -19,7 +19,6 @@ fp32-only where the GGUF type's are (what converts from a GGUF runs the same ker
 
 import argparse
 import gc
-import platform
 import shlex
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import tempfile
 import numpy as np
 
 from bench_cuda import bandwidth_kernels
+from bench_cuda import gpu_machine
 from bench_cuda import gpu_name
 from bench_cuda import measure_ours
 from bench_cuda import read_bandwidth
@@ -135,7 +135,7 @@ def main(argv=None):
             '33.3 ms (prefill and host time not counted).\n\n' + markdown_table(header, rows))
     if args.write:
         write_section('quantized', f'Quantized weights (CUDA decode, {gpu_name()})', body,
-                      machine=f'{gpu_name()}, Python {platform.python_version()}',
+                      machine=gpu_machine(),
                       command=' '.join(['PYTHONPATH=. python3 benchmarks/bench_quant.py']
                                        + [shlex.quote(a) for a in sys.argv[1:]]))
     return 0

@@ -123,9 +123,8 @@ def main():
                 + '\n\n' + markdown_table(POOLED, pooled_rows))
         machine = None   # this CPU's description
         if args.backend == 'cuda':
-            import platform
-            from bench_cuda import gpu_name
-            machine = f'{gpu_name()}, Python {platform.python_version()}'
+            from bench_cuda import gpu_machine
+            machine = gpu_machine()
         write_section('smollm2_replay', 'SmolLM2-135M-Instruct replayed at 30 Hz, '
                       'speculation off and on', body, machine=machine)
 
