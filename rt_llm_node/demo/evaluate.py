@@ -476,9 +476,9 @@ def main(argv=None):
         parser.error('--episodes must be at least 1')
     try:
         budgets = [b if b == 'full' else int(b) for b in args.budgets.split(',')]
+        if not all(b == 'full' or b > 0 for b in budgets):
+            raise ValueError
     except ValueError:
-        budgets = [0]
-    if not all(b == 'full' or b > 0 for b in budgets):
         parser.error(f"--budgets: token counts or 'full', not {args.budgets!r}")
     policies = [p for p in args.policies.split(',') if p]
     unknown = [p for p in policies if p not in POLICIES]

@@ -38,7 +38,7 @@ FRAMES = {'/scan': 'base_scan', '/odom': 'odom'}
 SENSOR_DELAY_NS = 4_000_000   # messages are logged a little after the world tick
 COMMAND_DELAY_NS = 8_000_000  # and the expert's command after them
 COMMAND_TOPIC = '/cmd_vel'
-MAX_SECONDS = 24 * 3600.0   # a day of the demo at 30 Hz: ~2.6M ticks
+MAX_SECONDS = 24 * 3600.0   # the longest recording or demo run: a day, ~2.6M ticks
 # the QoS rt-llm-demo-world offers (sensor data; the instruction reliable and transient
 # local, depth 10), recorded in the bag's metadata as ros2 bag record does
 SENSOR_QOS = ('best_effort', 'volatile', 5)

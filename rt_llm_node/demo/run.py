@@ -22,6 +22,7 @@ from rclpy.node import Node
 from rclpy.parameter import Parameter
 from std_msgs.msg import String
 
+from rt_llm_node.demo.recorder import MAX_SECONDS
 from rt_llm_node.files import FileError
 from rt_llm_node.files import read_json
 from rt_llm_node.files import read_yaml
@@ -104,8 +105,8 @@ def main(argv=None):
                         help="override adapter_path; 'smollm2': the shipped demo adapter for it")
     parser.add_argument('--out', default='out/demo.png')
     args = parser.parse_args(argv)
-    if not 0.0 < args.seconds <= 24 * 3600.0:   # NaN fails this too
-        parser.error(f'--seconds must be in (0, 86400], not {args.seconds!r}')
+    if not 0.0 < args.seconds <= MAX_SECONDS:   # NaN fails this too
+        parser.error(f'--seconds must be in (0, {MAX_SECONDS:g}], not {args.seconds!r}')
     try:
         params = demo_parameters(args.params)
     except FileError as exc:
