@@ -11,6 +11,7 @@ robot N ticks after the observation it answers (the live loop's actuation latenc
 
     rt-llm-eval --episodes 200 --json eval.json --plot eviction.png
     rt-llm-eval --merge a.json b.json --json all.json   # runs over other seeds, one table
+    rt-llm-eval --episodes 100 --json eval.json --resume  # go on where eval.json stopped
 
 (``benchmarks/bench_demo.py`` runs it and records the table in the results file.)
 """
@@ -329,6 +330,16 @@ def _write_json(path, table, complete, backend='numpy', settings=None):
                  'evaluation table')
 
 
+def check_table(path, run):
+    """Raise ValueError naming ``path`` unless ``run`` is a parsed rt-llm-eval --json table."""
+    table = run.get('table') if isinstance(run, dict) else None
+    if not (isinstance(table, dict) and all(
+            isinstance(row, dict) and isinstance(row.get('seeds'), list)
+            and isinstance(row.get('reached'), list)
+            and len(row['seeds']) == len(row['reached']) for row in table.values())):
+        raise ValueError(f'{path}: not an rt-llm-eval --json table')
+
+
 def merge_tables(runs):
     """Return one table from evaluation JSONs over disjoint seeds of the same settings.
 
@@ -340,14 +351,14 @@ def merge_tables(runs):
     first_path, first = runs[0]
     rows = {}   # row -> ({seed: goals reached}, [the part of each run])
     for path, run in runs:
-        if not (isinstance(run, dict) and isinstance(run.get('table'), dict)
-                and 'expert' in run['table']):
-            raise ValueError(f'{path}: not an rt-llm-eval --json table')
+        check_table(path, run)
         for key in ('settings', 'backend'):
             if run.get(key) != first.get(key):
                 raise ValueError(f'{path}: {key} {run.get(key)} differ from those of '
                                  f'{first_path}: {first.get(key)}')
         for row, summary in run['table'].items():
+            if not summary['seeds']:
+                continue
             seeds, parts = rows.setdefault(row, ({}, []))
             overlap = set(seeds) & set(summary['seeds'])
             if overlap:
@@ -363,6 +374,22 @@ def merge_tables(runs):
     return {row: dict(summarize(parts), episodes=len(seeds), seeds=sorted(seeds),
                       reached=[seeds[s] for s in sorted(seeds)])
             for row, (seeds, parts) in rows.items()}
+
+
+def _earlier_run(path, backend, settings):
+    """Return the table at ``path`` that a --resume run goes on from.
+
+    ValueError where it is no evaluation table or what decides its episodes differs.
+    """
+    from rt_llm_node.files import read_json
+    run = read_json(path, 'evaluation table')
+    check_table(path, run)
+    for key, now in (('backend', backend), ('settings', settings)):
+        if run.get(key) != now:
+            raise ValueError(f'{path}: its {key} {run.get(key)} are not those of this run '
+                             f'({now}): --resume goes on only with the same; give another '
+                             '--json for a new table')
+    return run
 
 
 def _merge_main(args):
@@ -454,12 +481,18 @@ def main(argv=None):
                         help='the KV cache: native (fp32) or int8')
     parser.add_argument('--json', default=None, help='write the full table as JSON here')
     parser.add_argument('--plot', default=None, help='write the PNG here')
+    parser.add_argument('--resume', action='store_true',
+                        help='go on from the --json table of an earlier run with the same '
+                             'settings (one cut short, or over fewer seeds or rows): its '
+                             'episodes are kept and only the others run')
     parser.add_argument('--merge', nargs='+', metavar='JSON',
                         help='instead of running: the table of earlier runs over other seeds '
                              '(their --json files, the same settings), with --json written')
     args = parser.parse_args(argv)
     if args.merge:
         return _merge_main(args)
+    if args.resume and not args.json:
+        parser.error('--resume goes on from the table of --json: give its path')
     if args.action_delay < 0:
         parser.error('--action-delay must be >= 0')
     if args.threads < 1 or args.workers < 1:
@@ -501,6 +534,25 @@ def main(argv=None):
                 else '', 'params': Path(args.params).name if args.params else '',
                 'action_delay': args.action_delay, 'weight_format': args.weight_format,
                 'kv_dtype': args.kv_dtype}
+    earlier = None
+    if args.resume and Path(args.json).exists():
+        try:
+            earlier = _earlier_run(args.json, args.backend, settings)
+        except (FileError, ValueError) as exc:
+            print(f'rt-llm-eval: error: {exc}', file=sys.stderr)
+            return 2
+        kept = {(row, seed) for row, summary in earlier['table'].items()
+                for seed in summary['seeds']}
+        jobs = {job: owner for job, owner in jobs.items() if (owner, job[3]) not in kept}
+        print(f'{args.json}: {len(kept)} episodes kept, {len(jobs)} to run', flush=True)
+
+    def table_now():
+        table = summarize_rows(gathered)
+        if earlier is None:
+            return table
+        return merge_tables([(args.json, earlier), ('this run', {
+            'table': table, 'backend': args.backend, 'settings': settings})])
+
     started = time.time()
     gathered = {}
     try:
@@ -512,12 +564,12 @@ def main(argv=None):
                   f"{len(episode['results'])} goals, {time.time() - started:.0f} s",
                   flush=True)
             if args.json and done < len(jobs):
-                _write_json(args.json, summarize_rows(gathered), complete=False,
-                            backend=args.backend, settings=settings)
+                _write_json(args.json, table_now(), complete=False, backend=args.backend,
+                            settings=settings)
     except EPISODE_ERRORS as exc:
         print(f'rt-llm-eval: error: {exc}', file=sys.stderr)
         return 2
-    table = summarize_rows(gathered)
+    table = table_now()
     elapsed = time.time() - started
     header, rows = table_rows(table, budgets, policies)
     print_table(header, rows)

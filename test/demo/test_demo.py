@@ -246,6 +246,47 @@ def test_runs_over_other_seeds_merge_into_the_table_of_one_run(tmp_path, capsys)
         assert message in capsys.readouterr().err
 
 
+def test_a_resumed_evaluation_gives_the_table_of_one_whole_run(tmp_path, capsys):
+    """--resume: a run that stopped (fewer seeds, fewer rows) goes on to the whole table.
+
+    The shipped policy's real episodes: one run over seeds 0-2 at budgets 128 and 256, and
+    one over seed 0 at 128 resumed to the same seeds and rows, which runs only the 7 of 9
+    episodes it does not hold (the expert's are a row too). A table of other settings, or no
+    table, is one error line.
+    """
+    import json
+    from rt_llm_node.demo.evaluate import main
+    common = ['--policies', 'meaning', '--workers', '2']
+    whole, resumed = tmp_path / 'whole.json', tmp_path / 'resumed.json'
+    assert main(['--episodes', '3', '--budgets', '128,256', '--json', str(whole),
+                 *common]) == 0
+    assert main(['--episodes', '1', '--budgets', '128', '--json', str(resumed), *common]) == 0
+    capsys.readouterr()
+    assert main(['--episodes', '3', '--budgets', '128,256', '--json', str(resumed),
+                 '--resume', *common]) == 0
+    out = capsys.readouterr().out
+    assert '2 episodes kept, 7 to run' in out and '[7/7]' in out and '[8/' not in out
+    got, want = json.loads(resumed.read_text()), json.loads(whole.read_text())
+    assert got['complete'] is True and got['settings'] == want['settings']
+    assert got['table'].keys() == want['table'].keys()
+    for row, summary in want['table'].items():
+        for key, value in summary.items():
+            assert got['table'][row][key] == pytest.approx(value), (row, key)
+    for bad, says in ((['--action-delay', '1'], 'are not those of this run'),
+                      (['--json', str(ROOT / 'package.xml')], 'not valid JSON')):
+        assert main(['--episodes', '1', '--budgets', '128', '--json', str(resumed),
+                     '--resume', *common, *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert says in err and '\n' not in err
+    not_a_table = tmp_path / 'other.json'
+    not_a_table.write_text(json.dumps({'table': {'expert': {'seeds': [1]}}}))
+    assert main(['--episodes', '1', '--json', str(not_a_table), '--resume', *common]) == 2
+    assert 'not an rt-llm-eval --json table' in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(['--episodes', '1', '--resume'])
+    assert '--resume' in capsys.readouterr().err
+
+
 def test_episodes_in_threads_of_a_worker_give_the_table_of_one_at_a_time(tmp_path):
     """--threads: a worker runs several episodes at once, a backend each; nothing changes.
 
