@@ -332,11 +332,18 @@ def _write_json(path, table, complete, backend='numpy', settings=None):
 
 def check_table(path, run):
     """Raise ValueError naming ``path`` unless ``run`` is a parsed rt-llm-eval --json table."""
+    def counts(values):
+        return isinstance(values, list) and all(type(v) is int for v in values)
+
+    def row_ok(row):
+        return (isinstance(row, dict) and counts(row.get('seeds')) and counts(row.get('reached'))
+                and len(row['seeds']) == len(row['reached'])
+                and counts([row.get('goals'), row.get('ticks')])
+                and ('agreement' not in row or (type(row['agreement']) in (int, float)
+                                                and counts([row.get('refusals')]))))
+
     table = run.get('table') if isinstance(run, dict) else None
-    if not (isinstance(table, dict) and all(
-            isinstance(row, dict) and isinstance(row.get('seeds'), list)
-            and isinstance(row.get('reached'), list)
-            and len(row['seeds']) == len(row['reached']) for row in table.values())):
+    if not (isinstance(table, dict) and all(map(row_ok, table.values()))):
         raise ValueError(f'{path}: not an rt-llm-eval --json table')
 
 

@@ -278,10 +278,14 @@ def test_a_resumed_evaluation_gives_the_table_of_one_whole_run(tmp_path, capsys)
                      '--resume', *common, *bad]) == 2
         err = capsys.readouterr().err.strip()
         assert says in err and '\n' not in err
-    not_a_table = tmp_path / 'other.json'
-    not_a_table.write_text(json.dumps({'table': {'expert': {'seeds': [1]}}}))
-    assert main(['--episodes', '1', '--json', str(not_a_table), '--resume', *common]) == 2
-    assert 'not an rt-llm-eval --json table' in capsys.readouterr().err
+    damaged = json.loads(resumed.read_text())   # the same settings, a row without its goals
+    del damaged['table']['meaning@128']['goals']
+    for table in (damaged, {'table': {'expert': {'seeds': [1]}}}):
+        not_a_table = tmp_path / 'other.json'
+        not_a_table.write_text(json.dumps(table))
+        assert main(['--episodes', '1', '--budgets', '128', '--json', str(not_a_table),
+                     '--resume', *common]) == 2
+        assert 'not an rt-llm-eval --json table' in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(['--episodes', '1', '--resume'])
     assert '--resume' in capsys.readouterr().err
