@@ -580,7 +580,8 @@ def main(argv=None):
     elapsed = time.time() - started
     header, rows = table_rows(table, budgets, policies)
     print_table(header, rows)
-    print(f'{args.episodes} held-out episodes per row, action delay {args.action_delay} '
+    episodes = '/'.join(map(str, sorted({table[row]['episodes'] for row in table})))
+    print(f'{episodes} held-out episodes per row, action delay {args.action_delay} '
           f'ticks, {args.backend} backend, weights {args.weight_format}, KV cache '
           f'{args.kv_dtype}, {elapsed:.0f} s')
     if args.json:

@@ -266,6 +266,7 @@ def test_a_resumed_evaluation_gives_the_table_of_one_whole_run(tmp_path, capsys)
                  '--resume', *common]) == 0
     out = capsys.readouterr().out
     assert '2 episodes kept, 7 to run' in out and '[7/7]' in out and '[8/' not in out
+    assert '3 held-out episodes per row' in out
     got, want = json.loads(resumed.read_text()), json.loads(whole.read_text())
     assert got['complete'] is True and got['settings'] == want['settings']
     assert got['table'].keys() == want['table'].keys()
