@@ -17,10 +17,12 @@ expert's, with finetune.py's history noise), not the model's own.
 
 One bag an episode and cache budget, named ``{policy}{budget}_{seed}``; a line each with its
 goals reached, the share of ticks the model agreed with the expert, and the bag's ticks.
+``--resume`` keeps the bags a cut run finished (each is written whole or not at all).
 Offline tooling; with ``--backend cuda`` on the GPU machine.
 """
 
 import argparse
+import json
 import os
 from pathlib import Path
 import sys
@@ -32,6 +34,11 @@ from rt_llm_node.demo.evaluate import EPISODE_ERRORS  # noqa: E402
 from rt_llm_node.demo.evaluate import HELD_OUT_SEED0  # noqa: E402
 from rt_llm_node.demo.evaluate import run_episodes  # noqa: E402
 from rt_llm_node.demo.recorder import record_demo_bag  # noqa: E402
+from rt_llm_node.files import FileError  # noqa: E402
+from rt_llm_node.files import read_json  # noqa: E402
+from rt_llm_node.files import write_atomic  # noqa: E402
+
+MANIFEST = '.rollout.json'   # what drove the folder's bags (hidden: not a bag for a glob)
 
 
 def seed_range(text):
@@ -44,6 +51,25 @@ def seed_range(text):
         raise argparse.ArgumentTypeError(
             f'seeds {text}: training seeds from 0 up to {HELD_OUT_SEED0} (held out above)')
     return range(first, stop)
+
+
+def kept_bags(out, settings, resume=True):
+    """Return the names of the finished bags in ``out``, which a --resume run keeps.
+
+    ValueError where the folder's manifest names other settings (its bags came from another
+    driver), or, for ``resume``, is missing beside bags.
+    """
+    bags = {p.name for p in out.iterdir() if (p / 'metadata.yaml').is_file()}
+    if not (out / MANIFEST).exists():
+        if bags and resume:
+            raise ValueError(f'{out}: bags but no {MANIFEST} saying what drove them: '
+                             '--resume cannot keep them')
+        return bags
+    earlier = read_json(out / MANIFEST, 'rollout settings')
+    if earlier != settings:
+        raise ValueError(f'{out}: its bags were driven by {earlier}, not {settings}: give '
+                         'another --out')
+    return bags
 
 
 def main(argv=None):
@@ -59,6 +85,10 @@ def main(argv=None):
     parser.add_argument('--workers', type=int, default=os.cpu_count())
     parser.add_argument('--threads', type=int, default=1,
                         help="episodes a worker runs at once (rt-llm-eval's --threads)")
+    parser.add_argument('--resume', action='store_true',
+                        help='keep the bags already in --out (written by a run of the same '
+                             'model, adapter, parameter file, policy and backend) and run only '
+                             'the other episodes')
     args = parser.parse_args(argv)
     if args.workers < 1 or args.threads < 1:
         parser.error('--workers and --threads must be at least 1')
@@ -68,8 +98,22 @@ def main(argv=None):
         parser.error(f'--budgets: token counts, not {args.budgets!r}')
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    settings = {'model': Path(args.model).name, 'adapter': Path(args.adapter).name
+                if args.adapter else '', 'params': Path(args.params).name if args.params
+                else '', 'policy': args.policy, 'backend': args.backend}
+    try:   # bags of other settings are never mixed in: with or without --resume
+        kept = kept_bags(out, settings, args.resume)
+        if not args.resume:
+            kept = set()
+    except (FileError, ValueError) as exc:
+        print(f'rollout_bags: error: {exc}', file=sys.stderr)
+        return 2
+    write_atomic(out / MANIFEST, json.dumps(settings, indent=2) + '\n', 'rollout settings')
     jobs = {(args.model, args.policy, budget, seed, 0, args.backend, 'native', 'native',
-             args.adapter, args.params): budget for seed in args.seeds for budget in budgets}
+             args.adapter, args.params): budget for seed in args.seeds for budget in budgets
+            if f'{args.policy}{budget}_{seed}' not in kept}
+    if args.resume:
+        print(f'{out}: {len(kept)} bags kept, {len(jobs)} episodes to run', flush=True)
     started = time.monotonic()
     ticks = 0
     try:

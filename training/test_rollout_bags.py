@@ -64,13 +64,27 @@ def test_the_rollout_command_writes_a_bag_an_episode_and_budget(tmp_path, capsys
                               '--out', str(tmp_path), '--seeds', '20001:20002',
                               '--budgets', '128,256', '--backend', 'numpy',
                               '--workers', '1', '--threads', '2']) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ['meaning128_20001',
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['.rollout.json', 'meaning128_20001',
                                                           'meaning256_20001']
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and all(' of 3 goals, agreed ' in line for line in lines)
     for line in lines:
         ticks = int(line.split(', ')[2].split()[0])
         assert len(commands_in(tmp_path / line.split(':')[0])) == ticks
+    # --resume: the finished bags stay as they are, only the other episodes run
+    stamp = (tmp_path / 'meaning128_20001' / 'metadata.yaml').stat().st_mtime_ns
+    common = ['--model', str(default_model_path()), '--params', '', '--out', str(tmp_path),
+              '--seeds', '20001:20003', '--budgets', '128,256', '--workers', '1',
+              '--backend', 'numpy']
+    assert rollout_bags.main([*common, '--resume']) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith('2 bags kept, 2 episodes to run') and len(lines) == 3
+    assert all(line.startswith(('meaning128_20002', 'meaning256_20002')) for line in lines[1:])
+    assert (tmp_path / 'meaning128_20001' / 'metadata.yaml').stat().st_mtime_ns == stamp
+    # bags another policy drove are never mixed in, with --resume or without
+    for resume in (['--resume'], []):
+        assert rollout_bags.main([*common, '--policy', 'recency', *resume]) == 2
+        assert 'give another --out' in capsys.readouterr().err
     with pytest.raises(SystemExit):   # held-out seeds are never trained on
         rollout_bags.main(['--model', str(default_model_path()), '--out', str(tmp_path),
                            '--seeds', '999999:1000001'])
