@@ -10,7 +10,9 @@ speed-up over one worker, and whether every report is the same (it must be: the 
 ``--running``: each worker count also through ``--address`` on a Ray cluster of that many CPUs
 started before the timed command (``ray start --head``) and stopped after it, as a team's
 standing cluster is: the fleet's own scaling, without the ~5 s Ray takes to start and stop a
-local cluster in every run; ``--only-running``: those rows alone.
+local cluster in every run; ``--only-running``: those rows alone. With ``--write`` the table
+is written after every row, in the order of ``--workers`` (16,1,8,4 gives the speed-up
+first), so a run cut short keeps what it measured.
 ``--cluster``: the same run through ``--address`` on a cluster started here with ``ray start
 --head`` and one more node process (half the CPUs each). The results file keeps one section
 per CPU count of the machine (a laptop's figures and a 16-core host's side by side).
@@ -22,6 +24,7 @@ from contextlib import contextmanager
 import json
 import os
 from pathlib import Path
+import signal
 import subprocess
 import sys
 import tempfile
@@ -131,6 +134,8 @@ def main():
                         'there (a long baseline and the rest in separate runs)')
     parser.add_argument('--write', action='store_true')
     args = parser.parse_args()
+    # a time limit's SIGTERM unwinds like Ctrl-C: the cluster a row started is stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from rt_llm_node.demo.recorder import record_demo_bag
     counts = [int(w) for w in args.workers.split(',')]
     with tempfile.TemporaryDirectory() as tmp:
@@ -157,29 +162,43 @@ def main():
                     root / 'bags', '--params', PARAMS, '--golden', golden, '--out', out,
                     '--force', '--workers', workers), out))['seconds']
                 print(f'{workers} workers: {seconds:.1f} s', flush=True)
+                report(args, root, max(counts), quiet=True)
             if args.running or args.only_running:
                 seconds = measure(root, f'running{workers}', lambda: address_run(
                     root, golden, [workers], root / f'running{workers}'))['seconds']
                 print(f'{workers} CPUs of a running cluster: {seconds:.1f} s', flush=True)
+                report(args, root, max(counts), quiet=True)
         if args.cluster:
             cpus = max(counts)   # a head and one more node, half the CPUs each
             measure(root, 'cluster', lambda: address_run(
                 root, golden, [cpus // 2 or 1, max(1, cpus - cpus // 2)], root / 'cluster'))
-        measured = json.loads((root / 'measured.json').read_text())
-        first = '1' if '1' in measured else 'running1'
-        if first not in measured:
+        if not report(args, root, max(counts)):
             sys.exit('no one-worker row yet: the speed-up needs it (--workers 1)')
-        base, reference = measured[first]['seconds'], measured[first]['found']
-        rows = [row(w, m, base, reference) for w, m in sorted(
-            ((int(k), m) for k, m in measured.items() if k.isdigit()))]
-        if 'running1' in measured:   # against the one-CPU running cluster
-            rows += [row(f'{w} (running cluster)', m, measured['running1']['seconds'],
-                         reference) for w, m in sorted(
-                (int(k[7:]), m) for k, m in measured.items() if k.startswith('running'))]
-        if 'cluster' in measured:
-            rows.append(row(f'{max(counts)} (head + 1 node, --address)', measured['cluster'],
-                            base, reference))
-    print_table(HEADER, rows)
+
+
+def report(args, root, most, quiet=False):
+    """Print (and with --write record) the rows measured so far; False before the first row.
+
+    Called quietly after every row too, so that a run cut short (a lost machine, a time limit)
+    has written what it measured.
+    """
+    path = root / 'measured.json'
+    measured = json.loads(path.read_text()) if path.exists() else {}
+    first = '1' if '1' in measured else 'running1'
+    if first not in measured:
+        return False
+    base, reference = measured[first]['seconds'], measured[first]['found']
+    rows = [row(w, m, base, reference) for w, m in sorted(
+        ((int(k), m) for k, m in measured.items() if k.isdigit()))]
+    if 'running1' in measured:   # against the one-CPU running cluster
+        rows += [row(f'{w} (running cluster)', m, measured['running1']['seconds'],
+                     reference) for w, m in sorted(
+            (int(k[7:]), m) for k, m in measured.items() if k.startswith('running'))]
+    if 'cluster' in measured:
+        rows.append(row(f'{most} (head + 1 node, --address)', measured['cluster'],
+                        base, reference))
+    if not quiet:
+        print_table(HEADER, rows)
     if args.write:
         body = (f'{args.bags} demo bags of {args.seconds:g} s (demo profile, shipped policy, '
                 'numpy backend, model clock) against goldens written once; wall time of '
@@ -193,6 +212,7 @@ def main():
         cpus = os.cpu_count()
         write_section('fleet' if cpus <= 2 else f'fleet-{cpus}',
                       'Fleet regression on Ray' + ('' if cpus <= 2 else f', {cpus} CPUs'), body)
+    return True
 
 
 if __name__ == '__main__':
