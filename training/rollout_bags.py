@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from rt_llm_node.demo.evaluate import EPISODE_ERRORS  # noqa: E402
 from rt_llm_node.demo.evaluate import HELD_OUT_SEED0  # noqa: E402
+from rt_llm_node.demo.evaluate import input_names  # noqa: E402
 from rt_llm_node.demo.evaluate import run_episodes  # noqa: E402
 from rt_llm_node.demo.recorder import record_demo_bag  # noqa: E402
 from rt_llm_node.files import FileError  # noqa: E402
@@ -98,16 +99,14 @@ def main(argv=None):
         parser.error(f'--budgets: token counts, not {args.budgets!r}')
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings = {'model': Path(args.model).name, 'adapter': Path(args.adapter).name
-                if args.adapter else '', 'params': Path(args.params).name if args.params
-                else '', 'policy': args.policy, 'backend': args.backend}
+    settings = dict(input_names(args.model, args.adapter, args.params), policy=args.policy,
+                    backend=args.backend)
     try:   # bags of other settings are never mixed in: with or without --resume
-        kept = kept_bags(out, settings, args.resume)
-        if not args.resume:
-            kept = set()
+        finished = kept_bags(out, settings, args.resume)
     except (FileError, ValueError) as exc:
         print(f'rollout_bags: error: {exc}', file=sys.stderr)
         return 2
+    kept = finished if args.resume else set()
     write_atomic(out / MANIFEST, json.dumps(settings, indent=2) + '\n', 'rollout settings')
     jobs = {(args.model, args.policy, budget, seed, 0, args.backend, 'native', 'native',
              args.adapter, args.params): budget for seed in args.seeds for budget in budgets

@@ -330,6 +330,16 @@ def _write_json(path, table, complete, backend='numpy', settings=None):
                  'evaluation table')
 
 
+def input_names(model, adapter, params):
+    """Return the file names of what drives an episode: model, adapter, parameter file.
+
+    Part of a run's settings, which a table (or a folder of rollout bags) records so that a
+    later run goes on only with the same.
+    """
+    return {'model': Path(model).name, 'adapter': Path(adapter).name if adapter else '',
+            'params': Path(params).name if params else ''}
+
+
 def check_table(path, run):
     """Raise ValueError naming ``path`` unless ``run`` is a parsed rt-llm-eval --json table."""
     def counts(values):
@@ -364,8 +374,6 @@ def merge_tables(runs):
                 raise ValueError(f'{path}: {key} {run.get(key)} differ from those of '
                                  f'{first_path}: {first.get(key)}')
         for row, summary in run['table'].items():
-            if not summary['seeds']:
-                continue
             seeds, parts = rows.setdefault(row, ({}, []))
             overlap = set(seeds) & set(summary['seeds'])
             if overlap:
@@ -537,10 +545,9 @@ def main(argv=None):
             owner = 'expert' if policy == 'expert' else f'{policy}@{budget}'
             jobs[(model, policy, budget, seed, args.action_delay, args.backend,
                   args.weight_format, args.kv_dtype, args.adapter, args.params)] = owner
-    settings = {'model': Path(model).name, 'adapter': Path(args.adapter).name if args.adapter
-                else '', 'params': Path(args.params).name if args.params else '',
-                'action_delay': args.action_delay, 'weight_format': args.weight_format,
-                'kv_dtype': args.kv_dtype}
+    settings = dict(input_names(model, args.adapter, args.params),
+                    action_delay=args.action_delay, weight_format=args.weight_format,
+                    kv_dtype=args.kv_dtype)
     earlier = None
     if args.resume and Path(args.json).exists():
         try:
